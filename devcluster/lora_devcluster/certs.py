@@ -1,0 +1,189 @@
+"""Certificates and keys for the local control plane, generated with `cryptography`.
+
+Owns: one self-signed CA, the API server's serving certificate, the admin client certificate
+(CN=admin, O=system:masters), the service-account signing key, and the admin kubeconfig with
+the data embedded (kopf's login reads client-certificate-data / client-key-data).
+Must not: start processes or talk to the network.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import datetime
+import ipaddress
+from pathlib import Path
+
+import yaml
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec, rsa
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+_VALIDITY = datetime.timedelta(days=30)
+
+
+@dataclasses.dataclass(frozen=True)
+class PKI:
+    """Paths of the files `write_pki` produced."""
+
+    ca_cert: Path
+    ca_key: Path
+    server_cert: Path
+    server_key: Path
+    admin_cert: Path
+    admin_key: Path
+    sa_key: Path
+    sa_pub: Path
+
+
+def _pem_key(key: ec.EllipticCurvePrivateKey | rsa.RSAPrivateKey) -> bytes:
+    return key.private_bytes(
+        serialization.Encoding.PEM,
+        serialization.PrivateFormat.TraditionalOpenSSL,
+        serialization.NoEncryption(),
+    )
+
+
+def _cert(
+    subject: x509.Name,
+    key: ec.EllipticCurvePrivateKey,
+    issuer: x509.Name,
+    issuer_key: ec.EllipticCurvePrivateKey,
+    *,
+    ca: bool,
+    usages: list[x509.ObjectIdentifier],
+    sans: list[x509.GeneralName],
+) -> x509.Certificate:
+    now = datetime.datetime.now(datetime.UTC)
+    builder = (
+        x509.CertificateBuilder()
+        .subject_name(subject)
+        .issuer_name(issuer)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + _VALIDITY)
+        .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
+    )
+    if ca:
+        builder = builder.add_extension(
+            x509.KeyUsage(
+                digital_signature=True,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                key_cert_sign=True,
+                crl_sign=True,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
+    if usages:
+        builder = builder.add_extension(x509.ExtendedKeyUsage(usages), critical=False)
+    if sans:
+        builder = builder.add_extension(x509.SubjectAlternativeName(sans), critical=False)
+    return builder.sign(issuer_key, hashes.SHA256())
+
+
+def _name(cn: str, org: str | None = None) -> x509.Name:
+    attrs = [x509.NameAttribute(NameOID.COMMON_NAME, cn)]
+    if org:
+        attrs.append(x509.NameAttribute(NameOID.ORGANIZATION_NAME, org))
+    return x509.Name(attrs)
+
+
+def write_pki(directory: Path, server_ips: list[str], server_names: list[str]) -> PKI:
+    """Generate a CA, a serving cert for `server_ips`/`server_names`, an admin client cert and
+    the service-account key pair under `directory` (mode 0700)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    directory.chmod(0o700)
+    pki = PKI(
+        ca_cert=directory / "ca.crt",
+        ca_key=directory / "ca.key",
+        server_cert=directory / "apiserver.crt",
+        server_key=directory / "apiserver.key",
+        admin_cert=directory / "admin.crt",
+        admin_key=directory / "admin.key",
+        sa_key=directory / "sa.key",
+        sa_pub=directory / "sa.pub",
+    )
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca_name = _name("lora-devcluster-ca")
+    ca = _cert(ca_name, ca_key, ca_name, ca_key, ca=True, usages=[], sans=[])
+
+    server_key = ec.generate_private_key(ec.SECP256R1())
+    sans: list[x509.GeneralName] = [x509.IPAddress(ipaddress.ip_address(ip)) for ip in server_ips]
+    sans += [x509.DNSName(n) for n in server_names]
+    server = _cert(
+        _name("kube-apiserver"),
+        server_key,
+        ca_name,
+        ca_key,
+        ca=False,
+        usages=[ExtendedKeyUsageOID.SERVER_AUTH],
+        sans=sans,
+    )
+    admin_key = ec.generate_private_key(ec.SECP256R1())
+    admin = _cert(
+        _name("admin", "system:masters"),
+        admin_key,
+        ca_name,
+        ca_key,
+        ca=False,
+        usages=[ExtendedKeyUsageOID.CLIENT_AUTH],
+        sans=[],
+    )
+    sa_key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+
+    pem = serialization.Encoding.PEM
+    pki.ca_cert.write_bytes(ca.public_bytes(pem))
+    pki.ca_key.write_bytes(_pem_key(ca_key))
+    pki.server_cert.write_bytes(server.public_bytes(pem))
+    pki.server_key.write_bytes(_pem_key(server_key))
+    pki.admin_cert.write_bytes(admin.public_bytes(pem))
+    pki.admin_key.write_bytes(_pem_key(admin_key))
+    pki.sa_key.write_bytes(_pem_key(sa_key))
+    pki.sa_pub.write_bytes(
+        sa_key.public_key().public_bytes(pem, serialization.PublicFormat.SubjectPublicKeyInfo)
+    )
+    for path in (pki.ca_key, pki.server_key, pki.admin_key, pki.sa_key):
+        path.chmod(0o600)
+    return pki
+
+
+def build_kubeconfig(server: str, pki: PKI, name: str = "lora-devcluster") -> dict[str, object]:
+    """An admin kubeconfig for `server` with the certificates embedded (pure apart from reading
+    the PEM files)."""
+
+    def b64(path: Path) -> str:
+        return base64.b64encode(path.read_bytes()).decode()
+
+    return {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "clusters": [
+            {
+                "name": name,
+                "cluster": {"server": server, "certificate-authority-data": b64(pki.ca_cert)},
+            }
+        ],
+        "users": [
+            {
+                "name": "admin",
+                "user": {
+                    "client-certificate-data": b64(pki.admin_cert),
+                    "client-key-data": b64(pki.admin_key),
+                },
+            }
+        ],
+        "contexts": [{"name": name, "context": {"cluster": name, "user": "admin"}}],
+        "current-context": name,
+    }
+
+
+def write_kubeconfig(path: Path, config: dict[str, object]) -> None:
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    path.chmod(0o600)

@@ -1,0 +1,103 @@
+"""`lora-devcluster up | exec | down | bin-dir`: the developer's local cluster.
+
+Owns: argument parsing and what the user reads. Every action is in `cluster`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from lora_devcluster import cluster, ns
+
+
+def _progress(message: str) -> None:
+    print(f"lora-devcluster: {message}", file=sys.stderr, flush=True)
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    image_map = cluster.load_image_map(args.image_map)
+    c = cluster.up(args.dir, image_map=image_map, timeout=args.timeout, progress=_progress)
+    d = str(c.dir)
+    flag = "" if c.dir == cluster.default_dir().resolve() else f" --dir {d}"
+    print(
+        f"cluster ready in {d}\n"
+        f"  kubeconfig: {c.kubeconfig} (the API server is https://127.0.0.1:6443 inside the\n"
+        f"              cluster's network namespace; pod IPs are 10.244.0.N there)\n"
+        f"  use it:     lora-devcluster{flag} exec -- kubectl get pods -A\n"
+        f"              lora-devcluster{flag} exec -- bash   # a shell with KUBECONFIG set\n"
+        f"  logs:       {c.layout.logs}/ and {c.layout.pods}/<ns>_<pod>_<uid>/<container>.log\n"
+        f"  stop it:    lora-devcluster{flag} down"
+    )
+    return 0
+
+
+def cmd_exec(args: argparse.Namespace) -> int:
+    command = list(args.command)
+    if command and command[0] == "--":
+        command = command[1:]
+    if not command:
+        raise cluster.ClusterError("nothing to run: lora-devcluster exec -- CMD [ARGS...]")
+    c = cluster.find(args.dir.resolve())
+    if c is None:
+        raise cluster.ClusterError(f"no cluster running in {args.dir}; `lora-devcluster up` first")
+    ns.setns(c.netns, ns.CLONE_NEWNET)
+    os.execvpe(command[0], command, c.env())
+
+
+def cmd_down(args: argparse.Namespace) -> int:
+    was_running = cluster.down(args.dir)
+    print("cluster stopped" if was_running else f"no cluster was running in {args.dir}; cleaned up")
+    return 0
+
+
+def cmd_bin_dir(args: argparse.Namespace) -> int:
+    print(cluster.bin_dir())
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="lora-devcluster",
+        description="A local Kubernetes (etcd, kube-apiserver, kube-controller-manager and a "
+        "process kubelet) in private namespaces, for tests and the demo.",
+    )
+    sub = parser.add_subparsers(dest="cmd", required=True)
+
+    def add(name: str, help_text: str) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help_text)
+        p.add_argument(
+            "--dir",
+            type=Path,
+            default=cluster.default_dir(),
+            help=f"cluster state directory (default {cluster.default_dir()})",
+        )
+        return p
+
+    p = add("up", "start a cluster and wait until it is ready")
+    p.add_argument("--image-map", help="YAML/JSON file: image glob -> command (added to defaults)")
+    p.add_argument("--timeout", type=float, default=180)
+    p.set_defaults(func=cmd_up)
+    p = add("exec", "run a command in the cluster's network namespace with KUBECONFIG set")
+    p.add_argument("command", nargs=argparse.REMAINDER)
+    p.set_defaults(func=cmd_exec)
+    add("down", "stop the cluster and remove its processes, mounts and files").set_defaults(
+        func=cmd_down
+    )
+    add("bin-dir", "print the directory holding kubectl, helm, ...").set_defaults(func=cmd_bin_dir)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    try:
+        sys.exit(args.func(args))
+    except cluster.ClusterError as e:
+        print(f"lora-devcluster: error: {e}", file=sys.stderr)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

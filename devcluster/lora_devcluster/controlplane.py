@@ -1,0 +1,221 @@
+"""etcd, kube-apiserver and kube-controller-manager: their flags and their start-up order.
+
+Owns: the command lines (pure `build_*_args`), starting each binary and waiting until it is
+healthy, with a clear error (and the log tail) when it is not.
+Must not: manage pods; runs inside the cluster's network namespace, set up by the supervisor.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import ssl
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from lora_devcluster import certs, processes
+
+HOST_IP = "10.244.0.1"  # the node's address on the pod bridge; the API server advertises it
+POD_CIDR = "10.244.0.0/24"
+SERVICE_CIDR = "10.0.0.0/24"
+API_PORT = 6443
+ETCD_PORT = 2379
+ETCD_PEER_PORT = 2380
+SERVER_NAMES = [
+    "localhost",
+    "kubernetes",
+    "kubernetes.default",
+    "kubernetes.default.svc",
+    "kubernetes.default.svc.cluster.local",
+]
+SERVER_IPS = ["127.0.0.1", HOST_IP, "10.0.0.1"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Where a cluster keeps its files under its state directory."""
+
+    root: Path
+
+    @property
+    def pki(self) -> Path:
+        return self.root / "pki"
+
+    @property
+    def logs(self) -> Path:
+        return self.root / "logs"
+
+    @property
+    def etcd_data(self) -> Path:
+        return self.root / "etcd"
+
+    @property
+    def pods(self) -> Path:
+        return self.root / "pods"
+
+    @property
+    def kubeconfig(self) -> Path:
+        return self.root / "kubeconfig"
+
+    @property
+    def kcm_kubeconfig(self) -> Path:
+        return self.root / "kcm.kubeconfig"
+
+    @property
+    def state(self) -> Path:
+        return self.root / "state.json"
+
+    @property
+    def ready(self) -> Path:
+        return self.root / "ready"
+
+    @property
+    def mountpoints(self) -> Path:
+        return self.root / "created-mountpoints"
+
+
+def build_etcd_args(bin_dir: Path, layout: Layout) -> list[str]:
+    return [
+        str(bin_dir / "etcd"),
+        "--name=devcluster",
+        f"--data-dir={layout.etcd_data}",
+        f"--listen-client-urls=http://127.0.0.1:{ETCD_PORT}",
+        f"--advertise-client-urls=http://127.0.0.1:{ETCD_PORT}",
+        f"--listen-peer-urls=http://127.0.0.1:{ETCD_PEER_PORT}",
+        f"--initial-advertise-peer-urls=http://127.0.0.1:{ETCD_PEER_PORT}",
+        f"--initial-cluster=devcluster=http://127.0.0.1:{ETCD_PEER_PORT}",
+        # A test cluster: durability buys nothing and fsync costs seconds per test.
+        "--unsafe-no-fsync=true",
+        "--log-level=warn",
+    ]
+
+
+def build_apiserver_args(bin_dir: Path, pki: certs.PKI) -> list[str]:
+    return [
+        str(bin_dir / "kube-apiserver"),
+        f"--etcd-servers=http://127.0.0.1:{ETCD_PORT}",
+        "--bind-address=0.0.0.0",
+        f"--secure-port={API_PORT}",
+        f"--advertise-address={HOST_IP}",
+        f"--tls-cert-file={pki.server_cert}",
+        f"--tls-private-key-file={pki.server_key}",
+        f"--client-ca-file={pki.ca_cert}",
+        "--authorization-mode=Node,RBAC",
+        # No token controller and no projected tokens from this kubelet: pods run without
+        # service-account credentials.
+        "--disable-admission-plugins=ServiceAccount",
+        "--allow-privileged=true",
+        f"--service-cluster-ip-range={SERVICE_CIDR}",
+        "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
+        f"--service-account-key-file={pki.sa_pub}",
+        f"--service-account-signing-key-file={pki.sa_key}",
+        # The default reconciler would publish the `kubernetes` Service endpoints and fight
+        # nobody here, but it needs a reachable advertise address on the host: keep it off.
+        "--endpoint-reconciler-type=none",
+        "--v=1",
+    ]
+
+
+def build_kcm_args(bin_dir: Path, layout: Layout, pki: certs.PKI) -> list[str]:
+    kc = str(layout.kcm_kubeconfig)
+    return [
+        str(bin_dir / "kube-controller-manager"),
+        f"--kubeconfig={kc}",
+        f"--authentication-kubeconfig={kc}",
+        f"--authorization-kubeconfig={kc}",
+        "--leader-elect=false",
+        "--use-service-account-credentials=false",
+        f"--service-account-private-key-file={pki.sa_key}",
+        f"--root-ca-file={pki.ca_cert}",
+        f"--service-cluster-ip-range={SERVICE_CIDR}",
+        # The process kubelet keeps its Node Ready but renews no Lease: without these two
+        # controllers nothing taints or evicts its pods.
+        "--controllers=*,-node-lifecycle-controller,-taint-eviction-controller",
+        "--bind-address=127.0.0.1",
+        "--secure-port=10257",
+        "--v=1",
+    ]
+
+
+def _probe(url: str, context: ssl.SSLContext | None) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2, context=context) as resp:
+            return bool(resp.status == 200)
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+async def wait_healthy(
+    proc: processes.Proc, url: str, context: ssl.SSLContext | None, timeout: float
+) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not proc.running:
+            raise RuntimeError(
+                f"{proc.name} exited with {proc.process.returncode} while starting; "
+                f"last lines of {proc.log}:\n{processes.tail(proc.log)}"
+            )
+        if await asyncio.to_thread(_probe, url, context):
+            return
+        await asyncio.sleep(0.2)
+    raise RuntimeError(
+        f"{proc.name} not healthy at {url} after {timeout:.0f} s; last lines of {proc.log}:\n"
+        f"{processes.tail(proc.log)}"
+    )
+
+
+def admin_ssl_context(pki: certs.PKI) -> ssl.SSLContext:
+    context = ssl.create_default_context(cafile=str(pki.ca_cert))
+    context.load_cert_chain(str(pki.admin_cert), str(pki.admin_key))
+    return context
+
+
+async def start(bin_dir: Path, layout: Layout) -> tuple[certs.PKI, list[processes.Proc]]:
+    """Generate the PKI and kubeconfigs, start etcd, the API server and the controller
+    manager, in that order, each healthy before the next. Returns them in start order."""
+    pki = certs.write_pki(layout.pki, SERVER_IPS, SERVER_NAMES)
+    certs.write_kubeconfig(
+        layout.kubeconfig, certs.build_kubeconfig(f"https://127.0.0.1:{API_PORT}", pki)
+    )
+    certs.write_kubeconfig(
+        layout.kcm_kubeconfig, certs.build_kubeconfig(f"https://127.0.0.1:{API_PORT}", pki)
+    )
+    started: list[processes.Proc] = []
+    try:
+        etcd = await processes.start(
+            "etcd", build_etcd_args(bin_dir, layout), layout.logs / "etcd.log"
+        )
+        started.append(etcd)
+        await wait_healthy(etcd, f"http://127.0.0.1:{ETCD_PORT}/health", None, 60)
+        context = admin_ssl_context(pki)
+        api = await processes.start(
+            "kube-apiserver", build_apiserver_args(bin_dir, pki), layout.logs / "kube-apiserver.log"
+        )
+        started.append(api)
+        await wait_healthy(api, f"https://127.0.0.1:{API_PORT}/readyz", context, 120)
+        kcm = await processes.start(
+            "kube-controller-manager",
+            build_kcm_args(bin_dir, layout, pki),
+            layout.logs / "kube-controller-manager.log",
+        )
+        started.append(kcm)
+        await wait_healthy(kcm, "https://127.0.0.1:10257/healthz", _insecure(), 60)
+    except BaseException:
+        await stop(started)
+        raise
+    return pki, started
+
+
+def _insecure() -> ssl.SSLContext:
+    # kube-controller-manager serves /healthz with a self-signed certificate it made itself.
+    context = ssl.create_default_context()
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE
+    return context
+
+
+async def stop(started: list[processes.Proc]) -> None:
+    for proc in reversed(started):
+        await proc.stop(grace=10)

@@ -1,0 +1,172 @@
+"""Synchronous helpers for tests on a running cluster: API calls, kubectl, waiting, logs.
+
+Owns: what a test (or the demo) needs once the cluster is up and this process has joined its
+network namespace. Must not: start or stop clusters (that is `cluster`).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import ssl
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+
+from lora_devcluster import cluster as cluster_mod
+
+Obj = dict[str, Any]
+T = TypeVar("T")
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(f"API server answered {status}: {message}")
+        self.status = status
+
+
+class Harness:
+    def __init__(self, cluster: cluster_mod.Cluster) -> None:
+        self.cluster = cluster
+        config = yaml.safe_load(cluster.kubeconfig.read_text())
+        self.server: str = config["clusters"][0]["cluster"]["server"]
+        user = config["users"][0]["user"]
+        self._tmp = tempfile.TemporaryDirectory(prefix="lora-devcluster-client-")
+        cert, key = Path(self._tmp.name) / "c.crt", Path(self._tmp.name) / "c.key"
+        cert.write_bytes(base64.b64decode(user["client-certificate-data"]))
+        key.write_bytes(base64.b64decode(user["client-key-data"]))
+        ca = base64.b64decode(config["clusters"][0]["cluster"]["certificate-authority-data"])
+        self._ssl = ssl.create_default_context(cadata=ca.decode())
+        self._ssl.load_cert_chain(str(cert), str(key))
+        self._tmp.cleanup()
+
+    # ---- API
+
+    def request(
+        self,
+        method: str,
+        path: str,
+        body: Obj | None = None,
+        content_type: str = "application/json",
+    ) -> Obj:
+        data = json.dumps(body).encode() if body is not None else None
+        req = urllib.request.Request(self.server + path, data=data, method=method)
+        if data is not None:
+            req.add_header("Content-Type", content_type)
+        try:
+            with urllib.request.urlopen(req, context=self._ssl, timeout=30) as resp:
+                text = resp.read()
+        except urllib.error.HTTPError as e:
+            raw = e.read().decode(errors="replace")
+            try:
+                message = json.loads(raw).get("message", raw)
+            except ValueError:
+                message = raw
+            raise ApiError(e.code, message) from e
+        result: Obj = json.loads(text) if text else {}
+        return result
+
+    def get(self, path: str) -> Obj:
+        return self.request("GET", path)
+
+    def get_or_none(self, path: str) -> Obj | None:
+        try:
+            return self.get(path)
+        except ApiError as e:
+            if e.status == 404:
+                return None
+            raise
+
+    def create(self, path: str, body: Obj) -> Obj:
+        return self.request("POST", path, body)
+
+    def delete(self, path: str, body: Obj | None = None) -> Obj:
+        return self.request("DELETE", path, body)
+
+    def merge_patch(self, path: str, body: Obj) -> Obj:
+        return self.request("PATCH", path, body, "application/merge-patch+json")
+
+    def pods(self, namespace: str, selector: str = "") -> list[Obj]:
+        q = f"?labelSelector={urllib.request.quote(selector)}" if selector else ""
+        items: list[Obj] = self.get(f"/api/v1/namespaces/{namespace}/pods{q}")["items"]
+        return items
+
+    # ---- kubectl / helm
+
+    def kubectl(self, *args: str, input: str | None = None, check: bool = True) -> str:
+        return self.run(["kubectl", *args], input=input, check=check)
+
+    def run(self, argv: list[str], input: str | None = None, check: bool = True) -> str:
+        """Run a command (kubectl, helm, ...) with KUBECONFIG set and the binaries on PATH.
+        This process is already in the cluster's network namespace; children inherit it."""
+        proc = subprocess.run(
+            argv, input=input, capture_output=True, text=True, env=self.cluster.env(), timeout=120
+        )
+        if check and proc.returncode != 0:
+            raise AssertionError(
+                f"{' '.join(argv)} exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}"
+            )
+        return proc.stdout
+
+    def apply(self, manifest: Obj | list[Obj] | str, namespace: str | None = None) -> str:
+        text = (
+            manifest
+            if isinstance(manifest, str)
+            else yaml.safe_dump_all(manifest if isinstance(manifest, list) else [manifest])
+        )
+        ns_args = ["-n", namespace] if namespace else []
+        return self.kubectl("apply", *ns_args, "-f", "-", input=text)
+
+    # ---- waiting and logs
+
+    def wait_for(
+        self, what: str, fn: Callable[[], T | None], timeout: float = 60, interval: float = 0.2
+    ) -> T:
+        """Poll `fn` until it returns something truthy; fail with `what` after `timeout`."""
+        deadline = time.monotonic() + timeout
+        last: Exception | None = None
+        while time.monotonic() < deadline:
+            try:
+                value = fn()
+                if value:
+                    return value
+            except (ApiError, OSError) as e:
+                last = e
+            time.sleep(interval)
+        raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}" + (
+            f" (last error: {last})" if last else ""))  # fmt: skip
+
+    def container_logs(self, namespace: str) -> str:
+        """Every container log of the pods (live or deleted) of `namespace`."""
+        parts = []
+        for d in sorted(self.cluster.layout.pods.glob(f"{namespace}_*")):
+            for log in sorted(d.glob("*.log")):
+                if log.name == "holder.log":
+                    continue
+                parts.append(f"==== {d.name}/{log.name}\n{log.read_text(errors='replace')}")
+        return "\n".join(parts) if parts else f"(no container logs for namespace {namespace})"
+
+    def container_pids(self, pod_uid: str, container: str | None = None) -> list[int]:
+        """Host PIDs of the processes a container runs (found by the kubelet's env markers)."""
+        pids = []
+        want = f"LORA_DEVCLUSTER_POD_UID={pod_uid}".encode()
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                env = Path(f"/proc/{entry}/environ").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if want in env and (
+                container is None or f"LORA_DEVCLUSTER_CONTAINER={container}".encode() in env
+            ):
+                pids.append(int(entry))
+        return pids
