@@ -1,0 +1,402 @@
+"""The process kubelet on a real control plane: whatever it gets wrong, the operator's tests
+would believe, so these check it against what a real node does."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from lora_devcluster.harness import Harness
+
+ECHO = "lora-devcluster/echo:test"
+Obj = dict[str, Any]
+
+
+def http_get(url: str, timeout: float = 5) -> tuple[int, bytes]:
+    with urllib.request.urlopen(url, timeout=timeout) as resp:
+        return resp.status, resp.read()
+
+
+def echo_deployment(name: str, replicas: int, **pod_extra: Any) -> Obj:
+    container: Obj = {
+        "name": "web",
+        "image": ECHO,
+        "ports": [{"name": "http", "containerPort": 8080}],
+        "readinessProbe": {"httpGet": {"path": "/healthz", "port": "http"}, "periodSeconds": 1},
+    }
+    container.update(pod_extra.pop("container", {}))
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": name},
+        "spec": {
+            "replicas": replicas,
+            "selector": {"matchLabels": {"app": name}},
+            "template": {
+                "metadata": {"labels": {"app": name}},
+                "spec": {"terminationGracePeriodSeconds": 5, "containers": [container], **pod_extra},
+            },
+        },
+    }
+
+
+def ready_pods(h: Harness, ns: str, selector: str, count: int) -> list[Obj]:
+    def check() -> list[Obj] | None:
+        pods = [p for p in h.pods(ns, selector) if not p["metadata"].get("deletionTimestamp")]
+        ready = [
+            p
+            for p in pods
+            if any(
+                c["type"] == "Ready" and c["status"] == "True"
+                for c in p.get("status", {}).get("conditions", [])
+            )
+        ]
+        return ready if len(ready) == count and len(pods) == count else None
+
+    return h.wait_for(f"{count} ready pods {selector} in {ns}", check, timeout=60)
+
+
+def container_status(pod: Obj) -> Obj:
+    status: Obj = pod["status"]["containerStatuses"][0]
+    return status
+
+
+def test_deployment_pods_are_ready_with_distinct_ips_in_endpointslice(
+    devcluster: Harness, devcluster_namespace: str
+) -> None:
+    h, ns = devcluster, devcluster_namespace
+    h.apply(echo_deployment("web", 2), ns)
+    h.apply(
+        {
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": {"name": "web"},
+            "spec": {"selector": {"app": "web"}, "ports": [{"port": 80, "targetPort": "http"}]},
+        },
+        ns,
+    )
+    pods = ready_pods(h, ns, "app=web", 2)
+    ips = {p["status"]["podIP"] for p in pods}
+    assert len(ips) == 2
+    for p in pods:
+        assert p["spec"]["nodeName"] == "lora-devcluster"
+        assert p["status"]["phase"] == "Running"
+        assert p["status"]["podIP"].startswith("10.244.0.")
+        assert container_status(p)["ready"] is True
+        assert container_status(p)["restartCount"] == 0
+
+    def slice_ips() -> set[str] | None:
+        slices = h.get(
+            f"/apis/discovery.k8s.io/v1/namespaces/{ns}/endpointslices"
+            "?labelSelector=kubernetes.io/service-name%3Dweb"
+        )["items"]
+        got = {
+            addr
+            for s in slices
+            for ep in s.get("endpoints") or []
+            if ep.get("conditions", {}).get("ready")
+            for addr in ep["addresses"]
+        }
+        return got if got == ips else None
+
+    h.wait_for("the EndpointSlice to list both pod IPs", slice_ips, timeout=30)
+    # Both pods listen on 0.0.0.0:8080: each pod has its own network namespace.
+    for ip in ips:
+        status, body = http_get(f"http://{ip}:8080/")
+        assert status == 200
+        assert body.split()[-1].decode() in {p["metadata"]["name"] for p in pods}
+
+
+def test_killed_container_restarts_in_the_same_pod(
+    devcluster: Harness, devcluster_namespace: str
+) -> None:
+    h, ns = devcluster, devcluster_namespace
+    h.apply(echo_deployment("crash", 1), ns)
+    (pod,) = ready_pods(h, ns, "app=crash", 1)
+    uid, ip = pod["metadata"]["uid"], pod["status"]["podIP"]
+    started = container_status(pod)["state"]["running"]["startedAt"]
+    (pid,) = h.container_pids(uid, "web")
+    os.kill(pid, signal.SIGKILL)
+
+    def restarted() -> Obj | None:
+        (p,) = h.pods(ns, "app=crash")
+        cs = container_status(p)
+        return p if cs["restartCount"] == 1 and cs["ready"] else None
+
+    p = h.wait_for("the container to restart and be ready", restarted, timeout=30)
+    cs = container_status(p)
+    assert p["metadata"]["uid"] == uid
+    assert p["status"]["podIP"] == ip
+    assert cs["state"]["running"]["startedAt"] != started
+    assert cs["lastState"]["terminated"]["exitCode"] == 128 + signal.SIGKILL
+    assert h.container_pids(uid, "web") != [pid]
+    assert http_get(f"http://{ip}:8080/healthz")[0] == 200
+
+
+def test_deleted_pod_is_replaced_with_a_new_ip_and_its_process_ends(
+    devcluster: Harness, devcluster_namespace: str
+) -> None:
+    h, ns = devcluster, devcluster_namespace
+    h.apply(echo_deployment("del", 1), ns)
+    (old,) = ready_pods(h, ns, "app=del", 1)
+    old_uid, old_ip = old["metadata"]["uid"], old["status"]["podIP"]
+    assert h.container_pids(old_uid)
+    h.kubectl("delete", "pod", "-n", ns, old["metadata"]["name"], "--wait=true")
+    (new,) = ready_pods(h, ns, "app=del", 1)
+    assert new["metadata"]["uid"] != old_uid
+    assert new["status"]["podIP"] != old_ip
+    assert h.container_pids(old_uid) == []
+    assert http_get(f"http://{new['status']['podIP']}:8080/healthz")[0] == 200
+
+
+def test_liveness_probe_failure_restarts_the_container(
+    devcluster: Harness, devcluster_namespace: str
+) -> None:
+    h, ns = devcluster, devcluster_namespace
+    live = {"httpGet": {"path": "/missing", "port": 8080}, "periodSeconds": 1, "failureThreshold": 2}
+    h.apply(echo_deployment("live", 1, container={"livenessProbe": live}), ns)
+
+    def restarted() -> bool:
+        return any(container_status(p)["restartCount"] >= 1 for p in h.pods(ns, "app=live")
+                   if p.get("status", {}).get("containerStatuses"))  # fmt: skip
+
+    h.wait_for("a liveness restart", restarted, timeout=30)
+    assert "liveness probe failed" in h.container_logs(ns)
+
+
+def test_pvc_on_hostpath_pv_is_shared_between_pods(
+    devcluster: Harness, devcluster_namespace: str, tmp_path: Path
+) -> None:
+    h, ns = devcluster, devcluster_namespace
+    pv_name = f"pv-{ns}"
+    (tmp_path / "pv").mkdir()
+    h.apply(
+        {
+            "apiVersion": "v1",
+            "kind": "PersistentVolume",
+            "metadata": {"name": pv_name},
+            "spec": {
+                "capacity": {"storage": "1Gi"},
+                "accessModes": ["ReadWriteMany"],
+                "storageClassName": "",
+                "hostPath": {"path": str(tmp_path / "pv"), "type": "Directory"},
+                "claimRef": {"namespace": ns, "name": "shared"},
+            },
+        }
+    )
+    try:
+        h.apply(
+            {
+                "apiVersion": "v1",
+                "kind": "PersistentVolumeClaim",
+                "metadata": {"name": "shared"},
+                "spec": {
+                    "accessModes": ["ReadWriteMany"],
+                    "storageClassName": "",
+                    "volumeName": pv_name,
+                    "resources": {"requests": {"storage": "1Gi"}},
+                },
+            },
+            ns,
+        )
+        h.wait_for(
+            "the PVC to be bound",
+            lambda: h.get(f"/api/v1/namespaces/{ns}/persistentvolumeclaims/shared")["status"].get(
+                "phase"
+            )
+            == "Bound",
+            timeout=30,
+        )
+        volume = {"name": "data", "persistentVolumeClaim": {"claimName": "shared"}}
+        mount = {"name": "data", "mountPath": "/lora-devcluster-test/data"}
+        writer = {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": "writer"},
+            "spec": {
+                "restartPolicy": "Never",
+                "volumes": [volume],
+                "containers": [
+                    {
+                        "name": "w",
+                        "image": "shell",
+                        "command": ["sh", "-c", "echo written-by-$(POD) > /lora-devcluster-test/data/x"],
+                        "env": [{"name": "POD", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}],
+                        "volumeMounts": [mount],
+                    }
+                ],
+            },
+        }  # fmt: skip
+        h.apply(writer, ns)
+        h.wait_for(
+            "the writer pod to succeed",
+            lambda: h.get(f"/api/v1/namespaces/{ns}/pods/writer")["status"].get("phase")
+            == "Succeeded",
+            timeout=30,
+        )
+        h.apply(
+            {
+                "apiVersion": "v1",
+                "kind": "Pod",
+                "metadata": {"name": "reader", "labels": {"app": "reader"}},
+                "spec": {
+                    "volumes": [volume],
+                    "containers": [{"name": "r", "image": ECHO, "volumeMounts": [mount],
+                                    "readinessProbe": {"httpGet": {"path": "/healthz", "port": 8080},
+                                                       "periodSeconds": 1}}],
+                },
+            },
+            ns,
+        )  # fmt: skip
+        (reader,) = ready_pods(h, ns, "app=reader", 1)
+        url = f"http://{reader['status']['podIP']}:8080/file?path=/lora-devcluster-test/data/x"
+        assert http_get(url)[1] == b"written-by-writer\n"
+        assert (tmp_path / "pv" / "x").read_text() == "written-by-writer\n"
+        # The mount lives only in the container's mount namespace, never on the host.
+        assert not Path("/lora-devcluster-test/data/x").exists()
+    finally:
+        h.kubectl("delete", "namespace", ns, "--wait=true", "--timeout=60s")
+        h.kubectl("delete", "pv", pv_name, "--wait=false")
+
+
+def test_secret_and_configmap_as_env_and_files(
+    devcluster: Harness, devcluster_namespace: str
+) -> None:
+    h, ns = devcluster, devcluster_namespace
+    h.apply(
+        [
+            {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "cfg"},
+             "data": {"mode": "fast", "conf.yaml": "a: 1\n"}},
+            {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "creds"},
+             "stringData": {"token": "s3cr3t"}},
+        ],
+        ns,
+    )  # fmt: skip
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "cfgpod", "labels": {"app": "cfgpod"}},
+        "spec": {
+            "volumes": [
+                {"name": "cfg", "configMap": {"name": "cfg"}},
+                {"name": "creds", "secret": {"secretName": "creds", "items": [{"key": "token", "path": "t/token"}]}},
+                {"name": "scratch", "emptyDir": {}},
+            ],
+            "containers": [
+                {
+                    "name": "c",
+                    "image": ECHO,
+                    "envFrom": [{"configMapRef": {"name": "cfg"}, "prefix": "CFG_"}],
+                    "env": [
+                        {"name": "TOKEN", "valueFrom": {"secretKeyRef": {"name": "creds", "key": "token"}}},
+                        {"name": "MODE", "valueFrom": {"configMapKeyRef": {"name": "cfg", "key": "mode"}}},
+                        {"name": "MY_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+                        {"name": "MY_NS", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+                        {"name": "COMBINED", "value": "$(MODE)-$(MY_NS)"},
+                    ],
+                    "volumeMounts": [
+                        {"name": "cfg", "mountPath": "/lora-devcluster-test/cfg"},
+                        {"name": "creds", "mountPath": "/lora-devcluster-test/creds"},
+                        {"name": "scratch", "mountPath": "/lora-devcluster-test/scratch"},
+                    ],
+                    "readinessProbe": {"httpGet": {"path": "/healthz", "port": 8080}, "periodSeconds": 1},
+                }
+            ],
+        },
+    }  # fmt: skip
+    h.apply(pod, ns)
+    (p,) = ready_pods(h, ns, "app=cfgpod", 1)
+    ip = p["status"]["podIP"]
+    env = json.loads(http_get(f"http://{ip}:8080/env")[1])
+    assert env["TOKEN"] == "s3cr3t"
+    assert env["MODE"] == "fast"
+    assert env["CFG_mode"] == "fast"
+    assert env["MY_IP"] == ip
+    assert env["MY_NS"] == ns
+    assert env["COMBINED"] == f"fast-{ns}"
+    assert env["KUBERNETES_SERVICE_HOST"] == "10.244.0.1"
+
+    def file(path: str) -> bytes:
+        return http_get(f"http://{ip}:8080/file?path={path}")[1]
+
+    assert file("/lora-devcluster-test/cfg/conf.yaml") == b"a: 1\n"
+    assert file("/lora-devcluster-test/creds/t/token") == b"s3cr3t"
+    assert file("/lora-devcluster-test/scratch/nothing").startswith(b"[Errno 2]")
+
+
+def test_deleting_a_namespace_ends_its_pods_and_processes(
+    devcluster: Harness, devcluster_namespace: str
+) -> None:
+    h, ns = devcluster, devcluster_namespace
+    h.apply(echo_deployment("gone", 2), ns)
+    pods = ready_pods(h, ns, "app=gone", 2)
+    uids = [p["metadata"]["uid"] for p in pods]
+    assert all(h.container_pids(u) for u in uids)
+    h.kubectl("delete", "namespace", ns, "--wait=true", "--timeout=90s")
+    assert h.get_or_none(f"/api/v1/namespaces/{ns}") is None
+    assert [u for u in uids if h.container_pids(u)] == []
+
+
+def test_kubectl_server_dry_run_and_helm_template_apply(
+    devcluster: Harness, devcluster_namespace: str, tmp_path: Path
+) -> None:
+    h, ns = devcluster, devcluster_namespace
+    out = h.kubectl("apply", "--dry-run=server", "-n", ns, "-f", "-",
+                    input=json.dumps(echo_deployment("dry", 1)))  # fmt: skip
+    assert "deployment.apps/dry created (server dry run)" in out
+    assert h.get_or_none(f"/apis/apps/v1/namespaces/{ns}/deployments/dry") is None
+    # The API server validates on a dry run too: an invalid object is refused.
+    bad = echo_deployment("bad", 1)
+    bad["spec"]["selector"]["matchLabels"] = {"app": "other"}
+    refused = subprocess.run(
+        ["kubectl", "apply", "--dry-run=server", "-n", ns, "-f", "-"],
+        input=json.dumps(bad), capture_output=True, text=True, env=h.cluster.env(), check=False,
+    )  # fmt: skip
+    assert refused.returncode != 0
+    assert "selector" in refused.stderr
+
+    chart = tmp_path / "chart"
+    (chart / "templates").mkdir(parents=True)
+    (chart / "Chart.yaml").write_text("apiVersion: v2\nname: tiny\nversion: 0.1.0\n")
+    (chart / "values.yaml").write_text("greeting: hello\n")
+    (chart / "templates" / "cm.yaml").write_text(
+        "apiVersion: v1\nkind: ConfigMap\nmetadata:\n  name: {{ .Release.Name }}-cm\n"
+        "data:\n  greeting: {{ .Values.greeting | quote }}\n"
+    )
+    rendered = h.run(["helm", "template", "rel", str(chart), "--set", "greeting=hi"])
+    h.kubectl("apply", "-n", ns, "-f", "-", input=rendered)
+    cm = h.get(f"/api/v1/namespaces/{ns}/configmaps/rel-cm")
+    assert cm["data"] == {"greeting": "hi"}
+
+
+def test_unmapped_image_without_command_reports_why(
+    devcluster: Harness, devcluster_namespace: str
+) -> None:
+    h, ns = devcluster, devcluster_namespace
+    h.apply(
+        {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "nope"},
+         "spec": {"containers": [{"name": "c", "image": "nginx:1.27"}]}},
+        ns,
+    )  # fmt: skip
+
+    def waiting() -> Obj | None:
+        p = h.get(f"/api/v1/namespaces/{ns}/pods/nope")
+        statuses = p.get("status", {}).get("containerStatuses") or []
+        state = statuses[0]["state"].get("waiting", {}) if statuses else {}
+        return state if state.get("reason") == "ErrImageNeverPull" else None
+
+    state = h.wait_for("the pod to report the unmapped image", waiting, timeout=30)
+    assert "image map" in state["message"]
+
+
+def test_python_in_pods_is_this_interpreter() -> None:
+    # The echo image maps to the interpreter running the tests, so pods see this venv.
+    from lora_devcluster import cluster
+
+    assert cluster.default_image_map()["lora-devcluster/echo:*"][0] == sys.executable
