@@ -263,3 +263,28 @@ def _cleanup(root: Path) -> None:
                 elif p.is_file() and p.stat().st_size == 0:
                     p.unlink()
     shutil.rmtree(root, ignore_errors=True)
+
+
+def leftovers(root: Path) -> list[str]:
+    """What a cluster in `root` still has on this machine: processes (by command line or the
+    env marker every container carries), mounts, files. Empty after a clean `down`."""
+    root = root.resolve()
+    marker = f"LORA_DEVCLUSTER_DIR={root}".encode()
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
+            environ = Path(f"/proc/{entry}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if str(root).encode() in cmdline or marker in environ:
+            args = cmdline.replace(b"\0", b" ").decode(errors="replace")
+            found.append(f"process {entry}: {args}")
+    for line in Path("/proc/self/mounts").read_text().splitlines():
+        if str(root) in line:
+            found.append(f"mount: {line}")
+    if root.exists():
+        found.append(f"directory {root}")
+    return found

@@ -14,6 +14,7 @@ import subprocess
 import tempfile
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
@@ -95,7 +96,7 @@ class Harness:
         return self.request("PATCH", path, body, "application/merge-patch+json")
 
     def pods(self, namespace: str, selector: str = "") -> list[Obj]:
-        q = f"?labelSelector={urllib.request.quote(selector)}" if selector else ""
+        q = f"?labelSelector={urllib.parse.quote(selector)}" if selector else ""
         items: list[Obj] = self.get(f"/api/v1/namespaces/{namespace}/pods{q}")["items"]
         return items
 

@@ -20,7 +20,7 @@ import shutil
 import signal
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Coroutine, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +45,7 @@ def now_rfc3339() -> str:
 @dataclasses.dataclass(frozen=True)
 class KubeletConfig:
     root: Path  # where pod directories go
+    cluster_dir: Path  # the state directory; containers carry it in their env so `down` can check
     host_ip: str
     pod_prefix: str  # "10.244.0."
     bridge: str
@@ -214,7 +215,7 @@ class Kubelet:
                 raise
 
     async def shutdown(self) -> None:
-        await asyncio.gather(*(w.stop_all(grace=5) for w in self.workers.values()))
+        await asyncio.gather(*(w.close(grace=5) for w in self.workers.values()))
 
 
 class ContainerRunner:
@@ -266,9 +267,8 @@ class ContainerRunner:
                 await asyncio.sleep(1)
                 continue
             with open(self.log, "a") as f:
-                f.write(
-                    f"--- lora-devcluster: starting {self.name} (restart {self.restart_count}) ---\n"
-                )
+                n = self.restart_count
+                f.write(f"--- lora-devcluster: starting {self.name} (restart {n}) ---\n")
             self.proc = await self.worker.spawn_launcher(self.name, spec, self.log)
             started = now_rfc3339()
             self.running_since = started
@@ -404,6 +404,7 @@ class PodWorker:
         self._deleting = False
         self._task: asyncio.Task[None] | None = None
         self._last_status: Obj | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
 
     # ---- lifecycle
 
@@ -414,16 +415,21 @@ class PodWorker:
         self.pod = pod
         if pod["metadata"].get("deletionTimestamp") and not self._deleting:
             self._deleting = True
-            asyncio.create_task(self._delete())
+            self._background(self._delete())
 
     def vanished(self) -> None:
         """The pod is gone from the API (force-deleted): stop everything at once."""
         if not self._deleting:
             self._deleting = True
-            asyncio.create_task(self._teardown(grace=0))
+            self._background(self._teardown(grace=0))
 
     def changed(self) -> None:
         self._changed.set()
+
+    def _background(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)  # keep a reference until it finishes (asyncio holds weak ones)
+        task.add_done_callback(self._tasks.discard)
 
     async def _main(self) -> None:
         try:
@@ -446,23 +452,21 @@ class PodWorker:
         await status
 
     async def _status_loop(self) -> None:
-        while not self.done:
+        while True:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._changed.wait(), timeout=5)
             self._changed.clear()
             if self._deleting:
-                if all(r.proc is None or not r.proc.running for r in self.runners) and self.done:
-                    return
-                if self.done:
-                    return
+                return  # the final delete follows; nobody reads this status any more
             try:
                 await self._patch_status()
-            except (ApiError, aiohttp.ClientError, TimeoutError) as e:
-                if isinstance(e, ApiError) and e.status == 404:
+            except ApiError as e:
+                if e.status == 404:
                     return
                 log.warning("pod %s/%s: status patch failed: %s", self.namespace, self.name, e)
-            if all(r.terminated is not None for r in self.runners) and not self._deleting:
-                await self._patch_status()
+            except (aiohttp.ClientError, TimeoutError) as e:
+                log.warning("pod %s/%s: status patch failed: %s", self.namespace, self.name, e)
+            if self.runners and all(r.terminated is not None for r in self.runners):
                 return
 
     async def _patch_status(self) -> None:
@@ -512,6 +516,15 @@ class PodWorker:
         shutil.rmtree(self.dir / "volumes", ignore_errors=True)
         self.done = True
 
+    async def close(self, grace: float) -> None:
+        """Stop the pod's processes and its worker task (the supervisor is shutting down)."""
+        self._deleting = True
+        await self.stop_all(grace)
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._task
+
     async def stop_all(self, grace: float) -> None:
         await asyncio.gather(*(r.stop(grace) for r in self.runners))
         if self.holder is not None:
@@ -550,7 +563,6 @@ class PodWorker:
     # ---- volumes and launch
 
     async def _prepare_volumes(self) -> None:
-        api = self.kubelet.api
         vol_root = self.dir / "volumes"
         for vol in self.pod["spec"].get("volumes") or []:
             name = vol["name"]
@@ -673,6 +685,7 @@ class PodWorker:
                 "KUBERNETES_SERVICE_HOST": cfg.host_ip,
                 "KUBERNETES_SERVICE_PORT": str(cfg.api_port),
                 # Lets the harness find a container's processes from outside (tests, `down`).
+                "LORA_DEVCLUSTER_DIR": str(cfg.cluster_dir),
                 "LORA_DEVCLUSTER_POD_UID": self.uid,
                 "LORA_DEVCLUSTER_CONTAINER": container["name"],
             }
@@ -720,11 +733,14 @@ class PodWorker:
             if "httpGet" in probe:
                 hg = probe["httpGet"]
                 port = podlogic.resolve_port(container, hg["port"])
-                url = f"{hg.get('scheme', 'HTTP').lower()}://{hg.get('host') or self.ip}:{port}{hg.get('path', '/')}"
+                scheme = hg.get("scheme", "HTTP").lower()
+                url = f"{scheme}://{hg.get('host') or self.ip}:{port}{hg.get('path', '/')}"
                 headers = {h["name"]: h["value"] for h in hg.get("httpHeaders") or []}
-                async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as s:
-                    async with s.get(url, headers=headers, ssl=False, allow_redirects=False) as r:
-                        return 200 <= r.status < 400
+                async with (
+                    aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as s,
+                    s.get(url, headers=headers, ssl=False, allow_redirects=False) as r,
+                ):
+                    return 200 <= r.status < 400
             if "tcpSocket" in probe:
                 port = podlogic.resolve_port(container, probe["tcpSocket"]["port"])
                 _, writer = await asyncio.wait_for(asyncio.open_connection(self.ip, port), timeout)

@@ -37,10 +37,8 @@ class Proc:
         """SIGTERM the process group, wait up to `grace` seconds, then SIGKILL it."""
         if self.running:
             self.signal_group(signal.SIGTERM)
-            try:
+            with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.process.wait(), timeout=max(grace, 0.0))
-            except TimeoutError:
-                pass
         # SIGKILL the group even after the leader exited: a child it forked may linger.
         self.signal_group(signal.SIGKILL)
         return await self.process.wait()

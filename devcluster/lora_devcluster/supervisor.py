@@ -42,6 +42,7 @@ async def serve(root: Path, bin_dir: Path, image_map: list[podlogic.ImageEntry])
     try:
         config = kubelet.KubeletConfig(
             root=layout.pods,
+            cluster_dir=root,
             host_ip=controlplane.HOST_IP,
             pod_prefix=controlplane.HOST_IP.rsplit(".", 1)[0] + ".",
             bridge=kubelet.BRIDGE,
