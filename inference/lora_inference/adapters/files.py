@@ -1,0 +1,241 @@
+"""Adapter files on disk: which file holds the weights, and whether it is a sane LoRA safetensors.
+
+Everything here reads bytes and JSON only. It imports no torch and no diffusers, so the operator
+uses the same checks when it stages a download, and a pickle file is refused without ever being
+opened.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from lora_inference import errors
+
+# Formats that execute code when loaded. They are refused by name, never opened.
+PICKLE_SUFFIXES = frozenset({".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle"})
+# The names diffusers' training scripts and peft's save_pretrained use, in order of preference.
+WEIGHT_FILE_NAMES = ("pytorch_lora_weights.safetensors", "adapter_model.safetensors")
+ADAPTER_CONFIG = "adapter_config.json"
+
+# A LoRA header lists a few thousand tensors at most; a larger header is a corrupt or hostile file.
+MAX_HEADER_BYTES = 64 * 1024 * 1024
+
+_DTYPE_BYTES = {
+    "BOOL": 1,
+    "U8": 1,
+    "I8": 1,
+    "F8_E5M2": 1,
+    "F8_E4M3": 1,
+    "I16": 2,
+    "U16": 2,
+    "F16": 2,
+    "BF16": 2,
+    "I32": 4,
+    "U32": 4,
+    "F32": 4,
+    "I64": 8,
+    "U64": 8,
+    "F64": 8,
+}
+
+# Substrings that mark the two halves of a low-rank pair in every naming scheme diffusers reads:
+# peft (lora_A/lora_B), kohya (lora_down/lora_up), old diffusers (lora.down/lora.up,
+# lora_linear_layer.down/up).
+_LORA_MARKERS = ("lora_A.", "lora_B.", "lora_down.", "lora_up.", "lora.down.", "lora.up.")
+# Keys that carry full weights or weight deltas: loading them would change the base model itself,
+# which an unload cannot undo.
+_BASE_MUTATING_MARKERS = (".diff", ".diff_b", "dora_scale", "lora_magnitude_vector")
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+
+@dataclass(frozen=True)
+class SafetensorsHeader:
+    tensors: dict[str, TensorEntry]
+    metadata: dict[str, str]
+
+
+@dataclass(frozen=True)
+class AdapterConfig:
+    """What `adapter_config.json` says, when the adapter has one."""
+
+    base_model: str | None
+    rank: int | None
+    alpha: float | None
+
+
+def _corrupt(path_hint: str, why: str) -> errors.IncompatibleAdapter:
+    return errors.IncompatibleAdapter(
+        f"{path_hint} is not a valid safetensors file ({why}); re-export or re-download it",
+        param="lora_path",
+    )
+
+
+def parse_safetensors_header(
+    prefix: bytes, file_size: int, *, name: str = "file"
+) -> SafetensorsHeader:
+    """Parse and check a safetensors header (pure).
+
+    `prefix` must hold at least the 8-byte length and the JSON header. Checks that every tensor's
+    byte range matches its dtype and shape, that ranges neither overlap nor leave gaps, and that
+    they end exactly at the end of the file: a truncated file or a header that lies about sizes is
+    rejected before any tensor is read.
+    """
+    if file_size < 8 or len(prefix) < 8:
+        raise _corrupt(name, "shorter than the 8-byte header length")
+    (header_len,) = struct.unpack("<Q", prefix[:8])
+    if header_len > MAX_HEADER_BYTES or 8 + header_len > file_size:
+        raise _corrupt(name, f"header length {header_len} does not fit in a {file_size}-byte file")
+    if len(prefix) < 8 + header_len:
+        raise _corrupt(name, "header is truncated")
+    try:
+        raw = json.loads(prefix[8 : 8 + header_len])
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise _corrupt(name, f"header is not JSON: {e}") from e
+    if not isinstance(raw, dict):
+        raise _corrupt(name, "header is not a JSON object")
+    metadata = raw.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise _corrupt(name, "__metadata__ must map strings to strings")
+    data_size = file_size - 8 - header_len
+    tensors: dict[str, TensorEntry] = {}
+    for key, entry in raw.items():
+        tensors[key] = _parse_entry(name, key, entry)
+    spans = sorted((t.begin, t.end) for t in tensors.values())
+    cursor = 0
+    for begin, end in spans:
+        if begin != cursor:
+            raise _corrupt(name, f"tensor data overlaps or leaves a gap at byte {begin}")
+        cursor = end
+    if cursor != data_size:
+        raise _corrupt(name, f"header describes {cursor} data bytes but the file holds {data_size}")
+    return SafetensorsHeader(tensors=tensors, metadata=dict(metadata))
+
+
+def _parse_entry(name: str, key: str, entry: Any) -> TensorEntry:
+    if not isinstance(entry, dict):
+        raise _corrupt(name, f"entry {key!r} is not an object")
+    dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+    if dtype not in _DTYPE_BYTES:
+        raise _corrupt(name, f"tensor {key!r} has unknown dtype {dtype!r}")
+    if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
+        raise _corrupt(name, f"tensor {key!r} has an invalid shape {shape!r}")
+    if (
+        not isinstance(offsets, list)
+        or len(offsets) != 2
+        or not all(isinstance(o, int) for o in offsets)
+        or not 0 <= offsets[0] <= offsets[1]
+    ):
+        raise _corrupt(name, f"tensor {key!r} has invalid data_offsets {offsets!r}")
+    expected = math.prod(shape) * _DTYPE_BYTES[dtype]
+    if offsets[1] - offsets[0] != expected:
+        raise _corrupt(
+            name,
+            f"tensor {key!r} claims shape {shape} ({expected} bytes) "
+            f"but spans {offsets[1] - offsets[0]} bytes",
+        )
+    return TensorEntry(dtype=dtype, shape=tuple(shape), begin=offsets[0], end=offsets[1])
+
+
+def check_lora_keys(keys: list[str], *, name: str = "adapter") -> None:
+    """Refuse a state dict that is not purely a LoRA (pure).
+
+    Every tensor must be one half of a low-rank pair or its alpha. Full weights, bias or weight
+    deltas and DoRA magnitudes would change the base model itself, so they are refused too.
+    """
+    if not keys:
+        raise errors.IncompatibleAdapter(f"{name} holds no tensors", param="lora_path")
+    for key in keys:
+        if any(m in key for m in _BASE_MUTATING_MARKERS):
+            raise errors.IncompatibleAdapter(
+                f"{name}: tensor {key!r} would modify the base model's own weights; only plain "
+                "LoRA pairs (lora_A/lora_B or lora_down/lora_up) are served",
+                param="lora_path",
+            )
+        if not (key.endswith(".alpha") or any(m in key for m in _LORA_MARKERS)):
+            raise errors.IncompatibleAdapter(
+                f"{name}: tensor {key!r} is not part of a LoRA; is this a full checkpoint "
+                "rather than an adapter?",
+                param="lora_path",
+            )
+
+
+def find_weights_file(path: Path) -> Path:
+    """The safetensors file of an adapter given as a file or a directory.
+
+    Refuses pickle formats by name (415) and says which file it expected.
+    """
+    if path.is_file():
+        return _check_suffix(path)
+    candidates = sorted(p for p in path.iterdir() if p.is_file())
+    for wanted in WEIGHT_FILE_NAMES:
+        if (path / wanted).is_file():
+            return path / wanted
+    safetensors = [p for p in candidates if p.suffix == ".safetensors"]
+    if len(safetensors) == 1:
+        return safetensors[0]
+    if len(safetensors) > 1:
+        raise errors.InvalidRequest(
+            f"{path} holds several .safetensors files ({', '.join(p.name for p in safetensors)}); "
+            f"name one of them, or rename the weights to {WEIGHT_FILE_NAMES[0]}",
+            param="lora_path",
+        )
+    if any(p.suffix in PICKLE_SUFFIXES for p in candidates):
+        raise errors.UnsupportedFormat(
+            f"{path} holds only pickle weights, which can run code when opened and are never "
+            "loaded; convert them to .safetensors",
+            param="lora_path",
+        )
+    raise errors.AdapterNotFound(f"{path} holds no .safetensors file", param="lora_path")
+
+
+def _check_suffix(file: Path) -> Path:
+    if file.suffix == ".safetensors":
+        return file
+    if file.suffix in PICKLE_SUFFIXES:
+        raise errors.UnsupportedFormat(
+            f"{file.name} is a pickle file, which can run code when opened and is never loaded; "
+            "convert it to .safetensors",
+            param="lora_path",
+        )
+    raise errors.UnsupportedFormat(
+        f"{file.name} is not a .safetensors file; adapters are served only in safetensors format",
+        param="lora_path",
+    )
+
+
+def read_adapter_config(adapter_path: Path) -> AdapterConfig | None:
+    """`adapter_config.json` next to the weights, if there is one (None otherwise)."""
+    directory = adapter_path if adapter_path.is_dir() else adapter_path.parent
+    config_file = directory / ADAPTER_CONFIG
+    if not config_file.is_file():
+        return None
+    try:
+        raw = json.loads(config_file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise errors.IncompatibleAdapter(
+            f"{config_file} is not valid JSON: {e}", param="lora_path"
+        ) from e
+    if not isinstance(raw, dict):
+        raise errors.IncompatibleAdapter(
+            f"{config_file} must hold a JSON object", param="lora_path"
+        )
+    base = raw.get("base_model_name_or_path")
+    rank = raw.get("r")
+    alpha = raw.get("lora_alpha")
+    return AdapterConfig(
+        base_model=base if isinstance(base, str) and base else None,
+        rank=rank if isinstance(rank, int) else None,
+        alpha=float(alpha) if isinstance(alpha, int | float) else None,
+    )

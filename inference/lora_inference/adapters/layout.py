@@ -1,0 +1,91 @@
+"""Where adapters live on disk and which paths a client may name.
+
+The shared adapter volume is written only by the operator and read by every inference pod. Its
+layout is defined here, once, for both sides (this module imports no torch):
+
+    <adapter-root>/<name>/current            symlink -> revisions/<sha256>
+    <adapter-root>/<name>/revisions/<sha256>/  the adapter's files, never changed once published
+
+`current` is replaced atomically (a new symlink renamed over the old one), so a reader sees either
+the old revision or the new one, never a half-written directory. A pod is given the root of its
+own namespace as `--adapter-root`. A plain adapter directory or `<name>.safetensors` file directly
+under the root is also resolved, so a volume filled by hand works too.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from lora_inference import errors
+
+CURRENT = "current"
+REVISIONS = "revisions"
+
+# Kubernetes object names (RFC 1123 subdomain) plus the characters adapter names commonly use
+# (`_`, uppercase); never a path separator, never `..`.
+_NAME = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9._-]{0,251}[A-Za-z0-9])?$")
+
+
+def check_adapter_name(name: object, *, param: str = "lora_name") -> str:
+    """Return `name` if it is a valid adapter name, else raise InvalidRequest saying why."""
+    if not isinstance(name, str) or not name:
+        raise errors.InvalidRequest(f"'{param}' must be a non-empty string", param=param)
+    if not _NAME.match(name) or ".." in name:
+        raise errors.InvalidRequest(
+            f"invalid adapter name {name!r}: use 1-253 letters, digits, '.', '_' or '-', "
+            "starting and ending with a letter or digit",
+            param=param,
+        )
+    return name
+
+
+def revision_dir(root: Path, name: str, sha256: str) -> Path:
+    return root / name / REVISIONS / sha256
+
+
+def current_link(root: Path, name: str) -> Path:
+    return root / name / CURRENT
+
+
+def resolve_on_root(root: Path, name: str) -> Path | None:
+    """The adapter path for `name` under `root`, or None when the root has no such adapter."""
+    link = current_link(root, name)
+    if link.exists():
+        return link.resolve()
+    for candidate in (root / name, root / f"{name}.safetensors"):
+        if candidate.exists() and not (candidate / REVISIONS).exists():
+            return candidate.resolve()
+    return None
+
+
+def resolve_allowed(path: str | Path, allowed_roots: tuple[Path, ...], *, param: str) -> Path:
+    """Resolve `path` (symlinks and `..` included) and check it lies under an allowed root.
+
+    404 when it does not exist, 403 when it resolves outside every root. The resolved path is
+    returned, so later reads cannot be redirected by swapping a symlink.
+    """
+    raw = Path(path)
+    if not raw.is_absolute():
+        raise errors.InvalidRequest(
+            f"{param} must be an absolute path, got {str(path)!r}", param=param
+        )
+    try:
+        resolved = raw.resolve(strict=True)
+    except FileNotFoundError as e:
+        raise errors.AdapterNotFound(f"{path} does not exist", param=param) from e
+    except (OSError, RuntimeError) as e:
+        raise errors.AdapterNotFound(f"{path} cannot be resolved: {e}", param=param) from e
+    if not allowed_roots:
+        raise errors.PathForbidden(
+            f"{path} is outside every allowed root: this server allows no adapter paths; "
+            "start it with --allowed-root or --adapter-root",
+            param=param,
+        )
+    for root in allowed_roots:
+        if resolved.is_relative_to(root.resolve()):
+            return resolved
+    roots = ", ".join(str(r) for r in allowed_roots)
+    raise errors.PathForbidden(
+        f"{path} resolves to {resolved}, outside the allowed roots ({roots})", param=param
+    )

@@ -1,0 +1,192 @@
+"""The HTTP API's request shapes: parsing and checking bodies (pure; no aiohttp, no torch).
+
+Shapes follow vLLM (adapter endpoints) and OpenAI Images (generation), so the official `openai`
+client and an operator written for vLLM both work against this server.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from lora_inference import errors
+from lora_inference.engine import GenerationParams
+
+MAX_IMAGES = 10
+MAX_STEPS = 200
+MAX_SIDE = 2048
+MAX_PROMPT_CHARS = 4000
+SCALE_RANGE = (-10.0, 10.0)
+_SIZE = re.compile(r"^(\d{1,5})x(\d{1,5})$")
+
+
+@dataclass(frozen=True)
+class LoadAdapterRequest:
+    name: str
+    path: str
+    load_inplace: bool
+    pinned: bool
+
+
+@dataclass(frozen=True)
+class AdapterChoice:
+    """Which adapter a generation request asked for (None: the base model)."""
+
+    name: str | None
+    local_path: str | None
+    param: str
+
+
+def _require_object(body: Any) -> dict[str, Any]:
+    if not isinstance(body, dict):
+        raise errors.InvalidRequest("the request body must be a JSON object")
+    return body
+
+
+def _optional_string(body: dict[str, Any], field: str, *, param: str | None = None) -> str | None:
+    value = body.get(field)
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value.strip():
+        raise errors.InvalidRequest(
+            f"'{param or field}' must be a non-empty string", param=param or field
+        )
+    return value
+
+
+def _string(body: dict[str, Any], field: str, *, param: str | None = None) -> str:
+    value = _optional_string(body, field, param=param)
+    if value is None:
+        raise errors.InvalidRequest(f"'{param or field}' is required", param=param or field)
+    return value
+
+
+def _bool(body: dict[str, Any], field: str) -> bool:
+    value = body.get(field, False)
+    if not isinstance(value, bool):
+        raise errors.InvalidRequest(f"'{field}' must be true or false", param=field)
+    return value
+
+
+def _number(
+    body: dict[str, Any],
+    field: str,
+    default: float,
+    low: float,
+    high: float,
+    *,
+    integer: bool = False,
+) -> float:
+    value = body.get(field, default)
+    if value is None:
+        value = default
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or (integer and not isinstance(value, int))
+    ):
+        kind = "an integer" if integer else "a number"
+        raise errors.InvalidRequest(f"'{field}' must be {kind}", param=field)
+    if not math.isfinite(value) or not low <= value <= high:
+        raise errors.InvalidRequest(
+            f"'{field}' must be between {low:g} and {high:g}, got {value}", param=field
+        )
+    return value
+
+
+def parse_load(body: Any) -> LoadAdapterRequest:
+    body = _require_object(body)
+    return LoadAdapterRequest(
+        name=_string(body, "lora_name"),
+        path=_string(body, "lora_path"),
+        load_inplace=_bool(body, "load_inplace"),
+        pinned=_bool(body, "pinned"),
+    )
+
+
+def parse_unload(body: Any) -> str:
+    body = _require_object(body)
+    return _string(body, "lora_name")
+
+
+def parse_size(value: Any, default: int) -> tuple[int, int]:
+    if value is None or value == "auto":
+        return default, default
+    if not isinstance(value, str) or not (m := _SIZE.match(value)):
+        raise errors.InvalidRequest("'size' must look like '1024x1024'", param="size")
+    width, height = int(m.group(1)), int(m.group(2))
+    for side in (width, height):
+        if not 8 <= side <= MAX_SIDE or side % 8:
+            raise errors.InvalidRequest(
+                f"'size' sides must be multiples of 8 between 8 and {MAX_SIDE}, got {value}",
+                param="size",
+            )
+    return width, height
+
+
+def parse_generation(
+    body: Any, *, base_model: str, default_size: int, default_steps: int, default_guidance: float
+) -> tuple[GenerationParams, AdapterChoice]:
+    body = _require_object(body)
+    prompt = _string(body, "prompt")
+    if len(prompt) > MAX_PROMPT_CHARS:
+        raise errors.InvalidRequest(
+            f"'prompt' is longer than {MAX_PROMPT_CHARS} characters", param="prompt"
+        )
+    negative = _optional_string(body, "negative_prompt")
+    fmt = body.get("response_format", "b64_json")
+    if fmt not in (None, "b64_json"):
+        raise errors.InvalidRequest(
+            "only response_format 'b64_json' is supported: "
+            "this server keeps no image store for URLs",
+            param="response_format",
+        )
+    n = int(_number(body, "n", 1, 1, MAX_IMAGES, integer=True))
+    width, height = parse_size(body.get("size"), default_size)
+    steps = int(_number(body, "num_inference_steps", default_steps, 1, MAX_STEPS, integer=True))
+    guidance = float(_number(body, "guidance_scale", default_guidance, 0.0, 50.0))
+    seed_value = body.get("seed")
+    seed = None if seed_value is None else int(_number(body, "seed", 0, 0, 2**31 - 1, integer=True))
+    choice, scale = _adapter_choice(body, base_model)
+    params = GenerationParams(
+        prompt=prompt,
+        negative_prompt=negative,
+        n=n,
+        width=width,
+        height=height,
+        steps=steps,
+        guidance_scale=guidance,
+        seed=seed,
+        scale=scale,
+    )
+    return params, choice
+
+
+def _adapter_choice(body: dict[str, Any], base_model: str) -> tuple[AdapterChoice, float]:
+    model = body.get("model")
+    if model is not None and (not isinstance(model, str) or not model):
+        raise errors.InvalidRequest("'model' must be a non-empty string", param="model")
+    lora = body.get("lora")
+    if lora is None:
+        name = None if model in (None, base_model) else model
+        return AdapterChoice(name=name, local_path=None, param="model"), 1.0
+    if not isinstance(lora, dict):
+        raise errors.InvalidRequest(
+            "'lora' must be an object with 'name' and optional 'scale'", param="lora"
+        )
+    unknown = set(lora) - {"name", "scale", "local_path"}
+    if unknown:
+        raise errors.InvalidRequest(
+            f"unknown field(s) in 'lora': {', '.join(sorted(unknown))}", param="lora"
+        )
+    name = _string(lora, "name", param="lora.name")
+    scale = float(_number(lora, "scale", 1.0, *SCALE_RANGE))
+    local_path = _optional_string(lora, "local_path", param="lora.local_path")
+    if model not in (None, base_model, name):
+        raise errors.InvalidRequest(
+            f"'model' names {model!r} but 'lora.name' names {name!r}; name one adapter",
+            param="model",
+        )
+    return AdapterChoice(name=name, local_path=local_path, param="lora.name"), scale

@@ -1,0 +1,256 @@
+"""The aiohttp application: routes, the error middleware, and the engine's lifecycle.
+
+`create_app(config)` returns an application that starts answering /health at once and loads the
+pipeline in the background; /ready turns 200 when the model and the static adapters are loaded.
+Route handlers only parse (api), authorise and delegate to the engine; domain errors become HTTP
+errors in `error_middleware` and nowhere else.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hmac
+import io
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from lora_inference import api, errors
+from lora_inference.config import ServerConfig
+from lora_inference.engine import Engine
+from lora_inference.metrics import Metrics
+from lora_inference.pipeline import DiffusionBackend, resolve_dtype
+
+log = logging.getLogger(__name__)
+
+CONFIG = web.AppKey("config", ServerConfig)
+METRICS = web.AppKey("metrics", Metrics)
+ENGINE = web.AppKey("engine", Engine)
+STARTUP = web.AppKey("startup", asyncio.Task[Engine])
+STARTED_AT = web.AppKey("started_at", float)
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def error_body(
+    message: str, error_type: str, status: int, param: str | None = None
+) -> dict[str, Any]:
+    """vLLM's error shape: {"error": {"message", "type", "param", "code"}}."""
+    return {"error": {"message": message, "type": error_type, "param": param, "code": status}}
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except errors.InferenceError as e:
+        headers = {"Retry-After": str(e.retry_after_s)} if isinstance(e, errors.QueueFull) else None
+        return web.json_response(
+            error_body(e.message, e.error_type, e.status, e.param), status=e.status, headers=headers
+        )
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        return web.json_response(error_body(e.reason, "HTTPError", e.status), status=e.status)
+    except Exception:
+        log.exception("unhandled error on %s %s", request.method, request.path)
+        return web.json_response(
+            error_body("internal server error; see the server log", "InternalServerError", 500),
+            status=500,
+        )
+
+
+async def _json(request: web.Request) -> Any:
+    try:
+        return await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise errors.InvalidRequest(f"the request body is not valid JSON: {e}") from e
+
+
+def _engine(request: web.Request) -> Engine:
+    task = request.app[STARTUP]
+    if not task.done():
+        raise errors.NotReady("the model is still loading; retry when /ready answers 200")
+    if task.exception() is not None:
+        raise errors.NotReady(f"the model failed to load: {task.exception()}")
+    return task.result()
+
+
+def _authorise(request: web.Request) -> None:
+    token = request.app[CONFIG].admin_token
+    if not token:
+        return
+    header = request.headers.get("Authorization", "")
+    scheme, _, given = header.partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(
+        given.strip().encode(), token.encode()
+    ):
+        raise errors.Unauthorized(
+            "this endpoint needs 'Authorization: Bearer <token>' with the server's admin token"
+        )
+
+
+async def load_adapter(request: web.Request) -> web.Response:
+    _authorise(request)
+    body = api.parse_load(await _json(request))
+    engine = _engine(request)
+    await engine.register(body.name, body.path, pinned=body.pinned, load_inplace=body.load_inplace)
+    return web.Response(text=f"Success: LoRA adapter '{body.name}' added successfully.")
+
+
+async def unload_adapter(request: web.Request) -> web.Response:
+    _authorise(request)
+    name = api.parse_unload(await _json(request))
+    await _engine(request).unregister(name)
+    return web.Response(text=f"Success: LoRA adapter '{name}' removed successfully.")
+
+
+async def list_models(request: web.Request) -> web.Response:
+    config = request.app[CONFIG]
+    created = int(request.app[STARTED_AT])
+    cards = [_card(config.model_id, str(config.model), None, created)]
+    task = request.app[STARTUP]
+    if task.done() and task.exception() is None:
+        for record in task.result().registry.records():
+            cards.append(_card(record.name, str(record.path), config.model_id, created))
+    return web.json_response({"object": "list", "data": cards})
+
+
+def _card(model_id: str, root: str, parent: str | None, created: int) -> dict[str, Any]:
+    return {
+        "id": model_id,
+        "object": "model",
+        "created": created,
+        "owned_by": "lora-operator",
+        "root": root,
+        "parent": parent,
+    }
+
+
+async def list_adapters(request: web.Request) -> web.Response:
+    engine = _engine(request)
+    data = []
+    for record in engine.registry.records():
+        stats = engine.registry.stats(record.name)
+        data.append(
+            {
+                "id": record.name,
+                "path": str(record.path),
+                "tier": engine.tier_of(record),
+                "pinned": record.pinned,
+                "origin": record.origin,
+                "hits": stats.hits,
+                "last_used": stats.last_used,
+                "size_bytes": record.size_bytes,
+                "sha256": record.sha256,
+                "rank": record.rank,
+            }
+        )
+    return web.json_response({"object": "list", "data": data})
+
+
+async def generate_images(request: web.Request) -> web.Response:
+    engine = _engine(request)
+    backend = engine.backend
+    params, choice = api.parse_generation(
+        await _json(request),
+        base_model=request.app[CONFIG].model_id,
+        default_size=backend.default_size,
+        default_steps=backend.default_steps,
+        default_guidance=backend.default_guidance,
+    )
+    record = None
+    if choice.local_path is not None and choice.name is not None:
+        record = await engine.register_from_request(choice.name, choice.local_path)
+    elif choice.name is not None:
+        record = await engine.resolve(choice.name, param=choice.param)
+    transport = request.transport
+
+    def client_gone() -> bool:
+        return transport is None or transport.is_closing()
+
+    images = await engine.generate(params, record, abandoned=client_gone)
+    data = []
+    for generated in images:
+        buffer = io.BytesIO()
+        generated.image.save(buffer, format="PNG")
+        data.append(
+            {
+                "b64_json": base64.b64encode(buffer.getvalue()).decode("ascii"),
+                "revised_prompt": None,
+                "seed": generated.seed,
+            }
+        )
+    return web.json_response({"created": int(time.time()), "data": data})
+
+
+async def health(request: web.Request) -> web.Response:
+    return web.json_response({"status": "ok"})
+
+
+async def ready(request: web.Request) -> web.Response:
+    _engine(request)
+    return web.json_response({"status": "ready"})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    body = generate_latest(request.app[METRICS].registry)
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+def create_app(config: ServerConfig, *, backend: DiffusionBackend | None = None) -> web.Application:
+    """The server's application. Pass `backend` to reuse an already loaded pipeline (tests)."""
+    config.check()
+    app = web.Application(middlewares=[error_middleware], client_max_size=1024**2)
+    app[CONFIG] = config
+    app[METRICS] = Metrics()
+    app[STARTED_AT] = time.time()
+    app.router.add_post("/v1/load_lora_adapter", load_adapter)
+    app.router.add_post("/v1/unload_lora_adapter", unload_adapter)
+    app.router.add_get("/v1/models", list_models)
+    app.router.add_get("/v1/adapters", list_adapters)
+    app.router.add_post("/v1/images/generations", generate_images)
+    app.router.add_get("/health", health)
+    app.router.add_get("/ready", ready)
+    app.router.add_get("/metrics", metrics)
+    app.cleanup_ctx.append(lambda app: _engine_lifecycle(app, backend))
+    return app
+
+
+async def _engine_lifecycle(
+    app: web.Application, backend: DiffusionBackend | None
+) -> AsyncIterator[None]:
+    config = app[CONFIG]
+
+    async def start() -> Engine:
+        loaded = backend
+        if loaded is None:
+            dtype = resolve_dtype(config.dtype, config.device)
+            loaded = await asyncio.to_thread(
+                DiffusionBackend.load, config.model, device=config.device, dtype=dtype
+            )
+        engine = Engine(loaded, config, app[METRICS])
+        try:
+            await engine.start()
+        except BaseException:
+            await engine.stop()
+            raise
+        log.info("ready: %s (%s) on %s", config.model_id, loaded.family, config.device)
+        return engine
+
+    app[STARTUP] = asyncio.create_task(start(), name="engine-startup")
+    yield
+    task = app[STARTUP]
+    if not task.done():
+        task.cancel()
+    try:
+        engine = await task
+    except (asyncio.CancelledError, Exception):
+        return
+    await engine.stop()

@@ -1,0 +1,197 @@
+"""`lora-inference`: serve a pipeline, or write tiny models and random adapters for tests."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+
+from lora_inference.config import ServerConfig, StaticLora
+
+
+def _static_lora(value: str) -> StaticLora:
+    name, sep, path = value.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"--lora takes NAME=PATH, got {value!r}")
+    return StaticLora(name=name, path=Path(path))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="lora-inference", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="serve a diffusers pipeline with LoRA adapters over HTTP")
+    serve.add_argument("--model", type=Path, required=True, help="diffusers model directory")
+    serve.add_argument(
+        "--served-model-name", default="", help="model id in the API (default: the directory name)"
+    )
+    serve.add_argument(
+        "--adapter-root", type=Path, help="shared adapter volume (see docs/architecture.md)"
+    )
+    serve.add_argument(
+        "--allowed-root",
+        type=Path,
+        action="append",
+        default=[],
+        dest="allowed_roots",
+        help="directory clients may load adapters from (repeatable)",
+    )
+    serve.add_argument(
+        "--lora",
+        type=_static_lora,
+        action="append",
+        default=[],
+        dest="static_loras",
+        metavar="NAME=PATH",
+        help="adapter loaded and pinned at start (repeatable)",
+    )
+    serve.add_argument(
+        "--accept-base-model",
+        action="append",
+        default=[],
+        dest="accepted_base_models",
+        help="another base model name adapters may declare in adapter_config.json",
+    )
+    serve.add_argument(
+        "--max-loras", type=int, default=4, help="adapters resident in the pipeline (GPU slots)"
+    )
+    serve.add_argument(
+        "--max-cpu-loras", type=int, default=32, help="parsed adapters cached in host memory"
+    )
+    serve.add_argument("--max-lora-rank", type=int, default=128, help="largest rank accepted")
+    serve.add_argument(
+        "--admin-token-file",
+        type=Path,
+        help="file holding the bearer token for load/unload (or set LORA_ADMIN_TOKEN)",
+    )
+    serve.add_argument(
+        "--device", default=None, help="torch device (default: cuda if available, else cpu)"
+    )
+    serve.add_argument(
+        "--dtype", default="auto", help="auto (float16 on cuda), float32, float16, bfloat16"
+    )
+    serve.add_argument("--max-batch-size", type=int, default=4, help="images per pipeline call")
+    serve.add_argument(
+        "--max-queue", type=int, default=64, help="queued requests before answering 429"
+    )
+    serve.add_argument("--host", default="0.0.0.0")
+    serve.add_argument("--port", type=int, default=8000)
+
+    tiny = sub.add_parser("tiny-model", help="write a tiny random pipeline, built offline")
+    tiny.add_argument("directory", type=Path)
+    tiny.add_argument("--arch", choices=("sd15", "sdxl", "sd3", "flux"), default="sd15")
+    tiny.add_argument("--seed", type=int, default=0)
+
+    adapter = sub.add_parser("make-adapter", help="write a random LoRA for a model")
+    adapter.add_argument("out", type=Path, help="directory (peft) or .safetensors file (kohya)")
+    adapter.add_argument("--model", type=Path, required=True)
+    adapter.add_argument("--rank", type=int, default=4)
+    adapter.add_argument("--seed", type=int, default=0)
+    adapter.add_argument("--format", choices=("peft", "kohya"), default="peft", dest="fmt")
+    adapter.add_argument(
+        "--text-encoder", action="store_true", help="also adapt the CLIP text encoders"
+    )
+    return parser
+
+
+def _admin_token(path: Path | None) -> str | None:
+    if path is not None:
+        return path.read_text().strip() or None
+    return os.environ.get("LORA_ADMIN_TOKEN") or None
+
+
+def config_from_args(args: argparse.Namespace) -> ServerConfig:
+    from lora_inference.pipeline import default_device
+
+    return ServerConfig(
+        model=args.model,
+        served_model_name=args.served_model_name,
+        adapter_root=args.adapter_root,
+        allowed_roots=tuple(args.allowed_roots),
+        static_loras=tuple(args.static_loras),
+        accepted_base_models=tuple(args.accepted_base_models),
+        max_loras=args.max_loras,
+        max_cpu_loras=args.max_cpu_loras,
+        max_lora_rank=args.max_lora_rank,
+        admin_token=_admin_token(args.admin_token_file),
+        device=args.device or default_device(),
+        dtype=args.dtype,
+        max_batch_size=args.max_batch_size,
+        max_queue=args.max_queue,
+        host=args.host,
+        port=args.port,
+    )
+
+
+async def serve(config: ServerConfig) -> int:
+    from aiohttp import web
+
+    from lora_inference.app import STARTUP, create_app
+
+    app = create_app(config)
+    runner = web.AppRunner(app, handle_signals=False)
+    await runner.setup()
+    await web.TCPSite(runner, config.host, config.port).start()
+    logging.getLogger(__name__).info("listening on %s:%d", config.host, config.port)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    startup = app[STARTUP]
+    waiter = asyncio.create_task(stop.wait())
+    await asyncio.wait({startup, waiter}, return_when=asyncio.FIRST_COMPLETED)
+    code = 0
+    if startup.done() and startup.exception() is not None:
+        logging.getLogger(__name__).error("startup failed: %s", startup.exception())
+        code = 1
+    else:
+        await waiter
+    await runner.cleanup()
+    return code
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    if args.command == "serve":
+        config = config_from_args(args)
+        try:
+            config.check()
+        except ValueError as e:
+            print(f"lora-inference: {e}", file=sys.stderr)
+            return 2
+        return asyncio.run(serve(config))
+    if args.command == "tiny-model":
+        from lora_inference.tools.tiny_models import write_tiny_model
+
+        write_tiny_model(args.directory, args.arch, seed=args.seed)
+        print(f"wrote a tiny {args.arch} pipeline to {args.directory}")
+        return 0
+    if args.command == "make-adapter":
+        from diffusers import DiffusionPipeline
+
+        from lora_inference.tools.random_adapters import write_random_adapter
+
+        pipe = DiffusionPipeline.from_pretrained(str(args.model))
+        out = write_random_adapter(
+            args.out,
+            pipe,
+            base_model=args.model.name,
+            rank=args.rank,
+            seed=args.seed,
+            fmt=args.fmt,
+            text_encoder=args.text_encoder,
+        )
+        print(f"wrote a rank-{args.rank} {args.fmt} adapter to {out}")
+        return 0
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,69 @@
+"""Server configuration: one frozen value built by the CLI (or a test) and read everywhere."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class StaticLora:
+    """An adapter named on the command line (`--lora NAME=PATH`): pinned, never unloaded by API."""
+
+    name: str
+    path: Path
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    model: Path
+    served_model_name: str = ""
+    adapter_root: Path | None = None
+    allowed_roots: tuple[Path, ...] = ()
+    static_loras: tuple[StaticLora, ...] = ()
+    # base_model_name_or_path values (from adapter_config.json) accepted besides the model's own
+    # name; adapters that declare another base model are refused.
+    accepted_base_models: tuple[str, ...] = ()
+    max_loras: int = 4
+    max_cpu_loras: int = 32
+    max_lora_rank: int = 128
+    admin_token: str | None = None
+    device: str = "cpu"
+    dtype: str = "auto"
+    max_batch_size: int = 4
+    max_queue: int = 64
+    max_skips: int = 4
+    host: str = "0.0.0.0"
+    port: int = 8000
+
+    @property
+    def model_id(self) -> str:
+        return self.served_model_name or self.model.name
+
+    @property
+    def path_roots(self) -> tuple[Path, ...]:
+        """Where clients may point `lora_path` / `local_path`: allowed roots and adapter root."""
+        roots = list(self.allowed_roots)
+        if self.adapter_root is not None:
+            roots.append(self.adapter_root)
+        return tuple(roots)
+
+    def check(self) -> None:
+        """Refuse contradictory settings with a message that says what to change."""
+        if self.max_loras < 1:
+            raise ValueError("--max-loras must be at least 1")
+        if self.max_cpu_loras < self.max_loras:
+            raise ValueError(
+                f"--max-cpu-loras ({self.max_cpu_loras}) must be at least --max-loras "
+                f"({self.max_loras}): every adapter on the GPU is also cached on the CPU"
+            )
+        if len(self.static_loras) > self.max_loras:
+            raise ValueError(
+                f"{len(self.static_loras)} --lora adapters are pinned but --max-loras is "
+                f"{self.max_loras}; raise --max-loras"
+            )
+        if self.max_batch_size < 1 or self.max_queue < 1:
+            raise ValueError("--max-batch-size and --max-queue must be at least 1")
+        names = [s.name for s in self.static_loras]
+        if len(set(names)) != len(names):
+            raise ValueError(f"--lora names must be unique, got {', '.join(names)}")

@@ -1,0 +1,560 @@
+"""The engine: one worker that owns the pipeline, the request queue, and the adapter tiers.
+
+Everything here runs on the event loop except the two kinds of blocking work it hands off:
+reading and checking adapter files (a small thread pool; touches no pipeline state) and anything
+that touches the pipeline (one dedicated thread, always entered under `_pipeline_lock`). So adapter
+changes happen only between batches, and the cache policy (adapters.cache) and the batch policy
+(scheduling) decide while this module acts.
+
+Admin changes are ordered by versions, not by draining the queue: a request resolves its adapter
+record when it is admitted and keeps it, so requests admitted before an in-place swap or an
+unload finish with the weights they asked for, and the old version leaves the pipeline once the
+last of them is done.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import random
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+from PIL import Image
+
+from lora_inference import errors, scheduling
+from lora_inference.adapters import cache, files, layout
+from lora_inference.adapters.registry import AdapterRecord, Origin, Registry, next_version
+from lora_inference.config import ServerConfig
+from lora_inference.metrics import Metrics
+from lora_inference.pipeline import DiffusionBackend, ImageJob, ParsedAdapter
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class GenerationParams:
+    """A validated generation request (see api.parse_generation)."""
+
+    prompt: str
+    negative_prompt: str | None
+    n: int
+    width: int
+    height: int
+    steps: int
+    guidance_scale: float
+    seed: int | None
+    scale: float
+
+
+@dataclass(frozen=True)
+class GeneratedImage:
+    image: Image.Image
+    seed: int
+
+
+@dataclass
+class _Pending:
+    key: scheduling.BatchKey
+    record: AdapterRecord | None
+    job: ImageJob
+    future: asyncio.Future[list[GeneratedImage]]
+    abandoned: Callable[[], bool]
+    skipped: int = 0
+    enqueued_at: float = field(default_factory=time.monotonic)
+
+    @property
+    def images(self) -> int:
+        return len(self.job.seeds)
+
+    def gone(self) -> bool:
+        return self.future.done() or self.abandoned()
+
+
+class Engine:
+    def __init__(self, backend: DiffusionBackend, config: ServerConfig, metrics: Metrics) -> None:
+        self.backend = backend
+        self.config = config
+        self.metrics = metrics
+        self.registry = Registry()
+        self._by_key: dict[str, AdapterRecord] = {}  # every record still referenced anywhere
+        self.gpu = cache.LRUTier("gpu", config.max_loras, label=self._label)
+        self.cpu = cache.LRUTier("cpu", config.max_cpu_loras, label=self._label)
+        self._parsed: dict[str, ParsedAdapter] = {}
+        self._refs: collections.Counter[str] = collections.Counter()
+        self._retired: set[str] = set()  # keys replaced or unloaded, to drop when unreferenced
+        self._queue: list[_Pending] = []
+        self._wake = asyncio.Event()
+        self._pipeline_lock = asyncio.Lock()
+        self._register_lock = asyncio.Lock()
+        self._pipeline_thread = ThreadPoolExecutor(1, thread_name_prefix="pipeline")
+        self._parse_pool = ThreadPoolExecutor(2, thread_name_prefix="adapter-parse")
+        self._worker: asyncio.Task[None] | None = None
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self._worker = asyncio.create_task(self._run(), name="pipeline-worker")
+        for static in self.config.static_loras:
+            await self.register(static.name, static.path, pinned=True, origin="static")
+
+    async def stop(self) -> None:
+        if self._worker is not None:
+            self._worker.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._worker
+        for pending in self._queue:
+            if not pending.future.done():
+                pending.future.set_exception(errors.NotReady("the server is shutting down"))
+        # Leave the pipeline as it was found: a backend may outlive its engine (tests reuse one).
+        resident = list(self.gpu)
+        if resident:
+            await self._in_pipeline(self._remove_all, resident)
+        self._pipeline_thread.shutdown(wait=True)
+        self._parse_pool.shutdown(wait=True)
+
+    async def idle(self) -> None:
+        """Wait until the queue is empty and retired adapters have left the pipeline (for tests)."""
+        while True:
+            await self._idle.wait()
+            if not self._queue and not self._collectable():
+                return
+            await asyncio.sleep(0.01)
+
+    # -- adapter registration -------------------------------------------------------------------
+
+    async def register(
+        self,
+        name: str,
+        path: str | Path,
+        *,
+        pinned: bool = False,
+        load_inplace: bool = False,
+        origin: Origin = "api",
+    ) -> AdapterRecord:
+        """Validate the adapter at `path` and register it as `name` (the load endpoint).
+
+        The file is read, hashed and checked against the model before anything changes; a
+        refusal leaves the registry, the caches and the pipeline as they were. Pinned adapters are
+        made resident at once, so a pin that cannot be honoured fails here rather than later.
+        """
+        layout.check_adapter_name(name)
+        if origin == "static":
+            resolved = Path(path).resolve(strict=True)
+        else:
+            resolved = layout.resolve_allowed(
+                path, self.config.path_roots, param=_path_param(origin)
+            )
+        async with self._register_lock:
+            existing = self.registry.get(name)
+            if existing is not None and not load_inplace:
+                raise errors.AdapterConflict(
+                    f"adapter {name!r} is already loaded (from {existing.path}); unload it first "
+                    "or pass load_inplace: true to replace it",
+                    param="lora_name",
+                )
+            if existing is not None and existing.origin == "static" and origin != "static":
+                raise errors.AdapterConflict(
+                    f"adapter {name!r} was given on the command line and cannot be replaced",
+                    param="lora_name",
+                )
+            if pinned and (existing is None or not existing.pinned):
+                pinned_now = len(self.registry.pinned())
+                if pinned_now >= self.config.max_loras:
+                    raise cache.SlotsExhausted(
+                        f"cannot pin {name!r}: all {self.config.max_loras} GPU slots already hold "
+                        f"pinned adapters ({', '.join(r.name for r in self.registry.pinned())}); "
+                        "unpin or unload one, or raise --max-loras"
+                    )
+            self._check_base_model(resolved, name)
+            parsed = await self._parse(resolved, name)
+            record = AdapterRecord(
+                name=name,
+                path=resolved,
+                weights_file=parsed.weights_file,
+                sha256=parsed.sha256,
+                size_bytes=parsed.size_bytes,
+                rank=parsed.rank,
+                pinned=pinned,
+                origin=origin,
+                version=next_version(),
+            )
+            self._cache_parsed(record.key, parsed)
+            self._by_key[record.key] = record
+            previous = self.registry.put(record)
+            if previous is not None:
+                self._retire(previous)
+            self._update_tier_gauges()
+        log.info("registered adapter %s v%d from %s (%s)", name, record.version, resolved, origin)
+        if pinned:
+            try:
+                async with self._pipeline_lock:
+                    await self._make_resident(record, wanted=set())
+            except errors.InferenceError:
+                await self.unregister(name, force=True)
+                raise
+        return record
+
+    async def unregister(self, name: str, *, force: bool = False) -> AdapterRecord:
+        record = self.registry.get(name)
+        if record is None:
+            raise errors.AdapterNotFound(f"adapter {name!r} is not loaded", param="lora_name")
+        if record.origin == "static" and not force:
+            raise errors.AdapterConflict(
+                f"adapter {name!r} was given on the command line (--lora) and cannot be unloaded",
+                param="lora_name",
+            )
+        self.registry.remove(name)
+        self._retire(record)
+        self._wake.set()
+        log.info("unregistered adapter %s v%d", name, record.version)
+        return record
+
+    async def resolve(self, name: str, *, param: str = "model") -> AdapterRecord:
+        """The record for `name`: registered, or found on the adapter root and registered now."""
+        record = self.registry.get(name)
+        if record is not None:
+            return record
+        layout.check_adapter_name(name, param=param)
+        root = self.config.adapter_root
+        found = layout.resolve_on_root(root, name) if root is not None else None
+        if found is None:
+            raise errors.AdapterNotFound(
+                f"the model '{name}' does not exist: it is neither the base model "
+                f"'{self.config.model_id}' nor a loaded adapter",
+                param=param,
+            )
+        try:
+            return await self.register(name, found, origin="resolver")
+        except errors.AdapterConflict:
+            # Another request resolved the same name first.
+            record = self.registry.get(name)
+            if record is None:
+                raise
+            return record
+
+    async def register_from_request(self, name: str, local_path: str) -> AdapterRecord:
+        """The request-level path (`lora.local_path`): same checks and cache as the API."""
+        resolved = layout.resolve_allowed(
+            local_path, self.config.path_roots, param="lora.local_path"
+        )
+        existing = self.registry.get(name)
+        if existing is not None:
+            if existing.path == resolved:
+                return existing
+            raise errors.AdapterConflict(
+                f"adapter {name!r} is already loaded from {existing.path}, not {resolved}; "
+                "use another name or replace it with load_lora_adapter and load_inplace",
+                param="lora.name",
+            )
+        try:
+            return await self.register(name, resolved, origin="request")
+        except errors.AdapterConflict:
+            record = self.registry.get(name)
+            if record is not None and record.path == resolved:
+                return record
+            raise
+
+    def tier_of(self, record: AdapterRecord) -> str:
+        if record.key in self.gpu:
+            return "gpu"
+        if record.key in self.cpu:
+            return "cpu"
+        return "disk"
+
+    # -- generation -----------------------------------------------------------------------------
+
+    async def generate(
+        self,
+        params: GenerationParams,
+        record: AdapterRecord | None,
+        *,
+        abandoned: Callable[[], bool] = lambda: False,
+    ) -> list[GeneratedImage]:
+        if len(self._queue) >= self.config.max_queue:
+            self.metrics.requests.labels("rejected").inc()
+            raise errors.QueueFull(
+                f"the queue is full ({self.config.max_queue} requests); retry later",
+                retry_after_s=1,
+            )
+        seed = params.seed if params.seed is not None else random.randrange(2**31)
+        pending = _Pending(
+            key=scheduling.BatchKey(
+                adapter=record.key if record is not None else None,
+                scale=params.scale if record is not None else 0.0,
+                width=params.width,
+                height=params.height,
+                steps=params.steps,
+                guidance_scale=params.guidance_scale,
+            ),
+            record=record,
+            job=ImageJob(
+                prompt=params.prompt,
+                negative_prompt=params.negative_prompt,
+                seeds=tuple(seed + i for i in range(params.n)),
+            ),
+            future=asyncio.get_running_loop().create_future(),
+            abandoned=abandoned,
+        )
+        if record is not None:
+            self._refs[record.key] += 1
+            self.registry.record_hit(record.name)
+        self._queue.append(pending)
+        self.metrics.queue_depth.set(len(self._queue))
+        self._wake.set()
+        return await pending.future
+
+    async def _run(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            self._idle.clear()
+            try:
+                await self._drain()
+            except Exception:  # a bug must not kill the worker and hang every request
+                log.exception("pipeline worker failed")
+            finally:
+                self._idle.set()
+
+    async def _drain(self) -> None:
+        while True:
+            await self._collect_garbage()
+            self._drop_gone()
+            plan = scheduling.plan_next_batch(
+                self._queue,
+                set(self.gpu),
+                max_batch_images=self.config.max_batch_size,
+                max_skips=self.config.max_skips,
+            )
+            if plan is None:
+                return
+            if plan.skipped_head:
+                self._queue[0].skipped += 1
+            batch = [self._queue[i] for i in plan.members]
+            chosen = set(plan.members)
+            self._queue = [p for i, p in enumerate(self._queue) if i not in chosen]
+            self.metrics.queue_depth.set(len(self._queue))
+            await self._run_batch(batch)
+
+    def _drop_gone(self) -> None:
+        kept = []
+        for pending in self._queue:
+            if pending.gone():
+                self.metrics.requests.labels("dropped").inc()
+                self._release(pending)
+                if not pending.future.done():
+                    pending.future.cancel()
+            else:
+                kept.append(pending)
+        self._queue = kept
+
+    async def _run_batch(self, batch: list[_Pending]) -> None:
+        key = batch[0].key
+        record = batch[0].record
+        try:
+            async with self._pipeline_lock:
+                if record is not None:
+                    self.metrics.lookups.labels("hit" if record.key in self.gpu else "miss").inc()
+                    await self._make_resident(
+                        record, wanted=scheduling.adapters_wanted(self._queue)
+                    )
+                started = time.perf_counter()
+                images = await self._in_pipeline(
+                    self._activate_and_generate, key, [p.job for p in batch]
+                )
+                self.metrics.generation_seconds.observe(time.perf_counter() - started)
+                self.metrics.batch_images.observe(len(images))
+        except Exception as e:
+            failure = (
+                e
+                if isinstance(e, errors.InferenceError)
+                else errors.InferenceError(f"generation failed: {e}")
+            )
+            if not isinstance(e, errors.InferenceError):
+                log.exception("generation failed")
+            for pending in batch:
+                self._release(pending)
+                if not pending.future.done():
+                    pending.future.set_exception(failure)
+            self.metrics.requests.labels("failed").inc(len(batch))
+            return
+        cursor = 0
+        for pending in batch:
+            count = pending.images
+            out = [
+                GeneratedImage(image=img, seed=seed)
+                for img, seed in zip(
+                    images[cursor : cursor + count], pending.job.seeds, strict=True
+                )
+            ]
+            cursor += count
+            self._release(pending)
+            if not pending.future.done():
+                pending.future.set_result(out)
+        self.metrics.requests.labels("ok").inc(len(batch))
+
+    def _activate_and_generate(
+        self, key: scheduling.BatchKey, jobs: list[ImageJob]
+    ) -> list[Image.Image]:
+        self.backend.activate(key.adapter, key.scale)
+        return self.backend.generate(
+            jobs,
+            width=key.width,
+            height=key.height,
+            steps=key.steps,
+            guidance_scale=key.guidance_scale,
+        )
+
+    def _release(self, pending: _Pending) -> None:
+        if pending.record is not None:
+            self._refs[pending.record.key] -= 1
+            if self._refs[pending.record.key] <= 0:
+                del self._refs[pending.record.key]
+
+    # -- residency (called with _pipeline_lock held) ----------------------------------------------
+
+    async def _make_resident(self, record: AdapterRecord, *, wanted: set[str]) -> None:
+        if record.key in self.gpu:
+            self.gpu.touch(record.key)
+            return
+        evict = self.gpu.plan_admit(
+            record.key, pinned=record.pinned, protected={record.key}, prefer_keep=wanted
+        )
+        parsed = self._parsed.get(record.key)
+        if parsed is None:
+            parsed = await self._parse(record.path, record.name)
+            if parsed.sha256 != record.sha256:
+                self._drop_broken(record)
+                raise errors.IncompatibleAdapter(
+                    f"the files of adapter {record.name!r} changed since it was loaded "
+                    f"(sha256 {record.sha256[:12]} -> {parsed.sha256[:12]}); load it again",
+                    param="model",
+                )
+            self._cache_parsed(record.key, parsed)
+        else:
+            self.cpu.touch(record.key)
+        started = time.perf_counter()
+        try:
+            await self._in_pipeline(self._swap_in, evict, record.key, parsed)
+        except errors.InferenceError:
+            self.metrics.loads.labels("gpu", "error").inc()
+            for old in evict:
+                self.gpu.remove(old)
+            self._drop_broken(record)
+            raise
+        finally:
+            self.metrics.evictions.labels("gpu").inc(len(evict))
+        self.gpu.admit(record.key, pinned=record.pinned, evicted=evict)
+        self.metrics.loads.labels("gpu", "ok").inc()
+        self.metrics.load_seconds.labels("gpu").observe(time.perf_counter() - started)
+        self._update_tier_gauges()
+
+    def _swap_in(self, evict: list[str], key: str, parsed: ParsedAdapter) -> None:
+        for old in evict:
+            self.backend.remove_adapter(old)
+        self.backend.add_adapter(key, parsed)
+
+    def _drop_broken(self, record: AdapterRecord) -> None:
+        """An adapter the pipeline refused after all: unregister it so nobody asks again."""
+        if self.registry.get(record.name) == record:
+            self.registry.remove(record.name)
+        self._retire(record)
+        log.warning(
+            "adapter %s v%d was refused by the pipeline and unregistered",
+            record.name,
+            record.version,
+        )
+
+    def _retire(self, record: AdapterRecord) -> None:
+        self._retired.add(record.key)
+        self._wake.set()
+
+    def _collectable(self) -> list[str]:
+        return [key for key in self._retired if self._refs.get(key, 0) == 0]
+
+    async def _collect_garbage(self) -> None:
+        """Remove retired adapters nobody references any more from every tier and the pipeline."""
+        keys = self._collectable()
+        if not keys:
+            return
+        resident = [k for k in keys if k in self.gpu]
+        if resident:
+            async with self._pipeline_lock:
+                await self._in_pipeline(self._remove_all, resident)
+        for key in keys:
+            self.gpu.remove(key)
+            self.cpu.remove(key)
+            self._parsed.pop(key, None)
+            self._by_key.pop(key, None)
+            self._retired.discard(key)
+        self._update_tier_gauges()
+
+    def _remove_all(self, keys: list[str]) -> None:
+        for key in keys:
+            self.backend.remove_adapter(key)
+
+    # -- helpers --------------------------------------------------------------------------------
+
+    def _cache_parsed(self, key: str, parsed: ParsedAdapter) -> None:
+        evict = self.cpu.plan_admit(key)
+        for old in evict:
+            self._parsed.pop(old, None)
+        self.metrics.evictions.labels("cpu").inc(len(evict))
+        self.cpu.admit(key, evicted=evict)
+        self._parsed[key] = parsed
+        self.metrics.loads.labels("cpu", "ok").inc()
+
+    async def _parse(self, path: Path, name: str) -> ParsedAdapter:
+        started = time.perf_counter()
+        try:
+            parsed = await asyncio.get_running_loop().run_in_executor(
+                self._parse_pool,
+                lambda: self.backend.parse_adapter(
+                    path, name=name, max_rank=self.config.max_lora_rank
+                ),
+            )
+        except errors.InferenceError:
+            self.metrics.loads.labels("cpu", "error").inc()
+            raise
+        self.metrics.load_seconds.labels("cpu").observe(time.perf_counter() - started)
+        return parsed
+
+    def _check_base_model(self, path: Path, name: str) -> None:
+        config = files.read_adapter_config(path)
+        if config is None or config.base_model is None:
+            return
+        accepted = {self.config.model_id, *self.config.accepted_base_models}
+        declared = config.base_model.rstrip("/")
+        if declared in accepted or declared.rsplit("/", 1)[-1] in accepted:
+            return
+        raise errors.IncompatibleAdapter(
+            f"adapter {name!r} declares base model {config.base_model!r} in adapter_config.json, "
+            f"but this server serves {self.config.model_id!r}; load it on a server for that "
+            "model, or start this one with --accept-base-model if they are compatible",
+            param="lora_path",
+        )
+
+    async def _in_pipeline(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._pipeline_thread, fn, *args)
+
+    def _label(self, key: str) -> str:
+        record = self._by_key.get(key)
+        return record.name if record is not None else key
+
+    def _update_tier_gauges(self) -> None:
+        counts = collections.Counter(self.tier_of(r) for r in self.registry.records())
+        for tier in ("gpu", "cpu", "disk"):
+            self.metrics.adapters.labels(tier).set(counts.get(tier, 0))
+
+
+def _path_param(origin: Origin) -> str:
+    return "lora.local_path" if origin == "request" else "lora_path"

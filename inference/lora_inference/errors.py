@@ -1,0 +1,80 @@
+"""Domain errors of the inference server.
+
+Every error a user can cause is one of these, raised with a message that says what to fix. The
+HTTP layer maps them to status codes in exactly one place (`app.error_middleware`); nothing else
+in the package knows about HTTP.
+"""
+
+from __future__ import annotations
+
+
+class InferenceError(Exception):
+    """Base class. `param` names the request field at fault, when there is one."""
+
+    status = 500
+    error_type = "InternalServerError"
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
+class InvalidRequest(InferenceError):
+    """A malformed body, a missing or mistyped field, a value out of range, a bad name."""
+
+    status = 400
+    error_type = "BadRequestError"
+
+
+class AdapterConflict(InvalidRequest):
+    """A name already in use without `load_inplace`, or every GPU slot pinned."""
+
+
+class Unauthorized(InferenceError):
+    status = 401
+    error_type = "AuthenticationError"
+
+
+class PathForbidden(InferenceError):
+    """A path outside every allowed root (after resolving symlinks and `..`)."""
+
+    status = 403
+    error_type = "PermissionDeniedError"
+
+
+class AdapterNotFound(InferenceError):
+    """An adapter name nobody registered and the resolver cannot find, or a missing path."""
+
+    status = 404
+    error_type = "NotFoundError"
+
+
+class UnsupportedFormat(InferenceError):
+    """Not a safetensors file: pickle-based formats are refused without being opened."""
+
+    status = 415
+    error_type = "UnsupportedMediaTypeError"
+
+
+class IncompatibleAdapter(InferenceError):
+    """A readable file that cannot be applied to this base model (shapes, rank, modules...)."""
+
+    status = 422
+    error_type = "UnprocessableEntityError"
+
+
+class QueueFull(InferenceError):
+    """Back-pressure: the request queue is at `--max-queue`."""
+
+    status = 429
+    error_type = "RateLimitError"
+
+    def __init__(self, message: str, *, retry_after_s: int) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class NotReady(InferenceError):
+    status = 503
+    error_type = "ServiceUnavailableError"

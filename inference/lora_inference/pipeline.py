@@ -1,0 +1,340 @@
+"""The diffusers pipeline and everything that touches it: the only module that imports diffusers.
+
+Adapter state in a diffusers pipeline is global and not thread-safe, so a `DiffusionBackend` is
+driven by exactly one thread (the engine's pipeline worker). Its methods are blocking. Three rules
+from docs/architecture.md are enforced here:
+
+- an adapter is checked against the model's layer shapes before `load_lora_weights` runs, and a
+  load that fails anyway is rolled back on every component;
+- before each batch the active adapter and its weight are set on every LoRA layer of every
+  component and read back (peft leaves a previous text-encoder adapter active otherwise);
+- scales are set with peft's `set_scale` per layer, never through `cross_attention_kwargs`, whose
+  in-place multiply/divide is stateful.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import safetensors.torch
+import torch
+from diffusers import DiffusionPipeline
+from diffusers.utils.state_dict_utils import (
+    convert_state_dict_to_diffusers,
+    convert_state_dict_to_peft,
+    convert_unet_state_dict_to_peft,
+)
+from peft.tuners.tuners_utils import BaseTunerLayer
+from PIL import Image
+
+from lora_inference import errors
+from lora_inference.adapters import files, validation
+
+log = logging.getLogger(__name__)
+
+_DENOISERS = ("unet", "transformer")
+# Sampling defaults per family, as the model cards recommend; requests may override them.
+_SAMPLING_DEFAULTS = {
+    "StableDiffusionPipeline": (30, 7.5),
+    "StableDiffusionXLPipeline": (30, 5.0),
+    "StableDiffusion3Pipeline": (28, 7.0),
+    "FluxPipeline": (28, 3.5),
+}
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class ParsedAdapter:
+    """An adapter read from disk and checked: what the CPU tier caches."""
+
+    tensors: dict[str, torch.Tensor]  # as in the file (diffusers converts them on each load)
+    sha256: str
+    size_bytes: int
+    rank: int
+    # diffusers' own LoRA metadata (alpha, rank pattern) lives in the file header and is lost
+    # when a state dict is passed in memory; such adapters are loaded from their file instead.
+    needs_file: bool
+    weights_file: Path
+
+
+@dataclass(frozen=True)
+class ImageJob:
+    """One request's share of a batch."""
+
+    prompt: str
+    negative_prompt: str | None
+    seeds: tuple[int, ...]
+
+
+def resolve_dtype(name: str, device: str) -> torch.dtype:
+    if name == "auto":
+        return torch.float16 if device.startswith("cuda") else torch.float32
+    if name not in _DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; choose auto, {', '.join(_DTYPES)}")
+    return _DTYPES[name]
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+class DiffusionBackend:
+    """A loaded pipeline plus the shape table its adapters are checked against."""
+
+    def __init__(self, pipe: Any, *, device: str, dtype: torch.dtype) -> None:
+        self.pipe = pipe
+        self.device = device
+        self.dtype = dtype
+        self.family = type(pipe).__name__
+        self.components = tuple(
+            c
+            for c in getattr(pipe, "_lora_loadable_modules", ())
+            if getattr(pipe, c, None) is not None
+        )
+        self.shapes = _layer_shapes(pipe, self.components)
+        self._base_fingerprint = self._fingerprint()
+        self._call_params = set(inspect.signature(pipe.__call__).parameters)
+        vae_scale = int(getattr(pipe, "vae_scale_factor", 8))
+        denoiser = self._denoiser()
+        sample = getattr(denoiser.config, "sample_size", 64)
+        sample = sample[0] if isinstance(sample, list | tuple) else sample
+        # Flux and SD3 patchify latents; their sample_size is already in latent pixels.
+        self.default_size = int(sample) * vae_scale
+        self.default_steps, self.default_guidance = _SAMPLING_DEFAULTS.get(self.family, (30, 7.0))
+
+    @classmethod
+    def load(cls, model_dir: Path, *, device: str, dtype: torch.dtype) -> DiffusionBackend:
+        pipe = DiffusionPipeline.from_pretrained(str(model_dir), dtype=dtype)
+        pipe.to(device)
+        pipe.set_progress_bar_config(disable=True)
+        for component in pipe.components.values():
+            if isinstance(component, torch.nn.Module):
+                component.eval()  # dropout would make generation nondeterministic
+        if not hasattr(pipe, "load_lora_weights"):
+            raise ValueError(f"{type(pipe).__name__} does not support LoRA adapters")
+        return cls(pipe, device=device, dtype=dtype)
+
+    # -- reading adapters (any thread: touches no pipeline state) ----------------------------
+
+    def parse_adapter(self, path: Path, *, name: str, max_rank: int) -> ParsedAdapter:
+        """Read, hash and check an adapter without touching the pipeline.
+
+        Raises UnsupportedFormat (pickle), IncompatibleAdapter (corrupt file, not a LoRA, wrong
+        shapes or rank for this model).
+        """
+        weights = files.find_weights_file(path)
+        data = weights.read_bytes()
+        header = files.parse_safetensors_header(data, len(data), name=weights.name)
+        try:
+            tensors = safetensors.torch.load(data)
+        except Exception as e:  # safetensors raises its own error types
+            raise errors.IncompatibleAdapter(
+                f"{weights.name} cannot be read as safetensors: {e}", param="lora_path"
+            ) from e
+        files.check_lora_keys(list(tensors), name=name)
+        summary = validation.check_adapter_fits(
+            self._peft_shapes(tensors, name), self.shapes, max_rank=max_rank, name=name
+        )
+        tensors = {k: v.to(self.dtype) if v.is_floating_point() else v for k, v in tensors.items()}
+        return ParsedAdapter(
+            tensors=tensors,
+            sha256=hashlib.sha256(data).hexdigest(),
+            size_bytes=len(data),
+            rank=summary.rank,
+            needs_file="lora_adapter_metadata" in header.metadata,
+            weights_file=weights,
+        )
+
+    def _peft_shapes(
+        self, tensors: dict[str, torch.Tensor], name: str
+    ) -> dict[str, dict[str, tuple[int, ...]]]:
+        """Convert keys the way diffusers will when loading, then group shapes by component."""
+        try:
+            converted = type(self.pipe).lora_state_dict(dict(tensors))
+        except Exception as e:  # diffusers' converters raise ValueError, KeyError, ...
+            raise errors.IncompatibleAdapter(
+                f"adapter {name!r} is in a LoRA format {self.family} cannot read: {e}",
+                param="lora_path",
+            ) from e
+        state = converted[0] if isinstance(converted, tuple) else converted
+        by_component: dict[str, dict[str, torch.Tensor]] = {}
+        for key, tensor in state.items():
+            component, _, rest = key.partition(".")
+            if not rest:
+                raise errors.IncompatibleAdapter(
+                    f"adapter {name!r}: key {key!r} names no pipeline component", param="lora_path"
+                )
+            by_component.setdefault(component, {})[rest] = tensor
+        shapes: dict[str, dict[str, tuple[int, ...]]] = {}
+        for component, part in by_component.items():
+            if component in _DENOISERS:
+                if not any("lora_A" in k for k in part):
+                    part = convert_unet_state_dict_to_peft(part)
+            else:
+                part = convert_state_dict_to_peft(convert_state_dict_to_diffusers(part))
+            shapes[component] = {k: tuple(v.shape) for k, v in part.items()}
+        return shapes
+
+    # -- mutating the pipeline (pipeline thread only) ------------------------------------------
+
+    def add_adapter(self, key: str, adapter: ParsedAdapter) -> None:
+        """Load `adapter` under `key`; on any failure leave the pipeline exactly as it was."""
+        source: Any
+        if adapter.needs_file:
+            source = str(adapter.weights_file.parent)
+            kwargs = {"weight_name": adapter.weights_file.name}
+        else:
+            source = {k: v.to(self.device) for k, v in adapter.tensors.items()}
+            kwargs = {}
+        try:
+            with torch.no_grad():
+                self.pipe.load_lora_weights(
+                    source, adapter_name=key, low_cpu_mem_usage=True, **kwargs
+                )
+            if self._fingerprint() != self._base_fingerprint:
+                raise errors.IncompatibleAdapter(
+                    "loading it changed the shapes of the base model's layers (a LoRA wider than "
+                    "the layer it targets); it was removed",
+                    param="lora_path",
+                )
+        except Exception as e:
+            self.remove_adapter(key)
+            if isinstance(e, errors.InferenceError):
+                raise
+            raise errors.IncompatibleAdapter(
+                f"the pipeline refused the adapter: {e}", param="lora_path"
+            ) from e
+
+    def remove_adapter(self, key: str) -> None:
+        """Delete `key` from every component; a name a component lacks is fine."""
+        for component in self.components:
+            model = getattr(self.pipe, component)
+            for module in model.modules():
+                if (
+                    isinstance(module, BaseTunerLayer)
+                    and key in module._all_available_adapter_names()
+                ):
+                    module.delete_adapter(key)
+            peft_config = getattr(model, "peft_config", None)
+            if isinstance(peft_config, dict):
+                peft_config.pop(key, None)
+
+    def resident_keys(self) -> set[str]:
+        keys: set[str] = set()
+        for layer in self._lora_layers():
+            keys.update(layer.lora_A.keys())
+        return keys
+
+    def activate(self, key: str | None, scale: float) -> None:
+        """Make `key` (None: no adapter) the only active adapter on every layer, and check it."""
+        found = False
+        for layer in self._lora_layers():
+            if key is not None and key in layer.lora_A:
+                layer.enable_adapters(True)
+                layer.set_adapter([key], inference_mode=True)
+                layer.set_scale(key, scale)
+                found = True
+            else:
+                layer.enable_adapters(False)
+        if key is not None and not found:
+            raise RuntimeError(f"adapter {key} is not resident in the pipeline")
+        self._check_active(key, scale)
+
+    def _check_active(self, key: str | None, scale: float) -> None:
+        for layer in self._lora_layers():
+            if key is not None and key in layer.lora_A:
+                expected = scale * layer.lora_alpha[key] / layer.r[key]
+                ok = (
+                    not layer.disable_adapters
+                    and layer.active_adapters == [key]
+                    and abs(layer.scaling[key] - expected) <= 1e-9 * max(1.0, abs(expected))
+                )
+            else:
+                ok = bool(layer.disable_adapters)
+            if not ok:
+                raise RuntimeError(f"LoRA layer state did not take: wanted {key} at scale {scale}")
+
+    def generate(
+        self,
+        jobs: Sequence[ImageJob],
+        *,
+        width: int,
+        height: int,
+        steps: int,
+        guidance_scale: float,
+    ) -> list[Image.Image]:
+        prompts = [job.prompt for job in jobs for _ in job.seeds]
+        generators = [
+            torch.Generator(device="cpu").manual_seed(seed) for job in jobs for seed in job.seeds
+        ]
+        kwargs: dict[str, Any] = {
+            "prompt": prompts,
+            "generator": generators,
+            "num_inference_steps": steps,
+            "guidance_scale": guidance_scale,
+            "height": height,
+            "width": width,
+            "output_type": "pil",
+        }
+        negatives = [job.negative_prompt or "" for job in jobs for _ in job.seeds]
+        if any(negatives) and "negative_prompt" in self._call_params:
+            kwargs["negative_prompt"] = negatives
+        with torch.inference_mode():
+            result = self.pipe(**kwargs)
+        return list(result.images)
+
+    # -- introspection --------------------------------------------------------------------------
+
+    def parameter_count(self) -> int:
+        return sum(p.numel() for c in self.components for p in getattr(self.pipe, c).parameters())
+
+    def accepts_negative_prompt(self) -> bool:
+        return "negative_prompt" in self._call_params
+
+    def _denoiser(self) -> Any:
+        for name in _DENOISERS:
+            model = getattr(self.pipe, name, None)
+            if model is not None:
+                return model
+        raise ValueError(f"{self.family} has neither a unet nor a transformer")
+
+    def _lora_layers(self) -> list[Any]:
+        return [
+            module
+            for c in self.components
+            for module in getattr(self.pipe, c).modules()
+            if isinstance(module, BaseTunerLayer) and hasattr(module, "lora_A")
+        ]
+
+    def _fingerprint(self) -> str:
+        """Names and shapes of the base (non-LoRA) parameters: catches base-widening loads."""
+        digest = hashlib.sha256()
+        for c in self.components:
+            for name, p in getattr(self.pipe, c).named_parameters():
+                if "lora_" in name:
+                    continue
+                digest.update(f"{c}.{name.replace('.base_layer', '')}:{tuple(p.shape)};".encode())
+        return digest.hexdigest()
+
+
+def _layer_shapes(
+    pipe: Any, components: Sequence[str]
+) -> dict[str, dict[str, validation.LayerShape]]:
+    shapes: dict[str, dict[str, validation.LayerShape]] = {}
+    for component in components:
+        table: dict[str, validation.LayerShape] = {}
+        for name, module in getattr(pipe, component).named_modules():
+            if isinstance(module, torch.nn.Linear):
+                table[name] = validation.LayerShape(module.in_features, module.out_features)
+            elif isinstance(module, torch.nn.Conv2d):
+                table[name] = validation.LayerShape(
+                    module.in_channels, module.out_channels, tuple(module.kernel_size)
+                )
+        shapes[component] = table
+    return shapes
