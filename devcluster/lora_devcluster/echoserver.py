@@ -1,7 +1,7 @@
 """A tiny HTTP server for testing the harness: `python -m lora_devcluster.echoserver`.
 
 GET /healthz -> 200 "ok"; GET /env -> the environment as JSON; GET /file?path=P -> the file's
-bytes (404 if missing); anything else -> 200 with the hostname. Listens on 0.0.0.0:$PORT
+bytes (404 if missing); GET /ls?path=D -> the directory's entries as JSON; anything else -> 200 with the hostname. Listens on 0.0.0.0:$PORT
 (default 8080). Standard library only, so it starts fast.
 """
 
@@ -28,6 +28,12 @@ class Handler(http.server.BaseHTTPRequestHandler):
             self._send(200, b"ok")
         elif url.path == "/env":
             self._send(200, json.dumps(dict(os.environ)).encode(), "application/json")
+        elif url.path == "/ls":
+            path = urllib.parse.parse_qs(url.query).get("path", [""])[0]
+            try:
+                self._send(200, json.dumps(sorted(os.listdir(path))).encode(), "application/json")
+            except OSError as e:
+                self._send(404, str(e).encode())
         elif url.path == "/file":
             path = urllib.parse.parse_qs(url.query).get("path", [""])[0]
             try:

@@ -70,7 +70,7 @@ def test_exec_without_a_cluster_says_so(tmp_path: Path) -> None:
     assert "no cluster running" in proc.stderr
 
 
-INNER_TESTS = '''
+INNER_TESTS = """
 import os, time
 from pathlib import Path
 
@@ -90,7 +90,7 @@ def test_interrupted(devcluster, devcluster_namespace):
     _pod(devcluster, devcluster_namespace)
     Path(os.environ["MARKER"]).write_text("running")
     time.sleep(600)
-'''
+"""
 
 
 def _inner_pytest(tmp_path: Path, test: str) -> subprocess.Popen[str]:

@@ -40,7 +40,11 @@ def echo_deployment(name: str, replicas: int, **pod_extra: Any) -> Obj:
             "selector": {"matchLabels": {"app": name}},
             "template": {
                 "metadata": {"labels": {"app": name}},
-                "spec": {"terminationGracePeriodSeconds": 5, "containers": [container], **pod_extra},
+                "spec": {
+                    "terminationGracePeriodSeconds": 5,
+                    "containers": [container],
+                    **pod_extra,
+                },
             },
         },
     }
@@ -159,7 +163,11 @@ def test_liveness_probe_failure_restarts_the_container(
     devcluster: Harness, devcluster_namespace: str
 ) -> None:
     h, ns = devcluster, devcluster_namespace
-    live = {"httpGet": {"path": "/missing", "port": 8080}, "periodSeconds": 1, "failureThreshold": 2}
+    live = {
+        "httpGet": {"path": "/file?path=/nonexistent", "port": 8080},
+        "periodSeconds": 1,
+        "failureThreshold": 2,
+    }
     h.apply(echo_deployment("live", 1, container={"livenessProbe": live}), ns)
 
     def restarted() -> bool:
@@ -207,10 +215,12 @@ def test_pvc_on_hostpath_pv_is_shared_between_pods(
         )
         h.wait_for(
             "the PVC to be bound",
-            lambda: h.get(f"/api/v1/namespaces/{ns}/persistentvolumeclaims/shared")["status"].get(
-                "phase"
-            )
-            == "Bound",
+            lambda: (
+                h.get(f"/api/v1/namespaces/{ns}/persistentvolumeclaims/shared")["status"].get(
+                    "phase"
+                )
+                == "Bound"
+            ),
             timeout=30,
         )
         volume = {"name": "data", "persistentVolumeClaim": {"claimName": "shared"}}
@@ -236,8 +246,9 @@ def test_pvc_on_hostpath_pv_is_shared_between_pods(
         h.apply(writer, ns)
         h.wait_for(
             "the writer pod to succeed",
-            lambda: h.get(f"/api/v1/namespaces/{ns}/pods/writer")["status"].get("phase")
-            == "Succeeded",
+            lambda: (
+                h.get(f"/api/v1/namespaces/{ns}/pods/writer")["status"].get("phase") == "Succeeded"
+            ),
             timeout=30,
         )
         h.apply(
@@ -327,7 +338,12 @@ def test_secret_and_configmap_as_env_and_files(
 
     assert file("/lora-devcluster-test/cfg/conf.yaml") == b"a: 1\n"
     assert file("/lora-devcluster-test/creds/t/token") == b"s3cr3t"
-    assert file("/lora-devcluster-test/scratch/nothing").startswith(b"[Errno 2]")
+    def ls(path: str) -> list[str]:
+        entries: list[str] = json.loads(http_get(f"http://{ip}:8080/ls?path={path}")[1])
+        return entries
+
+    assert ls("/lora-devcluster-test/cfg") == ["conf.yaml", "mode"]
+    assert ls("/lora-devcluster-test/scratch") == []  # a fresh emptyDir
 
 
 def test_deleting_a_namespace_ends_its_pods_and_processes(
