@@ -170,10 +170,24 @@ def up(
     layout.logs.mkdir(parents=True)
     mapping = dict(image_map) if image_map is not None else load_image_map(None)
     argv = [
-        "unshare", "--net", "--pid", "--mount", "--fork", "--kill-child", "--mount-proc",
-        "--", sys.executable, "-m", "lora_devcluster.supervisor",
-        "--dir", str(root), "--bin-dir", str(binaries), "--image-map", json.dumps(mapping),
-    ]  # fmt: skip
+        "unshare",
+        "--net",
+        "--pid",
+        "--mount",
+        "--fork",
+        "--kill-child",
+        "--mount-proc",
+        "--",
+        sys.executable,
+        "-m",
+        "lora_devcluster.supervisor",
+        "--dir",
+        str(root),
+        "--bin-dir",
+        str(binaries),
+        "--image-map",
+        json.dumps(mapping),
+    ]
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(
         p for p in [str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH", "")] if p

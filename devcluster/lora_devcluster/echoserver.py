@@ -1,8 +1,9 @@
 """A tiny HTTP server for testing the harness: `python -m lora_devcluster.echoserver`.
 
 GET /healthz -> 200 "ok"; GET /env -> the environment as JSON; GET /file?path=P -> the file's
-bytes (404 if missing); GET /ls?path=D -> the directory's entries as JSON; anything else -> 200 with the hostname. Listens on 0.0.0.0:$PORT
-(default 8080). Standard library only, so it starts fast.
+bytes (404 if missing); GET /ls?path=D -> the directory's entries as JSON; anything else ->
+200 with the hostname. Listens on 0.0.0.0:$PORT (default 8080). Standard library only, so it
+starts fast.
 """
 
 from __future__ import annotations

@@ -142,8 +142,10 @@ class Harness:
             except (ApiError, OSError) as e:
                 last = e
             time.sleep(interval)
-        raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}" + (
-            f" (last error: {last})" if last else ""))  # fmt: skip
+        raise AssertionError(
+            f"timed out after {timeout:.0f} s waiting for {what}"
+            + (f" (last error: {last})" if last else "")
+        )
 
     def container_logs(self, namespace: str) -> str:
         """Every container log of the pods (live or deleted) of `namespace`."""

@@ -545,8 +545,21 @@ class PodWorker:
             await asyncio.sleep(0.01)
         host_if = self.kubelet.next_veth()
         run = processes.run_checked
-        await run(["ip", "link", "add", host_if, "type", "veth", "peer", "name", "eth0",
-                   "netns", str(self.holder.pid)])  # fmt: skip
+        await run(
+            [
+                "ip",
+                "link",
+                "add",
+                host_if,
+                "type",
+                "veth",
+                "peer",
+                "name",
+                "eth0",
+                "netns",
+                str(self.holder.pid),
+            ]
+        )
         await run(["ip", "link", "set", host_if, "master", cfg.bridge, "up"])
         inside = ["nsenter", f"--net={netns}", "ip"]
         await run([*inside, "link", "set", "lo", "up"])
@@ -589,9 +602,13 @@ class PodWorker:
                 if obj is None:
                     data = {}
                 elif is_cm:
-                    data = {**obj.get("data", {}), **{
-                        k: __import__("base64").b64decode(v)
-                        for k, v in (obj.get("binaryData") or {}).items()}}  # fmt: skip
+                    data = {
+                        **obj.get("data", {}),
+                        **{
+                            k: __import__("base64").b64decode(v)
+                            for k, v in (obj.get("binaryData") or {}).items()
+                        },
+                    }
                 else:
                     data = podlogic.decode_secret_data(obj)
                 files = podlogic.build_projected_files(data, src.get("items"), f"{kind}/{ref_name}")

@@ -12,7 +12,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from lora_devcluster import cluster
 
 pytestmark = pytest.mark.slow
@@ -40,8 +39,10 @@ def cli(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
         check=False,
     )
     if check and proc.returncode != 0:
-        raise AssertionError(f"lora-devcluster {' '.join(args)} exited {proc.returncode}:\n"
-                             f"{proc.stdout}\n{proc.stderr}")  # fmt: skip
+        raise AssertionError(
+            f"lora-devcluster {' '.join(args)} exited {proc.returncode}:\n"
+            f"{proc.stdout}\n{proc.stderr}"
+        )
     return proc
 
 
@@ -54,10 +55,31 @@ def test_up_exec_down_twice_leaves_nothing(tmp_path: Path) -> None:
         nodes = cli("exec", "--dir", str(root), "--", "kubectl", "get", "nodes").stdout
         assert "lora-devcluster" in nodes and "Ready" in nodes
         # A pod, so down has a container process, a netns holder and a mount point to clean.
-        cli("exec", "--dir", str(root), "--", "kubectl", "run", "sleeper", "--image=shell",
-            "--command", "--", "sleep", "600")  # fmt: skip
-        cli("exec", "--dir", str(root), "--", "kubectl", "wait", "pod/sleeper",
-            "--for=condition=Ready", "--timeout=60s")  # fmt: skip
+        cli(
+            "exec",
+            "--dir",
+            str(root),
+            "--",
+            "kubectl",
+            "run",
+            "sleeper",
+            "--image=shell",
+            "--command",
+            "--",
+            "sleep",
+            "600",
+        )
+        cli(
+            "exec",
+            "--dir",
+            str(root),
+            "--",
+            "kubectl",
+            "wait",
+            "pod/sleeper",
+            "--for=condition=Ready",
+            "--timeout=60s",
+        )
         assert cluster.leftovers(root)  # sanity: the check does see a running cluster
         assert "cluster stopped" in cli("down", "--dir", str(root)).stdout
         assert cluster.leftovers(root) == []
@@ -99,10 +121,23 @@ def _inner_pytest(tmp_path: Path, test: str) -> subprocess.Popen[str]:
     work.mkdir()
     env = dict(os.environ, TMPDIR=str(work), MARKER=str(tmp_path / "marker"))
     return subprocess.Popen(
-        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q",
-         f"{tmp_path / 'test_inner.py'}::{test}", "--rootdir", str(tmp_path)],
-        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-p",
+            "no:cacheprovider",
+            "-q",
+            f"{tmp_path / 'test_inner.py'}::{test}",
+            "--rootdir",
+            str(tmp_path),
+        ],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 def _assert_clean(work: Path) -> None:
@@ -110,8 +145,9 @@ def _assert_clean(work: Path) -> None:
     leftover = [
         pid
         for pid in os.listdir("/proc")
-        if pid.isdigit() and str(work).encode() in _read(f"/proc/{pid}/cmdline") + _read(f"/proc/{pid}/environ")
-    ]  # fmt: skip
+        if pid.isdigit()
+        and str(work).encode() in _read(f"/proc/{pid}/cmdline") + _read(f"/proc/{pid}/environ")
+    ]
     assert leftover == []
     assert str(work) not in Path("/proc/self/mounts").read_text()
 

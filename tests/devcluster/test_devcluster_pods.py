@@ -171,8 +171,11 @@ def test_liveness_probe_failure_restarts_the_container(
     h.apply(echo_deployment("live", 1, container={"livenessProbe": live}), ns)
 
     def restarted() -> bool:
-        return any(container_status(p)["restartCount"] >= 1 for p in h.pods(ns, "app=live")
-                   if p.get("status", {}).get("containerStatuses"))  # fmt: skip
+        return any(
+            container_status(p)["restartCount"] >= 1
+            for p in h.pods(ns, "app=live")
+            if p.get("status", {}).get("containerStatuses")
+        )
 
     h.wait_for("a liveness restart", restarted, timeout=30)
     assert "liveness probe failed" in h.container_logs(ns)
@@ -236,13 +239,22 @@ def test_pvc_on_hostpath_pv_is_shared_between_pods(
                     {
                         "name": "w",
                         "image": "shell",
-                        "command": ["sh", "-c", "echo written-by-$(POD) > /lora-devcluster-test/data/x"],
-                        "env": [{"name": "POD", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}],
+                        "command": [
+                            "sh",
+                            "-c",
+                            "echo written-by-$(POD) > /lora-devcluster-test/data/x",
+                        ],
+                        "env": [
+                            {
+                                "name": "POD",
+                                "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}},
+                            }
+                        ],
                         "volumeMounts": [mount],
                     }
                 ],
             },
-        }  # fmt: skip
+        }
         h.apply(writer, ns)
         h.wait_for(
             "the writer pod to succeed",
@@ -258,13 +270,21 @@ def test_pvc_on_hostpath_pv_is_shared_between_pods(
                 "metadata": {"name": "reader", "labels": {"app": "reader"}},
                 "spec": {
                     "volumes": [volume],
-                    "containers": [{"name": "r", "image": ECHO, "volumeMounts": [mount],
-                                    "readinessProbe": {"httpGet": {"path": "/healthz", "port": 8080},
-                                                       "periodSeconds": 1}}],
+                    "containers": [
+                        {
+                            "name": "r",
+                            "image": ECHO,
+                            "volumeMounts": [mount],
+                            "readinessProbe": {
+                                "httpGet": {"path": "/healthz", "port": 8080},
+                                "periodSeconds": 1,
+                            },
+                        }
+                    ],
                 },
             },
             ns,
-        )  # fmt: skip
+        )
         (reader,) = ready_pods(h, ns, "app=reader", 1)
         url = f"http://{reader['status']['podIP']}:8080/file?path=/lora-devcluster-test/data/x"
         assert http_get(url)[1] == b"written-by-writer\n"
@@ -282,13 +302,21 @@ def test_secret_and_configmap_as_env_and_files(
     h, ns = devcluster, devcluster_namespace
     h.apply(
         [
-            {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "cfg"},
-             "data": {"mode": "fast", "conf.yaml": "a: 1\n"}},
-            {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "creds"},
-             "stringData": {"token": "s3cr3t"}},
+            {
+                "apiVersion": "v1",
+                "kind": "ConfigMap",
+                "metadata": {"name": "cfg"},
+                "data": {"mode": "fast", "conf.yaml": "a: 1\n"},
+            },
+            {
+                "apiVersion": "v1",
+                "kind": "Secret",
+                "metadata": {"name": "creds"},
+                "stringData": {"token": "s3cr3t"},
+            },
         ],
         ns,
-    )  # fmt: skip
+    )
     pod = {
         "apiVersion": "v1",
         "kind": "Pod",
@@ -296,7 +324,13 @@ def test_secret_and_configmap_as_env_and_files(
         "spec": {
             "volumes": [
                 {"name": "cfg", "configMap": {"name": "cfg"}},
-                {"name": "creds", "secret": {"secretName": "creds", "items": [{"key": "token", "path": "t/token"}]}},
+                {
+                    "name": "creds",
+                    "secret": {
+                        "secretName": "creds",
+                        "items": [{"key": "token", "path": "t/token"}],
+                    },
+                },
                 {"name": "scratch", "emptyDir": {}},
             ],
             "containers": [
@@ -305,10 +339,19 @@ def test_secret_and_configmap_as_env_and_files(
                     "image": ECHO,
                     "envFrom": [{"configMapRef": {"name": "cfg"}, "prefix": "CFG_"}],
                     "env": [
-                        {"name": "TOKEN", "valueFrom": {"secretKeyRef": {"name": "creds", "key": "token"}}},
-                        {"name": "MODE", "valueFrom": {"configMapKeyRef": {"name": "cfg", "key": "mode"}}},
+                        {
+                            "name": "TOKEN",
+                            "valueFrom": {"secretKeyRef": {"name": "creds", "key": "token"}},
+                        },
+                        {
+                            "name": "MODE",
+                            "valueFrom": {"configMapKeyRef": {"name": "cfg", "key": "mode"}},
+                        },
                         {"name": "MY_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
-                        {"name": "MY_NS", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+                        {
+                            "name": "MY_NS",
+                            "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}},
+                        },
                         {"name": "COMBINED", "value": "$(MODE)-$(MY_NS)"},
                     ],
                     "volumeMounts": [
@@ -316,11 +359,14 @@ def test_secret_and_configmap_as_env_and_files(
                         {"name": "creds", "mountPath": "/lora-devcluster-test/creds"},
                         {"name": "scratch", "mountPath": "/lora-devcluster-test/scratch"},
                     ],
-                    "readinessProbe": {"httpGet": {"path": "/healthz", "port": 8080}, "periodSeconds": 1},
+                    "readinessProbe": {
+                        "httpGet": {"path": "/healthz", "port": 8080},
+                        "periodSeconds": 1,
+                    },
                 }
             ],
         },
-    }  # fmt: skip
+    }
     h.apply(pod, ns)
     (p,) = ready_pods(h, ns, "app=cfgpod", 1)
     ip = p["status"]["podIP"]
@@ -338,6 +384,7 @@ def test_secret_and_configmap_as_env_and_files(
 
     assert file("/lora-devcluster-test/cfg/conf.yaml") == b"a: 1\n"
     assert file("/lora-devcluster-test/creds/t/token") == b"s3cr3t"
+
     def ls(path: str) -> list[str]:
         entries: list[str] = json.loads(http_get(f"http://{ip}:8080/ls?path={path}")[1])
         return entries
@@ -363,8 +410,15 @@ def test_kubectl_server_dry_run_and_helm_template_apply(
     devcluster: Harness, devcluster_namespace: str, tmp_path: Path
 ) -> None:
     h, ns = devcluster, devcluster_namespace
-    out = h.kubectl("apply", "--dry-run=server", "-n", ns, "-f", "-",
-                    input=json.dumps(echo_deployment("dry", 1)))  # fmt: skip
+    out = h.kubectl(
+        "apply",
+        "--dry-run=server",
+        "-n",
+        ns,
+        "-f",
+        "-",
+        input=json.dumps(echo_deployment("dry", 1)),
+    )
     assert "deployment.apps/dry created (server dry run)" in out
     assert h.get_or_none(f"/apis/apps/v1/namespaces/{ns}/deployments/dry") is None
     # The API server validates on a dry run too: an invalid object is refused.
@@ -372,8 +426,12 @@ def test_kubectl_server_dry_run_and_helm_template_apply(
     bad["spec"]["selector"]["matchLabels"] = {"app": "other"}
     refused = subprocess.run(
         ["kubectl", "apply", "--dry-run=server", "-n", ns, "-f", "-"],
-        input=json.dumps(bad), capture_output=True, text=True, env=h.cluster.env(), check=False,
-    )  # fmt: skip
+        input=json.dumps(bad),
+        capture_output=True,
+        text=True,
+        env=h.cluster.env(),
+        check=False,
+    )
     assert refused.returncode != 0
     assert "selector" in refused.stderr
 
@@ -396,10 +454,14 @@ def test_unmapped_image_without_command_reports_why(
 ) -> None:
     h, ns = devcluster, devcluster_namespace
     h.apply(
-        {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "nope"},
-         "spec": {"containers": [{"name": "c", "image": "nginx:1.27"}]}},
+        {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": "nope"},
+            "spec": {"containers": [{"name": "c", "image": "nginx:1.27"}]},
+        },
         ns,
-    )  # fmt: skip
+    )
 
     def waiting() -> Obj | None:
         p = h.get(f"/api/v1/namespaces/{ns}/pods/nope")

@@ -6,7 +6,6 @@ import base64
 from typing import Any
 
 import pytest
-
 from lora_devcluster import podlogic
 from lora_devcluster.podlogic import ContainerConfigError, ContainerView
 
@@ -21,17 +20,27 @@ IMAGES = podlogic.parse_image_map(
 @pytest.mark.parametrize(
     ("image", "command", "args", "expected"),
     [
-        ("lora-operator/inference:dev", None, ["serve", "--port", "8000"],
-         ["/venv/bin/lora-inference", "serve", "--port", "8000"]),
+        (
+            "lora-operator/inference:dev",
+            None,
+            ["serve", "--port", "8000"],
+            ["/venv/bin/lora-inference", "serve", "--port", "8000"],
+        ),
         ("app:1", None, None, ["/bin/app", "serve", "--default"]),
         ("app:1", None, ["other"], ["/bin/app", "other"]),
         ("app:1", None, [], ["/bin/app"]),
         ("app:1", ["/bin/sh", "-c"], ["echo hi"], ["/bin/sh", "-c", "echo hi"]),
         ("unmapped:latest", ["python3", "-V"], None, ["python3", "-V"]),
     ],
-    ids=["mapped-args", "default-cmd", "args-replace-cmd", "empty-args", "command-wins",
-         "unmapped-with-command"],
-)  # fmt: skip
+    ids=[
+        "mapped-args",
+        "default-cmd",
+        "args-replace-cmd",
+        "empty-args",
+        "command-wins",
+        "unmapped-with-command",
+    ],
+)
 def test_build_argv(
     image: str, command: list[str] | None, args: list[str] | None, expected: list[str]
 ) -> None:
@@ -79,7 +88,10 @@ def _ctx(**kw: Any) -> podlogic.PodContext:
 
 def test_build_env_resolves_every_source_in_order() -> None:
     container = {
-        "envFrom": [{"configMapRef": {"name": "cm"}, "prefix": "CM_"}, {"secretRef": {"name": "s"}}],
+        "envFrom": [
+            {"configMapRef": {"name": "cm"}, "prefix": "CM_"},
+            {"secretRef": {"name": "s"}},
+        ],
         "env": [
             {"name": "PLAIN", "value": "v"},
             {"name": "REF", "value": "$(PLAIN)/$(CM_k)"},
@@ -89,9 +101,12 @@ def test_build_env_resolves_every_source_in_order() -> None:
             {"name": "APP", "valueFrom": {"fieldRef": {"fieldPath": "metadata.labels['app']"}}},
             {"name": "CMK", "valueFrom": {"configMapKeyRef": {"name": "cm", "key": "k"}}},
             {"name": "SK", "valueFrom": {"secretKeyRef": {"name": "s", "key": "token"}}},
-            {"name": "OPT", "valueFrom": {"secretKeyRef": {"name": "nope", "key": "x", "optional": True}}},
+            {
+                "name": "OPT",
+                "valueFrom": {"secretKeyRef": {"name": "nope", "key": "x", "optional": True}},
+            },
         ],
-    }  # fmt: skip
+    }
     env = podlogic.build_env(container, _ctx(), {"PATH": "/bin"})
     assert env == {
         "PATH": "/bin",
@@ -130,7 +145,7 @@ def test_decode_secret_data() -> None:
 
 
 def test_projected_files_all_keys_or_items() -> None:
-    data = {"a": "1", "b": b"2"}
+    data: dict[str, str | bytes] = {"a": "1", "b": b"2"}
     assert podlogic.build_projected_files(data, None, "cm") == {"a": b"1", "b": b"2"}
     items = [{"key": "b", "path": "sub/b.txt"}]
     assert podlogic.build_projected_files(data, items, "cm") == {"sub/b.txt": b"2"}
@@ -222,16 +237,24 @@ def test_pod_status_keeps_transition_time_when_unchanged() -> None:
     again = podlogic.build_pod_status(
         {"spec": {}, "status": first},
         [ContainerView("c", "img", running_since="T0", ready=True)],
-        pod_ip="10.244.0.9", host_ip="10.244.0.1", start_time="T0", now="T5",
-    )  # fmt: skip
+        pod_ip="10.244.0.9",
+        host_ip="10.244.0.1",
+        start_time="T0",
+        now="T5",
+    )
     assert _cond(again, "Ready")["lastTransitionTime"] == "T1"
     assert not podlogic.status_differs(first, again)
 
 
 def test_pod_status_crash_loop_shows_last_state() -> None:
     last = {"exitCode": 1, "reason": "Error", "startedAt": "T0", "finishedAt": "T1"}
-    s = _status([ContainerView("c", "img", restart_count=1, waiting_reason="CrashLoopBackOff",
-                               last_terminated=last)])  # fmt: skip
+    s = _status(
+        [
+            ContainerView(
+                "c", "img", restart_count=1, waiting_reason="CrashLoopBackOff", last_terminated=last
+            )
+        ]
+    )
     cs = s["containerStatuses"][0]
     assert s["phase"] == "Running"
     assert cs["restartCount"] == 1
