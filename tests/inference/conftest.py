@@ -157,3 +157,11 @@ async def start_server(
 @pytest_asyncio.fixture
 async def server(start_server: Callable[..., Any]) -> Server:
     return await start_server()
+
+
+@pytest.fixture(scope="session")
+def bad_adapters(assets: Assets, tmp_path_factory: pytest.TempPathFactory) -> list[Any]:
+    from tests.inference.bad_adapters import write_bad_adapters
+
+    outside = tmp_path_factory.mktemp("outside")
+    return write_bad_adapters(assets.root / "bad", assets.adapter_a, assets.adapter_b, outside)

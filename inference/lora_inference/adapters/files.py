@@ -49,7 +49,8 @@ _DTYPE_BYTES = {
 _LORA_MARKERS = ("lora_A.", "lora_B.", "lora_down.", "lora_up.", "lora.down.", "lora.up.")
 # Keys that carry full weights or weight deltas: loading them would change the base model itself,
 # which an unload cannot undo.
-_BASE_MUTATING_MARKERS = (".diff", ".diff_b", "dora_scale", "lora_magnitude_vector")
+_BASE_MUTATING_SUFFIXES = (".diff", ".diff_b")
+_BASE_MUTATING_MARKERS = ("dora_scale", "lora_magnitude_vector")
 
 
 @dataclass(frozen=True)
@@ -157,7 +158,7 @@ def check_lora_keys(keys: list[str], *, name: str = "adapter") -> None:
     if not keys:
         raise errors.IncompatibleAdapter(f"{name} holds no tensors", param="lora_path")
     for key in keys:
-        if any(m in key for m in _BASE_MUTATING_MARKERS):
+        if key.endswith(_BASE_MUTATING_SUFFIXES) or any(m in key for m in _BASE_MUTATING_MARKERS):
             raise errors.IncompatibleAdapter(
                 f"{name}: tensor {key!r} would modify the base model's own weights; only plain "
                 "LoRA pairs (lora_A/lora_B or lora_down/lora_up) are served",

@@ -118,7 +118,6 @@ def _t5_encoder(vocab_size: int) -> Any:
         num_layers=2,
         num_heads=4,
         relative_attention_num_buckets=8,
-        decoder_start_token_id=0,
         pad_token_id=0,
         eos_token_id=1,
     )

@@ -1,0 +1,98 @@
+"""Batch planning: pure, so tested for grouping, affinity and the fairness bound."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lora_inference.scheduling import BatchKey, adapters_wanted, plan_next_batch
+
+
+@dataclass
+class Item:
+    key: BatchKey
+    images: int = 1
+    skipped: int = 0
+    ident: int = 0
+
+
+def key(adapter: str | None, scale: float = 1.0, size: int = 32) -> BatchKey:
+    return BatchKey(
+        adapter=adapter, scale=scale, width=size, height=size, steps=2, guidance_scale=5.0
+    )
+
+
+def test_empty_queue_plans_nothing() -> None:
+    assert plan_next_batch([], set(), max_batch_images=4, max_skips=2) is None
+
+
+def test_batch_groups_same_key_up_to_the_image_limit() -> None:
+    queue = [Item(key("a")), Item(key("b")), Item(key("a"), images=2), Item(key("a"), images=2)]
+    plan = plan_next_batch(queue, {"a"}, max_batch_images=3, max_skips=2)
+    assert plan is not None
+    assert plan.members == [0, 2]
+    assert not plan.skipped_head
+
+
+def test_different_scale_or_size_never_share_a_batch() -> None:
+    queue = [Item(key("a")), Item(key("a", scale=0.5)), Item(key("a", size=64)), Item(key("a"))]
+    plan = plan_next_batch(queue, {"a"}, max_batch_images=8, max_skips=2)
+    assert plan is not None and plan.members == [0, 3]
+
+
+def test_resident_adapter_may_pass_a_cold_head() -> None:
+    queue = [Item(key("cold")), Item(key("hot"))]
+    plan = plan_next_batch(queue, {"hot"}, max_batch_images=4, max_skips=2)
+    assert plan is not None and plan.members == [1] and plan.skipped_head
+
+
+def test_base_model_requests_count_as_resident() -> None:
+    queue = [Item(key("cold")), Item(key(None))]
+    plan = plan_next_batch(queue, set(), max_batch_images=4, max_skips=2)
+    assert plan is not None and plan.members == [1]
+
+
+def test_head_skipped_max_times_goes_next() -> None:
+    queue = [Item(key("cold"), skipped=2), Item(key("hot"))]
+    plan = plan_next_batch(queue, {"hot"}, max_batch_images=4, max_skips=2)
+    assert plan is not None and plan.members == [0] and not plan.skipped_head
+
+
+def test_adapters_wanted_lists_queued_adapters() -> None:
+    assert adapters_wanted([Item(key("a")), Item(key(None)), Item(key("b"))]) == {"a", "b"}
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    adapters=st.lists(st.sampled_from(["a", "b", "c", "d", None]), min_size=1, max_size=25),
+    resident_pick=st.lists(st.sampled_from(["a", "b", "c", "d"]), max_size=2),
+    max_skips=st.integers(0, 3),
+)
+def test_every_request_is_served_within_the_bound(
+    adapters: list[str | None], resident_pick: list[str], max_skips: int
+) -> None:
+    """Simulate the engine: each request runs within (position + 1) * (max_skips + 1) batches."""
+    queue = [Item(key(a), ident=i) for i, a in enumerate(adapters)]
+    positions = {item.ident: i for i, item in enumerate(queue)}
+    resident = list(dict.fromkeys(resident_pick))
+    batches = 0
+    served: dict[int, int] = {}
+    while queue:
+        plan = plan_next_batch(queue, set(resident), max_batch_images=2, max_skips=max_skips)
+        assert plan is not None
+        if plan.skipped_head:
+            queue[0].skipped += 1
+        batches += 1
+        chosen = [queue[i] for i in plan.members]
+        assert len({item.key for item in chosen}) == 1
+        for item in chosen:
+            served[item.ident] = batches
+        adapter = chosen[0].key.adapter
+        if adapter is not None and adapter not in resident:
+            resident = [*resident[-1:], adapter]  # two GPU slots, LRU
+        queue = [item for i, item in enumerate(queue) if i not in set(plan.members)]
+    for ident, batch_number in served.items():
+        assert batch_number <= (positions[ident] + 1) * (max_skips + 1)
+    assert len(served) == len(adapters)
