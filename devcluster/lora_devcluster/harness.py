@@ -45,8 +45,8 @@ class Harness:
         cert.write_bytes(base64.b64decode(user["client-certificate-data"]))
         key.write_bytes(base64.b64decode(user["client-key-data"]))
         ca = base64.b64decode(config["clusters"][0]["cluster"]["certificate-authority-data"])
-        self._ssl = ssl.create_default_context(cadata=ca.decode())
-        self._ssl.load_cert_chain(str(cert), str(key))
+        self.ssl_context = ssl.create_default_context(cadata=ca.decode())
+        self.ssl_context.load_cert_chain(str(cert), str(key))
         self._tmp.cleanup()
 
     # ---- API
@@ -63,7 +63,7 @@ class Harness:
         if data is not None:
             req.add_header("Content-Type", content_type)
         try:
-            with urllib.request.urlopen(req, context=self._ssl, timeout=30) as resp:
+            with urllib.request.urlopen(req, context=self.ssl_context, timeout=30) as resp:
                 text = resp.read()
         except urllib.error.HTTPError as e:
             raw = e.read().decode(errors="replace")

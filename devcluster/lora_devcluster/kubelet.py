@@ -36,6 +36,7 @@ Obj = dict[str, Any]
 NODE_NAME = "lora-devcluster"
 BRIDGE = "lorabr0"
 POLL_S = 0.3
+SERVICE_ACCOUNT_PATH = "/var/run/secrets/kubernetes.io/serviceaccount"
 
 
 def now_rfc3339() -> str:
@@ -53,6 +54,7 @@ class KubeletConfig:
     base_env: Mapping[str, str]
     mountpoints_file: Path  # records mount points created on the host, removed at `down`
     api_port: int
+    ca_cert: Path  # written into each pod's service-account directory
 
 
 class IPAllocator:
@@ -398,6 +400,7 @@ class PodWorker:
         self.runners = [ContainerRunner(self, c) for c in pod["spec"].get("containers", [])]
         self.volume_paths: dict[str, str] = {}
         self.read_only_volumes: set[str] = set()
+        self.service_account_dir: Path | None = None
         self.start_time = now_rfc3339()
         self.done = False
         self._changed = asyncio.Event()
@@ -432,24 +435,37 @@ class PodWorker:
         task.add_done_callback(self._tasks.discard)
 
     async def _main(self) -> None:
+        status = asyncio.create_task(self._status_loop())
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
             self.ip = self.kubelet.ips.allocate()
             await self._setup_network()
-            self.changed()
-            await self._prepare_volumes()
         except Exception as e:
-            log.exception("pod %s/%s: setup failed", self.namespace, self.name)
-            for r in self.runners:
-                r.waiting_reason, r.waiting_message = "ContainerCreating", f"setup failed: {e}"
-            self.changed()
-            await self._status_loop()
+            log.exception("pod %s/%s: network setup failed", self.namespace, self.name)
+            self._waiting("ContainerCreating", f"pod network setup failed: {e}")
+            await status
             return
+        self.changed()
+        while True:  # volumes wait for their ConfigMaps, Secrets, bound PVCs, service account
+            try:
+                await self._prepare_volumes()
+                await self._prepare_service_account()
+                break
+            except ContainerConfigError as e:
+                self._waiting(e.reason, e.message)
+            except (ApiError, aiohttp.ClientError, TimeoutError, OSError) as e:
+                log.warning("pod %s/%s: volume setup failed: %s", self.namespace, self.name, e)
+                self._waiting("ContainerCreating", f"volume setup failed: {e}")
+            await asyncio.sleep(1)
         runners = [asyncio.create_task(r.run()) for r in self.runners]
-        status = asyncio.create_task(self._status_loop())
         await asyncio.gather(*runners, return_exceptions=True)
         self.changed()
         await status
+
+    def _waiting(self, reason: str, message: str) -> None:
+        for r in self.runners:
+            r.waiting_reason, r.waiting_message = reason, message
+        self.changed()
 
     async def _status_loop(self) -> None:
         while True:
@@ -626,18 +642,45 @@ class PodWorker:
                     "CreateContainerConfigError", f"volume {name!r}: unsupported volume type"
                 )
 
+    async def _prepare_service_account(self) -> None:
+        """Like the kubelet's projected kube-api-access volume: a token from the TokenRequest
+        API for the pod's service account (so in-cluster clients authenticate as it and its
+        RBAC is exercised for real), the cluster CA and the namespace."""
+        spec = self.pod["spec"]
+        if spec.get("automountServiceAccountToken") is False:
+            return
+        sa = spec.get("serviceAccountName") or "default"
+        # Not bound to the pod: with the ServiceAccount admission plugin off, the pod's
+        # serviceAccountName may be empty, and the API server refuses to bind to such a pod.
+        body = {
+            "apiVersion": "authentication.k8s.io/v1",
+            "kind": "TokenRequest",
+            "spec": {"expirationSeconds": 86400},
+        }
+        path = f"/api/v1/namespaces/{self.namespace}/serviceaccounts/{sa}/token"
+        while True:
+            try:
+                token = (await self.kubelet.api.create(path, body))["status"]["token"]
+                break
+            except ApiError as e:
+                if e.status != 404:
+                    raise
+            self._waiting("ContainerCreating", f'serviceaccount "{sa}" not found')
+            await asyncio.sleep(0.5)
+        target = self.dir / "volumes" / "kube-api-access"
+        target.mkdir(parents=True, exist_ok=True)
+        (target / "token").write_text(token)
+        (target / "ca.crt").write_bytes(self.kubelet.config.ca_cert.read_bytes())
+        (target / "namespace").write_text(self.namespace)
+        self.service_account_dir = target
+
     async def _wait_object(self, kind: str, name: str, optional: bool) -> Obj | None:
         path = f"/api/v1/namespaces/{self.namespace}/{kind}/{name}"
         while True:
             obj = await self.kubelet.api.get_or_none(path)
             if obj is not None or optional:
                 return obj
-            for r in self.runners:
-                r.waiting_reason, r.waiting_message = (
-                    "ContainerCreating",
-                    f"{kind} {name!r} not found",
-                )
-            self.changed()
+            self._waiting("ContainerCreating", f"{kind} {name!r} not found")
             await asyncio.sleep(1)
 
     async def _pvc_path(self, ref: Obj) -> str:
@@ -657,10 +700,7 @@ class PodWorker:
                     )
                 Path(host_path).mkdir(parents=True, exist_ok=True)
                 return str(host_path)
-            for r in self.runners:
-                r.waiting_reason = "ContainerCreating"
-                r.waiting_message = f"waiting for PVC {ref['claimName']!r} to be bound"
-            self.changed()
+            self._waiting("ContainerCreating", f"waiting for PVC {ref['claimName']!r} to be bound")
             await asyncio.sleep(0.5)
 
     async def _env_sources(self, container: Obj) -> podlogic.PodContext:
@@ -711,6 +751,10 @@ class PodWorker:
         argv = podlogic.build_argv(cfg.image_map, container.get("image", ""), command, args)
         argv = [podlogic.expand_vars(a, env) for a in argv]
         mounts = podlogic.build_mounts(container, self.volume_paths, self.read_only_volumes)
+        if self.service_account_dir is not None and not any(
+            m.target == SERVICE_ACCOUNT_PATH for m in mounts
+        ):
+            mounts.append(podlogic.Mount(str(self.service_account_dir), SERVICE_ACCOUNT_PATH, True))
         for m in mounts:
             await self._ensure_mountpoint(Path(m.source), Path(m.target))
         return {

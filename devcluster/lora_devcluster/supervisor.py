@@ -54,6 +54,7 @@ async def serve(root: Path, bin_dir: Path, image_map: list[podlogic.ImageEntry])
             },
             mountpoints_file=layout.mountpoints,
             api_port=controlplane.API_PORT,
+            ca_cert=pki.ca_cert,
         )
         async with ApiClient(
             f"https://127.0.0.1:{controlplane.API_PORT}", pki.ca_cert, pki.admin_cert, pki.admin_key

@@ -3,15 +3,21 @@ would believe, so these check it against what a real node does."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
+import ssl
 import subprocess
 import sys
+import threading
+import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
 
+from lora_devcluster import kubelet
 from lora_devcluster.harness import Harness
 
 ECHO = "lora-devcluster/echo:test"
@@ -478,3 +484,94 @@ def test_python_in_pods_is_this_interpreter() -> None:
     from lora_devcluster import cluster
 
     assert cluster.default_image_map()["lora-devcluster/echo:*"][0] == sys.executable
+
+
+def test_graceful_deletion_sends_sigterm_then_sigkill_after_the_grace_period(
+    devcluster: Harness, devcluster_namespace: str
+) -> None:
+    h, ns = devcluster, devcluster_namespace
+    trap = "trap 'echo got-sigterm; exit 0' TERM; echo up; while true; do sleep 0.1; done"
+    deaf = "trap '' TERM; echo up; while true; do sleep 0.1; done"
+    for name, script in (("polite", trap), ("deaf", deaf)):
+        pod = {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": name, "labels": {"app": name}},
+            "spec": {
+                "terminationGracePeriodSeconds": 2,
+                "containers": [{"name": "c", "image": "shell", "command": ["sh", "-c", script]}],
+            },
+        }
+        h.apply(pod, ns)
+    polite, deaf_pod = ready_pods(h, ns, "app=polite", 1)[0], ready_pods(h, ns, "app=deaf", 1)[0]
+    timings = {}
+    for p in (polite, deaf_pod):
+        start = time.monotonic()
+        h.kubectl("delete", "pod", "-n", ns, p["metadata"]["name"], "--wait=true")
+        timings[p["metadata"]["name"]] = time.monotonic() - start
+        assert h.container_pids(p["metadata"]["uid"]) == []
+    assert "got-sigterm" in h.container_logs(ns)
+    assert timings["polite"] < 2  # exited on SIGTERM, no need to wait out the grace period
+    assert 2 <= timings["deaf"] < 6  # ignored SIGTERM: killed when the grace period ended
+
+
+def test_threads_and_event_loops_started_by_a_test_reach_pods_and_the_api(
+    devcluster: Harness, devcluster_namespace: str
+) -> None:
+    # kopf.testing.KopfRunner runs the operator in a thread with its own event loop: both must
+    # see the cluster's network namespace, which this process joined before starting them.
+    h, ns = devcluster, devcluster_namespace
+    h.apply(echo_deployment("reach", 1), ns)
+    (pod,) = ready_pods(h, ns, "app=reach", 1)
+    ip = pod["status"]["podIP"]
+    results: dict[str, object] = {}
+
+    async def fetch() -> None:
+        import aiohttp
+
+        async with aiohttp.ClientSession() as s, s.get(f"http://{ip}:8080/healthz") as r:
+            results["pod"] = r.status
+        results["api"] = http_get_api(h)
+
+    thread = threading.Thread(target=lambda: asyncio.run(fetch()))
+    thread.start()
+    thread.join(30)
+    assert results == {"pod": 200, "api": "ok"}
+
+
+def http_get_api(h: Harness) -> str:
+    req = urllib.request.Request(h.server + "/readyz")
+    with urllib.request.urlopen(req, context=h.ssl_context, timeout=5) as resp:
+        return str(resp.read().decode())
+
+
+def test_pods_get_a_service_account_token_that_the_api_server_accepts(
+    devcluster: Harness, devcluster_namespace: str
+) -> None:
+    h, ns = devcluster, devcluster_namespace
+    h.apply(echo_deployment("sa", 1), ns)
+    (pod,) = ready_pods(h, ns, "app=sa", 1)
+    base = f"http://{pod['status']['podIP']}:8080/file?path={kubelet.SERVICE_ACCOUNT_PATH}"
+    token = http_get(f"{base}/token")[1].decode()
+    assert http_get(f"{base}/namespace")[1].decode() == ns
+    assert http_get(f"{base}/ca.crt")[1].startswith(b"-----BEGIN CERTIFICATE-----")
+    # Authenticated as the pod's service account, authorized by RBAC (which grants it nothing).
+    review = {"apiVersion": "authentication.k8s.io/v1", "kind": "SelfSubjectReview"}
+    req = urllib.request.Request(
+        h.server + "/apis/authentication.k8s.io/v1/selfsubjectreviews",
+        data=json.dumps(review).encode(),
+        headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"},
+        method="POST",
+    )
+    ctx = ssl.create_default_context(cadata=http_get(f"{base}/ca.crt")[1].decode())
+    with urllib.request.urlopen(req, context=ctx, timeout=5) as resp:
+        user = json.loads(resp.read())["status"]["userInfo"]["username"]
+    assert user == f"system:serviceaccount:{ns}:default"
+    forbidden = urllib.request.Request(
+        h.server + f"/api/v1/namespaces/{ns}/secrets", headers={"Authorization": f"Bearer {token}"}
+    )
+    try:
+        urllib.request.urlopen(forbidden, context=ctx, timeout=5)
+        raise AssertionError("the default service account must not list secrets")
+    except urllib.error.HTTPError as e:
+        assert e.code == 403
