@@ -57,6 +57,7 @@ class ParsedAdapter:
     sha256: str
     size_bytes: int
     rank: int
+    components: tuple[str, ...]  # the pipeline components it adapts
     # diffusers' own LoRA metadata (alpha, rank pattern) lives in the file header and is lost
     # when a state dict is passed in memory; such adapters are loaded from their file instead.
     needs_file: bool
@@ -147,6 +148,7 @@ class DiffusionBackend:
             sha256=hashlib.sha256(data).hexdigest(),
             size_bytes=len(data),
             rank=summary.rank,
+            components=summary.components,
             needs_file="lora_adapter_metadata" in header.metadata,
             weights_file=weights,
         )
@@ -197,6 +199,7 @@ class DiffusionBackend:
                 self.pipe.load_lora_weights(
                     source, adapter_name=key, low_cpu_mem_usage=True, **kwargs
                 )
+            self._check_landed(key, adapter)
             if self._fingerprint() != self._base_fingerprint:
                 raise errors.IncompatibleAdapter(
                     "loading it changed the shapes of the base model's layers (a LoRA wider than "
@@ -210,6 +213,32 @@ class DiffusionBackend:
             raise errors.IncompatibleAdapter(
                 f"the pipeline refused the adapter: {e}", param="lora_path"
             ) from e
+
+    def _check_landed(self, key: str, adapter: ParsedAdapter) -> None:
+        """The adapter reached exactly the components it targets.
+
+        peft may inject zero-initialised layers for `key` into a component that already holds
+        other adapters even when this adapter has no weights for it; those are removed, so an
+        adapter's footprint is what its file says.
+        """
+        for component in self.components:
+            model = getattr(self.pipe, component)
+            layers = [
+                m
+                for m in model.modules()
+                if isinstance(m, BaseTunerLayer) and key in getattr(m, "lora_A", {})
+            ]
+            if component in adapter.components and not layers:
+                raise errors.IncompatibleAdapter(
+                    f"the pipeline loaded no layers of the adapter into {component}",
+                    param="lora_path",
+                )
+            if component not in adapter.components:
+                for layer in layers:
+                    layer.delete_adapter(key)
+                peft_config = getattr(model, "peft_config", None)
+                if layers and isinstance(peft_config, dict):
+                    peft_config.pop(key, None)
 
     def remove_adapter(self, key: str) -> None:
         """Delete `key` from every component; a name a component lacks is fine."""

@@ -1,0 +1,231 @@
+"""Bit-exact properties of the real diffusers/peft code on a tiny pipeline (CPU, fixed seeds).
+
+No image may ever be affected by another request's adapter, and a refused adapter leaves the
+pipeline exactly as it was. Comparisons are on decoded PNG pixels and exact unless a test says
+otherwise (batching changes float rounding, so exact tests keep requests in batches of one).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from lora_inference import errors
+from lora_inference.pipeline import DiffusionBackend, ImageJob, ParsedAdapter
+from tests.inference.bad_adapters import BadAdapter
+from tests.inference.conftest import Assets, Server
+
+
+async def test_scale_zero_equals_base(server: Server, assets: Assets) -> None:
+    base = await server.image()
+    await server.load("b", assets.adapter_b)
+    assert np.array_equal(await server.image(lora={"name": "b", "scale": 0.0}), base)
+    assert not np.array_equal(await server.image(lora={"name": "b", "scale": 1.0}), base)
+
+
+async def test_scale_changes_the_image_and_negative_scales_work(
+    server: Server, assets: Assets
+) -> None:
+    await server.load("a", assets.adapter_a)
+    images = [await server.image(lora={"name": "a", "scale": s}) for s in (1.0, 0.5, -1.0)]
+    assert not np.array_equal(images[0], images[1])
+    assert not np.array_equal(images[0], images[2])
+    # Scale is not sticky: asking for 1.0 again gives the first image back.
+    assert np.array_equal(await server.image(lora={"name": "a", "scale": 1.0}), images[0])
+
+
+async def test_after_unload_equals_base(server: Server, assets: Assets) -> None:
+    base = await server.image()
+    await server.load("b", assets.adapter_b)
+    await server.image(model="b")
+    status, _ = await server.post("/v1/unload_lora_adapter", {"lora_name": "b"})
+    assert status == 200
+    await server.engine.idle()
+    assert server.engine.backend.resident_keys() == set()
+    assert np.array_equal(await server.image(), base)
+
+
+async def test_interleaved_requests_never_see_each_others_adapter(
+    start_server: Any, assets: Assets
+) -> None:
+    """With one GPU slot every switch evicts; concurrent A, B and base requests stay exact."""
+    server = await start_server(max_loras=1, max_batch_size=1)
+    await server.load("a", assets.adapter_a)
+    await server.load("b", assets.adapter_b)  # has text-encoder layers, a does not
+    reference = {
+        "base": await server.image(),
+        "a": await server.image(model="a"),
+        "b": await server.image(model="b"),
+    }
+    order = ["a", "b", "base", "a", "base", "b", "b", "a", "a", "base"]
+    results = await asyncio.gather(
+        *(server.image(**({} if name == "base" else {"model": name})) for name in order)
+    )
+    for name, image in zip(order, results, strict=True):
+        assert np.array_equal(image, reference[name]), name
+    assert reference["a"].tolist() != reference["b"].tolist()
+    evictions = server.engine.metrics.evictions.labels("gpu")._value.get()
+    assert evictions >= 3
+
+
+async def test_batched_requests_match_unbatched_ones(start_server: Any, assets: Assets) -> None:
+    server = await start_server(max_batch_size=4)
+    await server.load("a", assets.adapter_a)
+    alone = [await server.image(model="a", seed=s) for s in (1, 2, 3)]
+    together = await asyncio.gather(*(server.image(model="a", seed=s) for s in (1, 2, 3)))
+    for single, batched in zip(alone, together, strict=True):
+        # Batching changes float rounding in the matmuls, never more than one 8-bit level.
+        assert np.abs(single.astype(int) - batched.astype(int)).max() <= 1
+    assert server.engine.metrics.batch_images._sum.get() >= 6  # some batches held several images
+
+
+async def test_refused_adapters_leave_base_and_others_bit_identical(
+    server: Server, assets: Assets, bad_adapters: list[BadAdapter]
+) -> None:
+    await server.load("a", assets.adapter_a)
+    base, with_a = await server.image(), await server.image(model="a")
+    for bad in bad_adapters:
+        status, _ = await server.post(
+            "/v1/load_lora_adapter", {"lora_name": bad.name, "lora_path": str(bad.path)}
+        )
+        assert status == bad.status, bad.name
+        assert np.array_equal(await server.image(), base), bad.name
+        assert np.array_equal(await server.image(model="a"), with_a), bad.name
+
+
+def test_a_load_that_fails_inside_diffusers_is_rolled_back(
+    backend: DiffusionBackend, assets: Assets
+) -> None:
+    """Bypass our checks to reach peft's partial-load path: the rollback must still be exact."""
+    good = backend.parse_adapter(assets.adapter_b, name="good", max_rank=64)
+    te_key = next(k for k in good.tensors if k.startswith("text_encoder.") and "lora_A" in k)
+    broken_tensors = dict(good.tensors)
+    broken_tensors[te_key] = torch.randn(good.tensors[te_key].shape[0], 48)
+    broken = ParsedAdapter(
+        tensors=broken_tensors,
+        sha256="0" * 64,
+        size_bytes=0,
+        rank=good.rank,
+        components=good.components,
+        needs_file=False,
+        weights_file=good.weights_file,
+    )
+
+    def render() -> np.ndarray:
+        backend.activate(None, 0.0)
+        job = ImageJob(prompt="a lighthouse", negative_prompt=None, seeds=(7,))
+        image = backend.generate([job], width=32, height=32, steps=2, guidance_scale=5.0)[0]
+        return np.asarray(image)
+
+    before = render()
+    with pytest.raises(errors.IncompatibleAdapter):
+        backend.add_adapter("lora_broken", broken)
+    assert backend.resident_keys() == set()
+    assert np.array_equal(render(), before)
+
+
+async def test_kohya_adapter_loads_and_changes_output(server: Server, assets: Assets) -> None:
+    base = await server.image()
+    await server.load("kohya", assets.kohya)
+    assert not np.array_equal(await server.image(model="kohya"), base)
+
+
+async def test_inplace_swap_keeps_admitted_requests_on_old_weights(
+    start_server: Any, assets: Assets
+) -> None:
+    server = await start_server(max_batch_size=1)
+    await server.load("ref-a", assets.adapter_a)
+    await server.load("ref-b", assets.adapter_b)
+    old, new = await server.image(model="ref-a"), await server.image(model="ref-b")
+    await server.load("s", assets.adapter_a)
+    old_key = server.engine.registry.get("s").key
+
+    blocker = asyncio.create_task(server.image(num_inference_steps=40, seed=1))
+    early = [asyncio.create_task(server.image(model="s")) for _ in range(2)]
+    while len(server.engine._queue) < 2:
+        await asyncio.sleep(0.01)
+    await server.load("s", assets.adapter_b, load_inplace=True)
+    late = [asyncio.create_task(server.image(model="s")) for _ in range(2)]
+    await blocker
+    for image in await asyncio.gather(*early):
+        assert np.array_equal(image, old)
+    for image in await asyncio.gather(*late):
+        assert np.array_equal(image, new)
+    await server.engine.idle()
+    assert old_key not in server.engine.backend.resident_keys()  # collected once unused
+
+
+async def test_failed_inplace_swap_keeps_the_old_adapter_serving(
+    server: Server, assets: Assets, bad_adapters: list[BadAdapter]
+) -> None:
+    await server.load("s", assets.adapter_a)
+    before = await server.image(model="s")
+    wrong = next(b for b in bad_adapters if b.name == "wrong-shapes")
+    status, _ = await server.post(
+        "/v1/load_lora_adapter",
+        {"lora_name": "s", "lora_path": str(wrong.path), "load_inplace": True},
+    )
+    assert status == 422
+    assert np.array_equal(await server.image(model="s"), before)
+
+
+async def test_pinned_adapters_stay_resident(start_server: Any, assets: Assets) -> None:
+    server = await start_server(max_loras=2)
+    await server.load("pinned", assets.adapter_a, pinned=True)
+    for name, path in [("x", assets.adapter_b), ("y", assets.kohya)]:
+        await server.load(name, path)
+        await server.image(model=name)
+    _, listing = await server.get("/v1/adapters")
+    tiers = {a["id"]: a["tier"] for a in listing["data"]}
+    assert tiers["pinned"] == "gpu" and tiers["y"] == "gpu" and tiers["x"] == "cpu"
+
+
+async def test_pinning_more_than_the_slots_says_so(start_server: Any, assets: Assets) -> None:
+    server = await start_server(max_loras=1)
+    await server.load("p1", assets.adapter_a, pinned=True)
+    status, body = await server.post(
+        "/v1/load_lora_adapter",
+        {"lora_name": "p2", "lora_path": str(assets.adapter_b), "pinned": True},
+    )
+    assert status == 400 and "pinned" in body["error"]["message"]
+    await server.load("free", assets.adapter_b)
+    status, body = await server.post(
+        "/v1/images/generations", {"prompt": "x", "model": "free", "size": "32x32"}, token=None
+    )
+    assert (
+        status == 400
+        and "all 1 slots are pinned or in use (pinned: p1)" in body["error"]["message"]
+    )
+
+
+async def test_static_adapters_are_pinned_and_cannot_be_unloaded(
+    start_server: Any, assets: Assets
+) -> None:
+    from lora_inference.config import StaticLora
+
+    server = await start_server(static_loras=(StaticLora("fixed", assets.adapter_a),))
+    _, listing = await server.get("/v1/adapters")
+    assert (
+        listing["data"][0] | {"id": "fixed", "pinned": True, "tier": "gpu", "origin": "static"}
+        == listing["data"][0]
+    )
+    status, _ = await server.post("/v1/unload_lora_adapter", {"lora_name": "fixed"})
+    assert status == 400
+
+
+async def test_requests_whose_client_left_are_dropped(start_server: Any) -> None:
+    server = await start_server(max_batch_size=1)
+    blocker = asyncio.create_task(server.image(num_inference_steps=40, seed=2))
+    while not server.engine._pipeline_lock.locked():  # the blocker is running
+        await asyncio.sleep(0.005)
+    body = {"prompt": "gone", "size": "32x32", "num_inference_steps": 2}
+    with pytest.raises(asyncio.TimeoutError):
+        async with asyncio.timeout(0.2):
+            await server.session.post(server.url("/v1/images/generations"), json=body)
+    await blocker
+    await server.engine.idle()
+    assert server.engine.metrics.requests.labels("dropped")._value.get() == 1
