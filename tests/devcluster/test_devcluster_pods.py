@@ -17,6 +17,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+import pytest
 from lora_devcluster import kubelet
 from lora_devcluster.harness import Harness
 
@@ -575,3 +576,81 @@ def test_pods_get_a_service_account_token_that_the_api_server_accepts(
         raise AssertionError("the default service account must not list secrets")
     except urllib.error.HTTPError as e:
         assert e.code == 403
+
+
+def test_exec_and_tcp_probes(devcluster: Harness, devcluster_namespace: str) -> None:
+    h, ns = devcluster, devcluster_namespace
+    # Ready only once the container has written a file on its emptyDir: the exec probe runs in
+    # the container's network and mounts.
+    script = "sleep 2; touch /lora-devcluster-test/state/ready; exec python3 -m http.server 9000"
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "probed", "labels": {"app": "probed"}},
+        "spec": {
+            "volumes": [{"name": "state", "emptyDir": {}}],
+            "containers": [
+                {
+                    "name": "c",
+                    "image": "shell",
+                    "command": ["sh", "-c", script],
+                    "volumeMounts": [{"name": "state", "mountPath": "/lora-devcluster-test/state"}],
+                    "readinessProbe": {
+                        "exec": {"command": ["test", "-f", "/lora-devcluster-test/state/ready"]},
+                        "periodSeconds": 1,
+                    },
+                    "livenessProbe": {
+                        "tcpSocket": {"port": 9000},
+                        "initialDelaySeconds": 4,
+                        "periodSeconds": 1,
+                    },
+                }
+            ],
+        },
+    }
+    h.apply(pod, ns)
+    time.sleep(1)
+    (p,) = h.pods(ns, "app=probed")
+    assert container_status(p)["ready"] is False
+    (p,) = ready_pods(h, ns, "app=probed", 1)
+    time.sleep(4)  # the TCP liveness probe has run a few times by now, and succeeded
+    (p,) = h.pods(ns, "app=probed")
+    assert container_status(p)["restartCount"] == 0
+    assert container_status(p)["ready"] is True
+
+
+KOPF_OPERATOR = """
+import urllib.request
+import kopf
+
+@kopf.on.create("pods", labels={"app": "kopfed"})
+def seen(name, status, patch, **_):
+    ip = status.get("podIP")
+    if not ip:
+        raise kopf.TemporaryError("no pod IP yet", delay=0.5)
+    try:
+        with urllib.request.urlopen(f"http://{ip}:8080/healthz", timeout=5) as resp:
+            patch.metadata.annotations["devcluster-test/reached"] = resp.read().decode()
+    except OSError as e:  # the server may not listen yet: the pod is not Ready before it does
+        raise kopf.TemporaryError(f"not reachable yet: {e}", delay=0.5) from e
+"""
+
+
+def test_kopf_runner_in_the_test_process_reaches_the_api_and_pods(
+    devcluster: Harness, devcluster_namespace: str, tmp_path: Path
+) -> None:
+    kopf_testing = pytest.importorskip("kopf.testing")
+    h, ns = devcluster, devcluster_namespace
+    operator = tmp_path / "operator.py"
+    operator.write_text(KOPF_OPERATOR)
+    args = ["run", "--standalone", "--namespace", ns, str(operator)]
+    with kopf_testing.KopfRunner(args, timeout=60):
+        h.apply(echo_deployment("kopfed", 1), ns)
+        ready_pods(h, ns, "app=kopfed", 1)
+
+        def annotated() -> str | None:
+            (p,) = h.pods(ns, "app=kopfed")
+            value: str | None = p["metadata"].get("annotations", {}).get("devcluster-test/reached")
+            return value
+
+        assert h.wait_for("kopf to annotate the pod", annotated, timeout=30) == "ok"
