@@ -35,7 +35,7 @@ unit: install
 test: install lint typecheck unit
 
 demo: install
-	$(PY) -m lora_inference.demo --out demo-out
+	$(PY) -m lora_inference.tools.demo --out demo-out
 
 bench: install
 	$(PY) bench/bench_inference.py

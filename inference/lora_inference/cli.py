@@ -95,6 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     adapter.add_argument(
         "--text-encoder", action="store_true", help="also adapt the CLIP text encoders"
     )
+    adapter.add_argument("--strength", type=float, default=0.2, help="std of the random weights")
     return parser
 
 
@@ -187,6 +188,7 @@ def main(argv: list[str] | None = None) -> int:
             seed=args.seed,
             fmt=args.fmt,
             text_encoder=args.text_encoder,
+            strength=args.strength,
         )
         print(f"wrote a rank-{args.rank} {args.fmt} adapter to {out}")
         return 0

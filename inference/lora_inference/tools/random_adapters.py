@@ -94,11 +94,14 @@ def write_random_adapter(
     seed: int = 0,
     fmt: str = "peft",
     text_encoder: bool = False,
+    strength: float = 0.2,
 ) -> Path:
     """Write a random adapter for `pipe` to `out` (a directory for peft, a file for kohya)."""
     if fmt not in FORMATS:
         raise ValueError(f"unknown format {fmt!r}; choose one of {', '.join(FORMATS)}")
-    state = build_random_lora(pipe, rank=rank, seed=seed, text_encoder=text_encoder)
+    state = build_random_lora(
+        pipe, rank=rank, seed=seed, text_encoder=text_encoder, strength=strength
+    )
     if fmt == "kohya":
         if _denoiser_name(pipe) != "unet":
             raise ValueError("kohya format is only written for UNet pipelines (sd15, sdxl)")
@@ -107,7 +110,14 @@ def write_random_adapter(
         return out
     out.mkdir(parents=True, exist_ok=True)
     save_file(state, str(out / "pytorch_lora_weights.safetensors"))
-    targets = sorted({k.split(".lora_")[0].rsplit(".", 1)[-1] for k in state})
+    targets = sorted(
+        {
+            t
+            for k in state
+            for t in (*_DENOISER_TARGETS, *_TEXT_ENCODER_TARGETS)
+            if k.split(".lora_")[0].endswith(t)
+        }
+    )
     config = {
         "peft_type": "LORA",
         "r": rank,
