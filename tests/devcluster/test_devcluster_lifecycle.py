@@ -80,6 +80,16 @@ def test_up_exec_down_twice_leaves_nothing(tmp_path: Path) -> None:
             "--for=condition=Ready",
             "--timeout=60s",
         )
+        chart = tmp_path / "chart"
+        if not chart.exists():
+            (chart / "templates").mkdir(parents=True)
+            (chart / "Chart.yaml").write_text("apiVersion: v2\nname: tiny\nversion: 0.1.0\n")
+            (chart / "templates" / "cm.yaml").write_text(
+                "apiVersion: v1\nkind: ConfigMap\nmetadata:\n  name: {{ .Release.Name }}\n"
+            )
+        cli("exec", "--dir", str(root), "--", "helm", "install", "rel", str(chart), "--wait")
+        listed = cli("exec", "--dir", str(root), "--", "helm", "list", "-q").stdout
+        assert listed.split() == ["rel"]
         assert cluster.leftovers(root)  # sanity: the check does see a running cluster
         assert "cluster stopped" in cli("down", "--dir", str(root)).stdout
         assert cluster.leftovers(root) == []
