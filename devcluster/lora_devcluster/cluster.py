@@ -24,6 +24,7 @@ from typing import Any
 
 from lora_devcluster import controlplane, processes
 
+MARKER = ".lora-devcluster"
 BINARIES = ("etcd", "kube-apiserver", "kube-controller-manager", "kubectl", "helm")
 _PR_SET_PDEATHSIG = 1
 
@@ -165,9 +166,11 @@ def up(
             "(hack/build-binaries.sh)"
         )
     if root.exists():
+        _check_ours(root)
         shutil.rmtree(root)  # a stale directory from a cluster that was killed
     layout = controlplane.Layout(root)
     layout.logs.mkdir(parents=True)
+    (root / MARKER).write_text("a lora-devcluster state directory; `down` removes it\n")
     mapping = dict(image_map) if image_map is not None else load_image_map(None)
     argv = [
         "unshare",
@@ -265,7 +268,19 @@ def down(root: Path, timeout: float = 60) -> bool:
     return cluster is not None
 
 
+def _check_ours(root: Path) -> None:
+    """Refuse to delete a directory that is neither empty nor a cluster's state directory
+    (`--dir ~` must never wipe a home directory)."""
+    if root.is_dir() and any(root.iterdir()) and not (root / MARKER).exists():
+        raise ClusterError(
+            f"{root} exists and is not a lora-devcluster state directory; choose another --dir"
+        )
+
+
 def _cleanup(root: Path) -> None:
+    if not root.exists():
+        return
+    _check_ours(root)
     layout = controlplane.Layout(root)
     with contextlib.suppress(OSError):
         created = layout.mountpoints.read_text().splitlines()

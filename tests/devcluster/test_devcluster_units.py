@@ -104,3 +104,12 @@ def test_bin_dir_is_keyed_by_version_outside_the_repository() -> None:
 def test_leftovers_of_a_directory_that_never_ran_is_empty(tmp_path: Path) -> None:
     assert cluster.leftovers(tmp_path / "never") == []
     assert cluster.down(tmp_path / "never") is False
+
+
+def test_down_and_up_refuse_a_directory_that_is_not_a_cluster(tmp_path: Path) -> None:
+    precious = tmp_path / "home"
+    precious.mkdir()
+    (precious / "thesis.tex").write_text("years of work")
+    with pytest.raises(cluster.ClusterError, match="not a lora-devcluster state directory"):
+        cluster.down(precious)
+    assert (precious / "thesis.tex").exists()
