@@ -1,0 +1,248 @@
+"""Inference server benchmark: the adapter cache against a cacheless baseline and the base model.
+
+One run prints, side by side, for a Zipf(1.1) request stream over 20 adapters:
+  (a) this server (`--max-loras 4`), (b) a naive server that loads, generates and unloads per
+  request, (c) the base model with no LoRA at all (the limit),
+with throughput, p50/p95 latency and the ratios a/c and a/b; then cold-load and switch times as
+the number of resident adapters grows (1, 5, 25, 50).
+
+    .venv/bin/python bench/bench_inference.py [--requests 120] [--clients 8] [--steps 4]
+
+CPU on the tiny pipeline by default; `--arch`/`--device` run the same on a GPU. Results go in
+docs/benchmarks.md together with this command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from aiohttp import ClientSession, web
+from aiohttp.test_utils import TestServer
+from diffusers import DiffusionPipeline
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from lora_inference.app import create_app
+from lora_inference.config import ServerConfig
+from lora_inference.pipeline import DiffusionBackend, resolve_dtype
+from lora_inference.tools.random_adapters import write_random_adapter
+from lora_inference.tools.tiny_models import write_tiny_model
+from naive_server import create_naive_app
+
+ADAPTERS = 20
+
+
+@dataclass(frozen=True)
+class RunResult:
+    label: str
+    throughput: float  # requests per second
+    p50: float
+    p95: float
+
+
+def zipf_stream(count: int, n_adapters: int, s: float, seed: int) -> list[str]:
+    ranks = np.arange(1, n_adapters + 1)
+    weights = 1.0 / ranks**s
+    rng = np.random.default_rng(seed)
+    picks = rng.choice(n_adapters, size=count, p=weights / weights.sum())
+    return [f"adapter-{i:02d}" for i in picks]
+
+
+async def drive(
+    url: str, models: list[str], *, clients: int, steps: int, size: int
+) -> tuple[float, list[float]]:
+    """Send the stream from `clients` concurrent closed-loop clients; return (wall, latencies)."""
+    queue: asyncio.Queue[tuple[int, str]] = asyncio.Queue()
+    for i, model in enumerate(models):
+        queue.put_nowait((i, model))
+    latencies: list[float] = []
+
+    async def client(session: ClientSession) -> None:
+        while not queue.empty():
+            i, model = queue.get_nowait()
+            body = {
+                "model": model,
+                "prompt": "a lighthouse",
+                "size": f"{size}x{size}",
+                "num_inference_steps": steps,
+                "seed": i,
+            }
+            started = time.perf_counter()
+            async with session.post(url, json=body) as resp:
+                payload = await resp.json()
+                if resp.status != 200:
+                    raise RuntimeError(f"{model}: {resp.status} {payload}")
+            latencies.append(time.perf_counter() - started)
+
+    async with ClientSession() as session:
+        started = time.perf_counter()
+        await asyncio.gather(*(client(session) for _ in range(clients)))
+        return time.perf_counter() - started, latencies
+
+
+async def measure(
+    label: str,
+    app: web.Application,
+    models: list[str],
+    args: argparse.Namespace,
+    ready: Callable[[], bool] = lambda: True,
+) -> RunResult:
+    server = TestServer(app, host="127.0.0.1")
+    await server.start_server()
+    try:
+        while not ready():
+            await asyncio.sleep(0.05)
+        url = str(server.make_url("/v1/images/generations"))
+        await drive(
+            url, models[:8], clients=args.clients, steps=args.steps, size=args.size
+        )  # warm-up
+        wall, latencies = await drive(
+            url, models, clients=args.clients, steps=args.steps, size=args.size
+        )
+    finally:
+        await server.close()
+    ordered = sorted(latencies)
+    return RunResult(
+        label=label,
+        throughput=len(models) / wall,
+        p50=statistics.median(ordered),
+        p95=ordered[min(len(ordered) - 1, int(0.95 * len(ordered)))],
+    )
+
+
+def growth(
+    backend: DiffusionBackend, adapters: list[Path], steps: int
+) -> list[tuple[int, float, float]]:
+    """Cold load (parse + add) and switch (activate) times with 1, 5, 25, 50 resident adapters."""
+    rows = []
+    loaded: list[str] = []
+    parsed = [backend.parse_adapter(p, name=p.name, max_rank=1024) for p in adapters]
+    for target in (1, 5, 25, 50):
+        while len(loaded) < target:
+            key = f"res_{len(loaded)}"
+            backend.add_adapter(key, parsed[len(loaded) % len(parsed)])
+            loaded.append(key)
+        cold = []
+        for i in range(steps):
+            started = time.perf_counter()
+            fresh = backend.parse_adapter(adapters[i % len(adapters)], name="probe", max_rank=1024)
+            backend.add_adapter("probe", fresh)
+            cold.append(time.perf_counter() - started)
+            backend.remove_adapter("probe")
+        switch = []
+        for i in range(steps * 4):
+            started = time.perf_counter()
+            backend.activate(loaded[i % len(loaded)], 1.0)
+            switch.append(time.perf_counter() - started)
+        rows.append((target, statistics.median(cold), statistics.median(switch)))
+    for key in loaded:
+        backend.remove_adapter(key)
+    return rows
+
+
+async def main_async(args: argparse.Namespace) -> None:
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = resolve_dtype("auto", device)
+    with tempfile.TemporaryDirectory(prefix="lora-bench-") as scratch:
+        work = Path(scratch)
+        model = write_tiny_model(work / "model", args.arch)
+        pipe = DiffusionPipeline.from_pretrained(str(model))
+        root = work / "adapters"
+        paths = [
+            write_random_adapter(
+                root / f"adapter-{i:02d}",
+                pipe,
+                base_model=model.name,
+                seed=i,
+                rank=args.rank,
+                text_encoder=i % 2 == 1,
+            )
+            for i in range(max(ADAPTERS, 50))
+        ]
+        del pipe
+        stream = zipf_stream(args.requests, ADAPTERS, 1.1, seed=0)
+        distinct = len(set(stream))
+        backend = DiffusionBackend.load(model, device=device, dtype=dtype)
+        config = ServerConfig(
+            model=model,
+            adapter_root=root,
+            max_loras=4,
+            max_cpu_loras=ADAPTERS,
+            max_batch_size=args.batch,
+            device=device,
+        )
+
+        app_a = create_app(config, backend=backend)
+        from lora_inference.app import STARTUP
+
+        ours = await measure(
+            "(a) lora-inference, max-loras 4",
+            app_a,
+            stream,
+            args,
+            ready=lambda: STARTUP in app_a and app_a[STARTUP].done(),
+        )
+        app_c = create_app(config, backend=backend)
+        limit = await measure(
+            "(c) base model, no LoRA",
+            app_c,
+            [model.name] * len(stream),
+            args,
+            ready=lambda: STARTUP in app_c and app_c[STARTUP].done(),
+        )
+        naive = await measure(
+            "(b) naive load/generate/unload", create_naive_app(model, root), stream, args
+        )
+
+        print(
+            f"\nZipf(1.1) over {ADAPTERS} adapters: {len(stream)} requests "
+            f"({distinct} distinct adapters), {args.clients} clients, {args.steps} steps, "
+            f"{args.size}x{args.size}, rank {args.rank}, "
+            f"{args.arch} on {device} ({platform.processor() or platform.machine()}, "
+            f"{torch.get_num_threads()} threads)"
+        )
+        print(f"{'':36}{'req/s':>8}{'p50 s':>9}{'p95 s':>9}")
+        for r in (ours, naive, limit):
+            print(f"{r.label:36}{r.throughput:8.2f}{r.p50:9.3f}{r.p95:9.3f}")
+        print(
+            f"ratio a/c (target >= 0.9): {ours.throughput / limit.throughput:.2f}   "
+            f"ratio a/b (target >= 3): {ours.throughput / naive.throughput:.2f}"
+        )
+
+        print(
+            f"\nGrowth with resident adapters (median of {args.growth_samples} cold loads, "
+            f"{args.growth_samples * 4} switches)"
+        )
+        print(f"{'resident':>8}{'cold load ms':>14}{'switch ms':>11}")
+        for resident, cold, switch in growth(backend, paths, args.growth_samples):
+            print(f"{resident:8d}{cold * 1000:14.1f}{switch * 1000:11.2f}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--requests", type=int, default=120)
+    parser.add_argument("--clients", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--size", type=int, default=32)
+    parser.add_argument("--rank", type=int, default=4)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--arch", default="sd15")
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--growth-samples", type=int, default=5)
+    asyncio.run(main_async(parser.parse_args()))
+
+
+if __name__ == "__main__":
+    main()
