@@ -142,7 +142,7 @@ def growth(
         switch = []
         for i in range(steps * 4):
             started = time.perf_counter()
-            backend.activate(loaded[i % len(loaded)], 1.0)
+            backend.activate({loaded[i % len(loaded)]: 1.0})
             switch.append(time.perf_counter() - started)
         rows.append((target, statistics.median(cold), statistics.median(switch)))
     for key in loaded:

@@ -20,7 +20,7 @@ import contextlib
 import logging
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -329,11 +329,14 @@ class Engine:
         while True:
             await self._collect_garbage()
             self._drop_gone()
+            pinned = self.gpu.pinned()
             plan = scheduling.plan_next_batch(
                 self._queue,
                 set(self.gpu),
                 max_batch_images=self.config.max_batch_size,
                 max_skips=self.config.max_skips,
+                max_adapters=max(1, self.config.max_loras - len(pinned)),
+                pinned=pinned,
             )
             if plan is None:
                 return
@@ -358,19 +361,16 @@ class Engine:
         self._queue = kept
 
     async def _run_batch(self, batch: list[_Pending]) -> None:
-        key = batch[0].key
-        record = batch[0].record
+        records = list({p.record.key: p.record for p in batch if p.record is not None}.values())
         try:
             async with self._pipeline_lock:
-                if record is not None:
+                needed = {r.key for r in records}
+                wanted = scheduling.adapters_wanted(self._queue)
+                for record in records:
                     self.metrics.lookups.labels("hit" if record.key in self.gpu else "miss").inc()
-                    await self._make_resident(
-                        record, wanted=scheduling.adapters_wanted(self._queue)
-                    )
+                    await self._make_resident(record, wanted=wanted, protected=needed)
                 started = time.perf_counter()
-                images = await self._in_pipeline(
-                    self._activate_and_generate, key, [p.job for p in batch]
-                )
+                images = await self._in_pipeline(self._activate_and_generate, batch)
                 self.metrics.generation_seconds.observe(time.perf_counter() - started)
                 self.metrics.batch_images.observe(len(images))
         except Exception as e:
@@ -402,16 +402,19 @@ class Engine:
                 pending.future.set_result(out)
         self.metrics.requests.labels("ok").inc(len(batch))
 
-    def _activate_and_generate(
-        self, key: scheduling.BatchKey, jobs: list[ImageJob]
-    ) -> list[Image.Image]:
-        self.backend.activate(key.adapter, key.scale)
+    def _activate_and_generate(self, batch: list[_Pending]) -> list[Image.Image]:
+        """Pipeline thread: set the batch's adapters and scales, then run one pipeline call."""
+        scales = {p.key.adapter: p.key.scale for p in batch if p.key.adapter is not None}
+        self.backend.activate(scales)
+        mixed = len({p.key.adapter for p in batch}) > 1
+        shape = batch[0].key
         return self.backend.generate(
-            jobs,
-            width=key.width,
-            height=key.height,
-            steps=key.steps,
-            guidance_scale=key.guidance_scale,
+            [p.job for p in batch],
+            width=shape.width,
+            height=shape.height,
+            steps=shape.steps,
+            guidance_scale=shape.guidance_scale,
+            routing=[p.key.adapter for p in batch] if mixed else None,
         )
 
     def _release(self, pending: _Pending) -> None:
@@ -422,12 +425,14 @@ class Engine:
 
     # -- residency (called with _pipeline_lock held) ----------------------------------------------
 
-    async def _make_resident(self, record: AdapterRecord, *, wanted: set[str]) -> None:
+    async def _make_resident(
+        self, record: AdapterRecord, *, wanted: set[str], protected: Collection[str] = ()
+    ) -> None:
         if record.key in self.gpu:
             self.gpu.touch(record.key)
             return
         evict = self.gpu.plan_admit(
-            record.key, pinned=record.pinned, protected={record.key}, prefer_keep=wanted
+            record.key, pinned=record.pinned, protected={record.key, *protected}, prefer_keep=wanted
         )
         parsed = self._parsed.get(record.key)
         if parsed is None:

@@ -14,10 +14,11 @@ from docs/architecture.md are enforced here:
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import inspect
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,6 +40,7 @@ from lora_inference.adapters import files, validation
 log = logging.getLogger(__name__)
 
 _DENOISERS = ("unet", "transformer")
+_BASE = "__base__"  # peft's name for "no adapter" in per-sample routing
 # Sampling defaults per family, as the model cards recommend; requests may override them.
 _SAMPLING_DEFAULTS = {
     "StableDiffusionPipeline": (30, 7.5),
@@ -260,34 +262,40 @@ class DiffusionBackend:
             keys.update(layer.lora_A.keys())
         return keys
 
-    def activate(self, key: str | None, scale: float) -> None:
-        """Make `key` (None: no adapter) the only active adapter on every layer, and check it."""
-        found = False
+    def activate(self, scales: Mapping[str, float]) -> None:
+        """Make exactly the adapters in `scales` active, each at its scale, and check it.
+
+        Every LoRA layer of every component is set: enabled with the batch's adapters it holds, or
+        disabled when it holds none of them. An empty mapping means the base model.
+        """
         for layer in self._lora_layers():
-            if key is not None and key in layer.lora_A:
+            present = [key for key in scales if key in layer.lora_A]
+            if present:
                 layer.enable_adapters(True)
-                layer.set_adapter([key], inference_mode=True)
-                layer.set_scale(key, scale)
-                found = True
+                layer.set_adapter(present, inference_mode=True)
+                for key in present:
+                    layer.set_scale(key, scales[key])
             else:
                 layer.enable_adapters(False)
-        if key is not None and not found:
-            raise RuntimeError(f"adapter {key} is not resident in the pipeline")
-        self._check_active(key, scale)
+        self._check_active(scales)
 
-    def _check_active(self, key: str | None, scale: float) -> None:
+    def _check_active(self, scales: Mapping[str, float]) -> None:
+        seen: set[str] = set()
         for layer in self._lora_layers():
-            if key is not None and key in layer.lora_A:
-                expected = scale * layer.lora_alpha[key] / layer.r[key]
-                ok = (
-                    not layer.disable_adapters
-                    and layer.active_adapters == [key]
-                    and abs(layer.scaling[key] - expected) <= 1e-9 * max(1.0, abs(expected))
-                )
-            else:
+            present = [key for key in scales if key in layer.lora_A]
+            seen.update(present)
+            if not present:
                 ok = bool(layer.disable_adapters)
+            else:
+                ok = not layer.disable_adapters and list(layer.active_adapters) == present
+                for key in present:
+                    expected = scales[key] * layer.lora_alpha[key] / layer.r[key]
+                    ok = ok and abs(layer.scaling[key] - expected) <= 1e-9 * max(1.0, abs(expected))
             if not ok:
-                raise RuntimeError(f"LoRA layer state did not take: wanted {key} at scale {scale}")
+                raise RuntimeError(f"LoRA layer state did not take: wanted {dict(scales)}")
+        missing = set(scales) - seen
+        if missing:
+            raise RuntimeError(f"adapters {sorted(missing)} are not resident in the pipeline")
 
     def generate(
         self,
@@ -297,7 +305,14 @@ class DiffusionBackend:
         height: int,
         steps: int,
         guidance_scale: float,
+        routing: Sequence[str | None] | None = None,
     ) -> list[Image.Image]:
+        """Run one pipeline call for `jobs`.
+
+        `routing` (one adapter key or None per job) sends each image through its own adapter
+        within one batch, using peft's per-sample adapter routing; without it every image uses the
+        active adapters.
+        """
         prompts = [job.prompt for job in jobs for _ in job.seeds]
         generators = [
             torch.Generator(device="cpu").manual_seed(seed) for job in jobs for seed in job.seeds
@@ -314,17 +329,48 @@ class DiffusionBackend:
         negatives = [job.negative_prompt or "" for job in jobs for _ in job.seeds]
         if any(negatives) and "negative_prompt" in self._call_params:
             kwargs["negative_prompt"] = negatives
-        with torch.inference_mode():
+        per_image = None
+        if routing is not None:
+            per_image = [
+                key or _BASE for job, key in zip(jobs, routing, strict=True) for _ in job.seeds
+            ]
+        with torch.inference_mode(), self._routed(per_image):
             result = self.pipe(**kwargs)
         return list(result.images)
+
+    @contextlib.contextmanager
+    def _routed(self, per_image: list[str] | None) -> Iterator[None]:
+        """Pass `adapter_names` to every LoRA layer for the duration of one call.
+
+        Classifier-free guidance runs the denoiser on [unconditional, conditional] halves, so a
+        layer sees the batch repeated k times; the names are repeated to match.
+        """
+        if per_image is None:
+            yield
+            return
+        images = len(per_image)
+
+        def hook(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            x = args[0] if args else next(iter(kwargs.values()))
+            rows = int(x.shape[0])
+            if rows % images:
+                raise RuntimeError(f"a LoRA layer saw {rows} rows for a batch of {images} images")
+            kwargs["adapter_names"] = per_image * (rows // images)
+            return args, kwargs
+
+        handles = [
+            layer.register_forward_pre_hook(hook, with_kwargs=True) for layer in self._lora_layers()
+        ]
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
 
     # -- introspection --------------------------------------------------------------------------
 
     def parameter_count(self) -> int:
         return sum(p.numel() for c in self.components for p in getattr(self.pipe, c).parameters())
-
-    def accepts_negative_prompt(self) -> bool:
-        return "negative_prompt" in self._call_params
 
     def _denoiser(self) -> Any:
         for name in _DENOISERS:

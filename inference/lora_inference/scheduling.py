@@ -1,10 +1,14 @@
 """Which queued requests run together next.
 
-Purely computational. A batch holds requests that agree on everything the pipeline call takes
-once for all images (adapter, scale, size, steps, guidance); prompts, negative prompts and seeds
-vary per image. The oldest request normally anchors the next batch. To save adapter switches, a
-request whose adapter is already resident may go first, but the oldest request can be passed over
-at most `max_skips` times, so every request waits behind a bounded number of batches:
+Purely computational. A batch holds requests that agree on what the pipeline call takes once for
+all images (size, steps, guidance); prompts, negative prompts, seeds and adapters vary per image.
+Requests for different adapters share a batch through peft's per-sample adapter routing, as long
+as the batch needs no more adapters than there are GPU slots and each adapter appears with one
+scale (a scale is per adapter inside the pipeline, not per image).
+
+The oldest request normally anchors the next batch. To save adapter loads, a request whose adapter
+is already resident may anchor instead, but the oldest request can be passed over at most
+`max_skips` times, so every request waits behind a bounded number of batches:
 at most (position in queue + 1) x (max_skips + 1).
 """
 
@@ -23,6 +27,11 @@ class BatchKey:
     height: int
     steps: int
     guidance_scale: float
+
+    @property
+    def shape(self) -> tuple[int, int, int, float]:
+        """What every image of one pipeline call must share."""
+        return (self.width, self.height, self.steps, self.guidance_scale)
 
 
 class Queued(Protocol):
@@ -48,8 +57,14 @@ def plan_next_batch(
     *,
     max_batch_images: int,
     max_skips: int,
+    max_adapters: int,
+    pinned: Collection[str] = (),
 ) -> BatchPlan | None:
-    """Choose the next batch from `queue` (oldest first); None when the queue is empty."""
+    """Choose the next batch from `queue` (oldest first); None when the queue is empty.
+
+    `max_adapters` bounds the adapters a batch may need besides the `pinned` ones, which are
+    always resident: every adapter of a batch must be resident at once while it runs.
+    """
     if not queue:
         return None
     head = queue[0]
@@ -63,15 +78,29 @@ def plan_next_batch(
             if item.key.adapter is None or item.key.adapter in resident:
                 anchor = i
                 break
-    key = queue[anchor].key
+    first = queue[anchor]
+    scales: dict[str, float] = {}
+    if first.key.adapter is not None:
+        scales[first.key.adapter] = first.key.scale
     members = [anchor]
-    total = queue[anchor].images
-    for i in range(anchor + 1, len(queue)):
-        item = queue[i]
-        if item.key == key and total + item.images <= max_batch_images:
-            members.append(i)
-            total += item.images
-    return BatchPlan(members=members, skipped_head=anchor != 0)
+    total = first.images
+    for i, item in enumerate(queue):
+        if i == anchor or item.key.shape != first.key.shape:
+            continue
+        if total + item.images > max_batch_images:
+            continue
+        adapter = item.key.adapter
+        if adapter is not None:
+            if adapter in scales:
+                if scales[adapter] != item.key.scale:
+                    continue
+            elif sum(1 for a in scales if a not in pinned) + (adapter not in pinned) > max_adapters:
+                continue
+            scales[adapter] = item.key.scale
+        members.append(i)
+        total += item.images
+    members.sort()
+    return BatchPlan(members=members, skipped_head=members[0] != 0)
 
 
 def adapters_wanted(queue: Sequence[Queued]) -> set[str]:

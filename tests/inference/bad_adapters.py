@@ -9,9 +9,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
-
 from lora_inference.adapters.files import WEIGHT_FILE_NAMES
+from safetensors.torch import load_file, save_file
 
 
 @dataclass(frozen=True)

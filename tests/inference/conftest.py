@@ -111,6 +111,11 @@ class Server:
         assert status == 200, payload
         return decode(payload["data"][0]["b64_json"])
 
+    def metric(self, name: str, **labels: str) -> float:
+        """The current value of one Prometheus sample of this server (0 when absent)."""
+        value = self.engine.metrics.registry.get_sample_value(name, labels)
+        return float(value or 0.0)
+
     @property
     def engine(self) -> Any:
         from lora_inference.app import STARTUP

@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-
 from lora_inference import api, errors
 
 DEFAULTS: dict[str, Any] = {

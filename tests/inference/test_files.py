@@ -7,7 +7,6 @@ import struct
 from pathlib import Path
 
 import pytest
-
 from lora_inference import errors
 from lora_inference.adapters import files, layout
 

@@ -6,7 +6,6 @@ from dataclasses import dataclass
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
 from lora_inference.scheduling import BatchKey, adapters_wanted, plan_next_batch
 
 
@@ -25,38 +24,58 @@ def key(adapter: str | None, scale: float = 1.0, size: int = 32) -> BatchKey:
 
 
 def test_empty_queue_plans_nothing() -> None:
-    assert plan_next_batch([], set(), max_batch_images=4, max_skips=2) is None
+    assert plan_next_batch([], set(), max_batch_images=4, max_skips=2, max_adapters=2) is None
 
 
-def test_batch_groups_same_key_up_to_the_image_limit() -> None:
-    queue = [Item(key("a")), Item(key("b")), Item(key("a"), images=2), Item(key("a"), images=2)]
-    plan = plan_next_batch(queue, {"a"}, max_batch_images=3, max_skips=2)
+def test_batch_fills_with_any_adapters_up_to_the_image_limit() -> None:
+    queue = [Item(key("a")), Item(key("b")), Item(key("a"), images=2), Item(key("a"), images=1)]
+    plan = plan_next_batch(queue, {"a"}, max_batch_images=3, max_skips=2, max_adapters=2)
     assert plan is not None
-    assert plan.members == [0, 2]
+    assert plan.members == [0, 1, 3]
     assert not plan.skipped_head
 
 
-def test_different_scale_or_size_never_share_a_batch() -> None:
+def test_an_adapter_never_appears_with_two_scales_and_shapes_never_mix() -> None:
     queue = [Item(key("a")), Item(key("a", scale=0.5)), Item(key("a", size=64)), Item(key("a"))]
-    plan = plan_next_batch(queue, {"a"}, max_batch_images=8, max_skips=2)
+    plan = plan_next_batch(queue, {"a"}, max_batch_images=8, max_skips=2, max_adapters=2)
     assert plan is not None and plan.members == [0, 3]
+
+
+def test_a_batch_needs_no_more_adapters_than_slots() -> None:
+    queue = [Item(key("a")), Item(key("b")), Item(key("c")), Item(key(None))]
+    plan = plan_next_batch(queue, set(), max_batch_images=8, max_skips=2, max_adapters=2)
+    assert plan is not None and plan.members == [0, 1, 3]
+
+
+def test_pinned_adapters_do_not_use_up_the_batch_budget() -> None:
+    queue = [Item(key("p")), Item(key("b")), Item(key("c"))]
+    plan = plan_next_batch(
+        queue, {"p"}, max_batch_images=8, max_skips=2, max_adapters=2, pinned={"p"}
+    )
+    assert plan is not None and plan.members == [0, 1, 2]
 
 
 def test_resident_adapter_may_pass_a_cold_head() -> None:
     queue = [Item(key("cold")), Item(key("hot"))]
-    plan = plan_next_batch(queue, {"hot"}, max_batch_images=4, max_skips=2)
+    plan = plan_next_batch(queue, {"hot"}, max_batch_images=4, max_skips=2, max_adapters=1)
     assert plan is not None and plan.members == [1] and plan.skipped_head
 
 
+def test_a_cold_head_joins_the_batch_when_a_slot_is_free() -> None:
+    queue = [Item(key("cold")), Item(key("hot"))]
+    plan = plan_next_batch(queue, {"hot"}, max_batch_images=4, max_skips=2, max_adapters=2)
+    assert plan is not None and plan.members == [0, 1] and not plan.skipped_head
+
+
 def test_base_model_requests_count_as_resident() -> None:
-    queue = [Item(key("cold")), Item(key(None))]
-    plan = plan_next_batch(queue, set(), max_batch_images=4, max_skips=2)
-    assert plan is not None and plan.members == [1]
+    queue = [Item(key("cold"), images=4), Item(key(None))]
+    plan = plan_next_batch(queue, set(), max_batch_images=4, max_skips=2, max_adapters=2)
+    assert plan is not None and plan.members == [1] and plan.skipped_head
 
 
 def test_head_skipped_max_times_goes_next() -> None:
     queue = [Item(key("cold"), skipped=2), Item(key("hot"))]
-    plan = plan_next_batch(queue, {"hot"}, max_batch_images=4, max_skips=2)
+    plan = plan_next_batch(queue, {"hot"}, max_batch_images=4, max_skips=2, max_adapters=1)
     assert plan is not None and plan.members == [0] and not plan.skipped_head
 
 
@@ -80,18 +99,21 @@ def test_every_request_is_served_within_the_bound(
     batches = 0
     served: dict[int, int] = {}
     while queue:
-        plan = plan_next_batch(queue, set(resident), max_batch_images=2, max_skips=max_skips)
+        plan = plan_next_batch(
+            queue, set(resident), max_batch_images=2, max_skips=max_skips, max_adapters=2
+        )
         assert plan is not None
         if plan.skipped_head:
             queue[0].skipped += 1
         batches += 1
         chosen = [queue[i] for i in plan.members]
-        assert len({item.key for item in chosen}) == 1
+        assert len({item.key.shape for item in chosen}) == 1
+        needed = list(dict.fromkeys(i.key.adapter for i in chosen if i.key.adapter is not None))
+        assert len(needed) <= 2
         for item in chosen:
             served[item.ident] = batches
-        adapter = chosen[0].key.adapter
-        if adapter is not None and adapter not in resident:
-            resident = [*resident[-1:], adapter]  # two GPU slots, LRU
+        # Two GPU slots, LRU: the batch's adapters become the most recent.
+        resident = [*(a for a in resident if a not in needed), *needed][-2:]
         queue = [item for i, item in enumerate(queue) if i not in set(plan.members)]
     for ident, batch_number in served.items():
         assert batch_number <= (positions[ident] + 1) * (max_skips + 1)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from lora_inference import errors
 from lora_inference.adapters.validation import LayerShape, check_adapter_fits
 
