@@ -551,7 +551,19 @@ class PodWorker:
     async def _setup_network(self) -> None:
         cfg = self.kubelet.config
         self.holder = await processes.start(
-            "netns-holder", ["unshare", "--net", "--", "sleep", "infinity"], self.dir / "holder.log"
+            "netns-holder",
+            # Its own UTS namespace too, so the pod's hostname is the pod's name.
+            [
+                "unshare",
+                "--net",
+                "--uts",
+                "--",
+                "sh",
+                "-c",
+                'hostname "$0" && exec sleep infinity',
+                self.name[:63],
+            ],
+            self.dir / "holder.log",
         )
         netns = f"/proc/{self.holder.pid}/ns/net"
         # unshare has to have switched namespaces before the veth can move there.
@@ -755,10 +767,17 @@ class PodWorker:
             m.target == SERVICE_ACCOUNT_PATH for m in mounts
         ):
             mounts.append(podlogic.Mount(str(self.service_account_dir), SERVICE_ACCOUNT_PATH, True))
+        if not any(m.target == "/etc/hosts" for m in mounts):
+            # Like the kubelet's managed /etc/hosts: the pod's hostname resolves (Python's
+            # http.server looks it up at bind time and would wait ~10 s on DNS otherwise).
+            hosts = self.dir / "etc-hosts"
+            hosts.write_text(podlogic.build_etc_hosts(self.name, self.ip))
+            mounts.insert(0, podlogic.Mount(str(hosts), "/etc/hosts", True))
         for m in mounts:
             await self._ensure_mountpoint(Path(m.source), Path(m.target))
         return {
             "netns": self.netns,
+            "utsns": self.netns.replace("/ns/net", "/ns/uts"),
             "mounts": [dataclasses.asdict(m) for m in mounts],
             "argv": argv,
             "env": env,

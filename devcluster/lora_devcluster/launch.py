@@ -20,6 +20,9 @@ def run(spec: dict[str, Any]) -> None:
     netns = spec.get("netns")
     if netns:
         ns.setns(netns, ns.CLONE_NEWNET)
+    utsns = spec.get("utsns")
+    if utsns:
+        ns.setns(utsns, ns.CLONE_NEWUTS)
     mounts = spec.get("mounts") or []
     if mounts:
         ns.unshare(ns.CLONE_NEWNS)

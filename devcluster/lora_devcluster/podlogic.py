@@ -252,6 +252,14 @@ def build_mounts(
     return mounts
 
 
+def build_etc_hosts(hostname: str, pod_ip: str) -> str:
+    return (
+        "# Kubernetes-managed hosts file (lora-devcluster).\n"
+        "127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n"
+        f"{pod_ip}\t{hostname}\n"
+    )
+
+
 # ---------------------------------------------------------------- restarts, ports
 
 

@@ -121,7 +121,10 @@ def test_deployment_pods_are_ready_with_distinct_ips_in_endpointslice(
     for ip in ips:
         status, body = http_get(f"http://{ip}:8080/")
         assert status == 200
-        assert body.split()[-1].decode() in {p["metadata"]["name"] for p in pods}
+        # The pod's hostname (its own UTS namespace) and HOSTNAME are the pod's name.
+        hostname, env_hostname = body.decode().split()
+        assert hostname == env_hostname
+        assert hostname in {p["metadata"]["name"] for p in pods}
 
 
 def test_killed_container_restarts_in_the_same_pod(

@@ -280,3 +280,9 @@ def test_pod_phase_when_all_terminated(policy: str, codes: list[int], phase: str
 
 def test_pending_before_anything_runs() -> None:
     assert podlogic.build_pod_phase("Always", [ContainerView("c", "img")]) == "Pending"
+
+
+def test_etc_hosts_resolves_the_pod_name_to_its_ip() -> None:
+    hosts = podlogic.build_etc_hosts("web-0", "10.244.0.5")
+    assert "10.244.0.5\tweb-0\n" in hosts
+    assert "127.0.0.1\tlocalhost\n" in hosts
