@@ -657,3 +657,50 @@ def test_kopf_runner_in_the_test_process_reaches_the_api_and_pods(
             return value
 
         assert h.wait_for("kopf to annotate the pod", annotated, timeout=30) == "ok"
+
+
+POD_CLIENT = """
+import os, ssl, urllib.request
+sa = "/var/run/secrets/kubernetes.io/serviceaccount"
+ctx = ssl.create_default_context(cafile=f"{sa}/ca.crt")
+api = f"https://{os.environ['KUBERNETES_SERVICE_HOST']}:{os.environ['KUBERNETES_SERVICE_PORT']}"
+token = open(f"{sa}/token").read()
+req = urllib.request.Request(f"{api}/version", headers={"Authorization": f"Bearer {token}"})
+print("api", urllib.request.urlopen(req, context=ctx, timeout=5).status)
+peer = f"http://{os.environ['PEER']}:8080/healthz"
+print("peer", urllib.request.urlopen(peer, timeout=5).read().decode())
+"""
+
+
+def test_pods_reach_the_api_server_and_other_pods(
+    devcluster: Harness, devcluster_namespace: str
+) -> None:
+    h, ns = devcluster, devcluster_namespace
+    h.apply(echo_deployment("peer", 1), ns)
+    (peer,) = ready_pods(h, ns, "app=peer", 1)
+    client = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "client"},
+        "spec": {
+            "restartPolicy": "Never",
+            "containers": [
+                {
+                    "name": "c",
+                    "image": "python",
+                    "command": [sys.executable, "-c", POD_CLIENT],
+                    "env": [{"name": "PEER", "value": peer["status"]["podIP"]}],
+                }
+            ],
+        },
+    }
+    h.apply(client, ns)
+
+    def finished() -> str | None:
+        phase: str | None = h.get(f"/api/v1/namespaces/{ns}/pods/client")["status"].get("phase")
+        return phase if phase in ("Succeeded", "Failed") else None
+
+    assert h.wait_for("the client pod to finish", finished, timeout=30) == "Succeeded"
+    logs = h.container_logs(ns)
+    assert "api 200" in logs
+    assert "peer ok" in logs
