@@ -180,6 +180,10 @@ class Kubelet:
             seen.add(uid)
             worker = self.workers.get(uid)
             if worker is None:
+                if meta.get("deletionTimestamp"):
+                    # Deleted before it ever ran here: nothing to stop, confirm the deletion.
+                    await self.finish_deletion(meta)
+                    continue
                 if self._finished(pod):
                     continue  # a finished pod from before; nothing to run
                 worker = PodWorker(self, pod)
@@ -195,10 +199,24 @@ class Kubelet:
 
     @staticmethod
     def _finished(pod: Obj) -> bool:
-        return (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed") or bool(
-            pod["metadata"].get("deletionTimestamp")
-            and not (pod.get("status") or {}).get("containerStatuses")
-        )
+        return (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed")
+
+    async def finish_deletion(self, meta: Obj) -> None:
+        """The final delete a kubelet sends once a pod's processes are gone: grace period 0,
+        guarded by the uid so a new pod with the same name is never deleted by mistake."""
+        body = {
+            "apiVersion": "v1",
+            "kind": "DeleteOptions",
+            "gracePeriodSeconds": 0,
+            "preconditions": {"uid": meta["uid"]},
+        }
+        try:
+            await self.api.delete(apiclient.pod_path(meta["namespace"], meta["name"]), body)
+        except ApiError as e:
+            if e.status not in (404, 409):
+                log.warning(
+                    "pod %s/%s: final delete failed: %s", meta["namespace"], meta["name"], e
+                )
 
     async def bind(self, pod: Obj) -> None:
         meta = pod["metadata"]
@@ -509,17 +527,7 @@ class PodWorker:
         if grace is None:
             grace = self.pod["spec"].get("terminationGracePeriodSeconds", 30)
         await self._teardown(grace=float(grace))
-        body = {
-            "apiVersion": "v1",
-            "kind": "DeleteOptions",
-            "gracePeriodSeconds": 0,
-            "preconditions": {"uid": self.uid},
-        }
-        try:
-            await self.kubelet.api.delete(apiclient.pod_path(self.namespace, self.name), body)
-        except ApiError as e:
-            if e.status not in (404, 409):
-                log.warning("pod %s/%s: final delete failed: %s", self.namespace, self.name, e)
+        await self.kubelet.finish_deletion(self.pod["metadata"])
 
     async def _teardown(self, grace: float) -> None:
         await self.stop_all(grace)
@@ -527,6 +535,8 @@ class PodWorker:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._task
+        # A runner may have spawned its process while we were stopping the others.
+        await self.stop_all(0)
         if self.ip:
             self.kubelet.ips.release(self.ip)
         shutil.rmtree(self.dir / "volumes", ignore_errors=True)
@@ -535,11 +545,7 @@ class PodWorker:
     async def close(self, grace: float) -> None:
         """Stop the pod's processes and its worker task (the supervisor is shutting down)."""
         self._deleting = True
-        await self.stop_all(grace)
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._task
+        await self._teardown(grace)
 
     async def stop_all(self, grace: float) -> None:
         await asyncio.gather(*(r.stop(grace) for r in self.runners))

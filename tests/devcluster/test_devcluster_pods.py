@@ -704,3 +704,39 @@ def test_pods_reach_the_api_server_and_other_pods(
     logs = h.container_logs(ns)
     assert "api 200" in logs
     assert "peer ok" in logs
+
+
+def test_pod_waiting_for_a_missing_configmap_says_so_starts_when_it_appears_and_deletes(
+    devcluster: Harness, devcluster_namespace: str
+) -> None:
+    h, ns = devcluster, devcluster_namespace
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "waiter", "labels": {"app": "waiter"}},
+        "spec": {
+            "volumes": [{"name": "cfg", "configMap": {"name": "later"}}],
+            "containers": [
+                {
+                    "name": "c",
+                    "image": ECHO,
+                    "volumeMounts": [{"name": "cfg", "mountPath": "/lora-devcluster-test/later"}],
+                }
+            ],
+        },
+    }
+    h.apply(pod, ns)
+
+    def waiting_message() -> str | None:
+        statuses = h.get(f"/api/v1/namespaces/{ns}/pods/waiter")["status"].get("containerStatuses")
+        message: str | None = (
+            (statuses or [{}])[0].get("state", {}).get("waiting", {}).get("message")
+        )
+        return message if message and "later" in message else None
+
+    assert "not found" in h.wait_for("a waiting reason naming the ConfigMap", waiting_message)
+    h.apply({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "later"},
+             "data": {"k": "v"}}, ns)  # fmt: skip
+    (p,) = ready_pods(h, ns, "app=waiter", 1)
+    h.kubectl("delete", "pod", "-n", ns, "waiter", "--wait=true", "--timeout=30s")
+    assert h.container_pids(p["metadata"]["uid"]) == []
