@@ -292,6 +292,9 @@ def _cleanup(root: Path) -> None:
                 elif p.is_file() and p.stat().st_size == 0:
                     p.unlink()
     shutil.rmtree(root, ignore_errors=True)
+    if root.parent == default_dir().parent:
+        with contextlib.suppress(OSError):
+            root.parent.rmdir()  # the per-user parent, if no other cluster is in it
 
 
 def leftovers(root: Path) -> list[str]:
