@@ -278,10 +278,16 @@ def _check_ours(root: Path) -> None:
 
 
 def _cleanup(root: Path) -> None:
-    if not root.exists():
-        return
-    _check_ours(root)
-    layout = controlplane.Layout(root)
+    if root.exists():
+        _check_ours(root)
+        _remove_created_mountpoints(controlplane.Layout(root))
+        shutil.rmtree(root, ignore_errors=True)
+    if root.parent == default_dir().parent:
+        with contextlib.suppress(OSError):
+            root.parent.rmdir()  # the per-user parent, if no other cluster is in it
+
+
+def _remove_created_mountpoints(layout: controlplane.Layout) -> None:
     with contextlib.suppress(OSError):
         created = layout.mountpoints.read_text().splitlines()
         for path in sorted(set(created), key=len, reverse=True):
@@ -291,10 +297,6 @@ def _cleanup(root: Path) -> None:
                     p.rmdir()  # only if empty: never remove what someone put there
                 elif p.is_file() and p.stat().st_size == 0:
                     p.unlink()
-    shutil.rmtree(root, ignore_errors=True)
-    if root.parent == default_dir().parent:
-        with contextlib.suppress(OSError):
-            root.parent.rmdir()  # the per-user parent, if no other cluster is in it
 
 
 def leftovers(root: Path) -> list[str]:
