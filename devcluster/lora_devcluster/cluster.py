@@ -22,7 +22,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from lora_devcluster import controlplane, processes
+from lora_devcluster import controlplane, mountpoints, processes
 
 MARKER = ".lora-devcluster"
 BINARIES = ("etcd", "kube-apiserver", "kube-controller-manager", "kubectl", "helm")
@@ -280,23 +280,12 @@ def _check_ours(root: Path) -> None:
 def _cleanup(root: Path) -> None:
     if root.exists():
         _check_ours(root)
-        _remove_created_mountpoints(controlplane.Layout(root))
         shutil.rmtree(root, ignore_errors=True)
+    # Also those of clusters that stopped before, unless a running cluster still uses them.
+    mountpoints.remove_unused()
     if root.parent == default_dir().parent:
         with contextlib.suppress(OSError):
             root.parent.rmdir()  # the per-user parent, if no other cluster is in it
-
-
-def _remove_created_mountpoints(layout: controlplane.Layout) -> None:
-    with contextlib.suppress(OSError):
-        created = layout.mountpoints.read_text().splitlines()
-        for path in sorted(set(created), key=len, reverse=True):
-            p = Path(path)
-            with contextlib.suppress(OSError):
-                if p.is_dir() and not p.is_symlink():
-                    p.rmdir()  # only if empty: never remove what someone put there
-                elif p.is_file() and p.stat().st_size == 0:
-                    p.unlink()
 
 
 def leftovers(root: Path) -> list[str]:

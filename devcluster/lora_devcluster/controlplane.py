@@ -71,10 +71,6 @@ class Layout:
     def ready(self) -> Path:
         return self.root / "ready"
 
-    @property
-    def mountpoints(self) -> Path:
-        return self.root / "created-mountpoints"
-
 
 def build_etcd_args(bin_dir: Path, layout: Layout) -> list[str]:
     return [

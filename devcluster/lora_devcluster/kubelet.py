@@ -26,7 +26,7 @@ from typing import Any
 
 import aiohttp
 
-from lora_devcluster import apiclient, podlogic, processes
+from lora_devcluster import apiclient, mountpoints, podlogic, processes
 from lora_devcluster.apiclient import ApiClient, ApiError
 from lora_devcluster.podlogic import ContainerConfigError, ContainerView
 
@@ -52,7 +52,7 @@ class KubeletConfig:
     bridge: str
     image_map: list[podlogic.ImageEntry]
     base_env: Mapping[str, str]
-    mountpoints_file: Path  # records mount points created on the host, removed at `down`
+    mountpoints_file: Path  # the machine-wide registry of mount points created on the host
     api_port: int
     ca_cert: Path  # written into each pod's service-account directory
 
@@ -85,16 +85,13 @@ class Kubelet:
         self.ips = IPAllocator(config.pod_prefix)
         self.workers: dict[str, PodWorker] = {}  # by pod uid
         self._veth_seq = 0
-        self._mountpoint_lock = asyncio.Lock()
 
     def next_veth(self) -> str:
         self._veth_seq += 1
         return f"lv{self._veth_seq}"
 
     async def record_mountpoint(self, path: Path) -> None:
-        async with self._mountpoint_lock:
-            with open(self.config.mountpoints_file, "a") as f:
-                f.write(str(path) + "\n")
+        await asyncio.to_thread(mountpoints.record, path, self.config.mountpoints_file)
 
     async def register_node(self) -> None:
         node: Obj = {

@@ -19,7 +19,7 @@ import signal
 import sys
 from pathlib import Path
 
-from lora_devcluster import controlplane, kubelet, podlogic, processes
+from lora_devcluster import controlplane, kubelet, mountpoints, podlogic, processes
 from lora_devcluster.apiclient import ApiClient
 
 
@@ -52,7 +52,7 @@ async def serve(root: Path, bin_dir: Path, image_map: list[podlogic.ImageEntry])
                 "LANG": "C.UTF-8",
                 "HOME": "/root" if os.getuid() == 0 else os.environ.get("HOME", "/tmp"),
             },
-            mountpoints_file=layout.mountpoints,
+            mountpoints_file=mountpoints.REGISTRY,
             api_port=controlplane.API_PORT,
             ca_cert=pki.ca_cert,
         )

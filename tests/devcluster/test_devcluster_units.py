@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -11,7 +12,7 @@ import pytest
 import yaml
 from cryptography import x509
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
-from lora_devcluster import certs, cli, cluster, kubelet
+from lora_devcluster import certs, cli, cluster, kubelet, mountpoints
 
 
 def test_pki_has_a_serving_cert_for_every_address_and_an_admin_client_cert(tmp_path: Path) -> None:
@@ -113,3 +114,40 @@ def test_down_and_up_refuse_a_directory_that_is_not_a_cluster(tmp_path: Path) ->
     with pytest.raises(cluster.ClusterError, match="not a lora-devcluster state directory"):
         cluster.down(precious)
     assert (precious / "thesis.tex").exists()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="bind mounts in a mount namespace need root")
+def test_mountpoints_still_used_by_another_namespace_are_kept(tmp_path: Path) -> None:
+    registry = tmp_path / "run" / "mountpoints"
+    unused, used, src = tmp_path / "unused", tmp_path / "used", tmp_path / "src"
+    for d in (unused, used, src):
+        d.mkdir()
+        mountpoints.record(d, registry)
+    mountpoints.record(unused, registry)  # recorded once only
+    holder = subprocess.Popen(
+        ["unshare", "--mount", "--propagation", "private", "sh", "-c",
+         f"mount --bind {src} {used} && echo mounted && exec sleep 60"],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "mounted"
+        mountpoints.remove_unused(registry)
+        assert not unused.exists() and not src.exists()
+        assert used.exists()  # removing it would detach the other namespace's mount
+        assert registry.read_text().split() == [str(used)]
+    finally:
+        holder.kill()
+        holder.wait()
+    mountpoints.remove_unused(registry)
+    assert not used.exists()
+    assert not registry.parent.exists()
+
+
+def test_mountpoints_never_removes_a_directory_with_content(tmp_path: Path) -> None:
+    registry = tmp_path / "run" / "mountpoints"
+    d = tmp_path / "d"
+    d.mkdir()
+    (d / "keep").write_text("x")
+    mountpoints.record(d, registry)
+    mountpoints.remove_unused(registry)
+    assert (d / "keep").exists()
