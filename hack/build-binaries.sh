@@ -28,7 +28,9 @@ fi
 GO="${GO:-go}"
 jobs="${LORA_BUILD_JOBS:-2}"
 # The pinned modules need no newer toolchain; never let go fetch one.
-export GOTOOLCHAIN=local CGO_ENABLED=0 GOFLAGS=-mod=readonly
+# -buildvcs=false: the wrapper modules sit inside this git checkout, and stamping VCS data
+# fails in checkouts git distrusts (another owner) while adding nothing to these binaries.
+export GOTOOLCHAIN=local CGO_ENABLED=0 GOFLAGS="-mod=readonly -buildvcs=false"
 
 log() { printf '[build-binaries %s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
 
