@@ -88,6 +88,9 @@ class Engine:
         self.gpu = cache.LRUTier("gpu", config.max_loras, label=self._label)
         self.cpu = cache.LRUTier("cpu", config.max_cpu_loras, label=self._label)
         self._parsed: dict[str, ParsedAdapter] = {}
+        # Resident adapter -> the peft adapter name of the layers holding it. A slot keeps the name
+        # of the adapter that created it when later adapters are swapped into it in place.
+        self._slots: dict[str, str] = {}
         self._refs: collections.Counter[str] = collections.Counter()
         self._retired: set[str] = set()  # keys replaced or unloaded, to drop when unreferenced
         self._queue: list[_Pending] = []
@@ -116,9 +119,10 @@ class Engine:
             if not pending.future.done():
                 pending.future.set_exception(errors.NotReady("the server is shutting down"))
         # Leave the pipeline as it was found: a backend may outlive its engine (tests reuse one).
-        resident = list(self.gpu)
-        if resident:
-            await self._in_pipeline(self._remove_all, resident)
+        slots = list(self._slots.values())
+        self._slots.clear()
+        if slots:
+            await self._in_pipeline(self._remove_all, slots)
         self._pipeline_thread.shutdown(wait=True)
         self._parse_pool.shutdown(wait=True)
 
@@ -404,7 +408,9 @@ class Engine:
 
     def _activate_and_generate(self, batch: list[_Pending]) -> list[Image.Image]:
         """Pipeline thread: set the batch's adapters and scales, then run one pipeline call."""
-        scales = {p.key.adapter: p.key.scale for p in batch if p.key.adapter is not None}
+        scales = {
+            self._slots[p.key.adapter]: p.key.scale for p in batch if p.key.adapter is not None
+        }
         self.backend.activate(scales)
         mixed = len({p.key.adapter for p in batch}) > 1
         shape = batch[0].key
@@ -414,7 +420,7 @@ class Engine:
             height=shape.height,
             steps=shape.steps,
             guidance_scale=shape.guidance_scale,
-            routing=[p.key.adapter for p in batch] if mixed else None,
+            routing=[self._slots.get(p.key.adapter or "") for p in batch] if mixed else None,
         )
 
     def _release(self, pending: _Pending) -> None:
@@ -448,8 +454,9 @@ class Engine:
         else:
             self.cpu.touch(record.key)
         started = time.perf_counter()
+        freed = [self._slots.pop(old) for old in evict if old in self._slots]
         try:
-            await self._in_pipeline(self._swap_in, evict, record.key, parsed)
+            slot = await self._in_pipeline(self._place, freed, record.key, parsed)
         except errors.InferenceError:
             self.metrics.loads.labels("gpu", "error").inc()
             for old in evict:
@@ -458,15 +465,33 @@ class Engine:
             raise
         finally:
             self.metrics.evictions.labels("gpu").inc(len(evict))
+        self._slots[record.key] = slot
         self.gpu.admit(record.key, pinned=record.pinned, evicted=evict)
         self.metrics.loads.labels("gpu", "ok").inc()
+        if slot != record.key:
+            self.metrics.inplace_swaps.inc()
         self.metrics.load_seconds.labels("gpu").observe(time.perf_counter() - started)
         self._update_tier_gauges()
 
-    def _swap_in(self, evict: list[str], key: str, parsed: ParsedAdapter) -> None:
-        for old in evict:
-            self.backend.remove_adapter(old)
-        self.backend.add_adapter(key, parsed)
+    def _place(self, freed: list[str], key: str, parsed: ParsedAdapter) -> str:
+        """Pipeline thread: put `parsed` into a freed slot in place if one fits, else load it anew.
+
+        Returns the slot (peft adapter name) now holding it; every other freed slot is removed.
+        """
+        placed: str | None = None
+        try:
+            for slot in freed:
+                if placed is None and self.backend.replace(slot, parsed):
+                    placed = slot
+                else:
+                    self.backend.remove_adapter(slot)
+        except Exception:
+            self._remove_all(freed)
+            raise
+        if placed is None:
+            self.backend.add_adapter(key, parsed)
+            placed = key
+        return placed
 
     def _drop_broken(self, record: AdapterRecord) -> None:
         """An adapter the pipeline refused after all: unregister it so nobody asks again."""
@@ -491,10 +516,10 @@ class Engine:
         keys = self._collectable()
         if not keys:
             return
-        resident = [k for k in keys if k in self.gpu]
-        if resident:
+        slots = [self._slots.pop(k) for k in keys if k in self._slots]
+        if slots:
             async with self._pipeline_lock:
-                await self._in_pipeline(self._remove_all, resident)
+                await self._in_pipeline(self._remove_all, slots)
         for key in keys:
             self.gpu.remove(key)
             self.cpu.remove(key)
@@ -503,9 +528,9 @@ class Engine:
             self._retired.discard(key)
         self._update_tier_gauges()
 
-    def _remove_all(self, keys: list[str]) -> None:
-        for key in keys:
-            self.backend.remove_adapter(key)
+    def _remove_all(self, slots: list[str]) -> None:
+        for slot in slots:
+            self.backend.remove_adapter(slot)
 
     # -- helpers --------------------------------------------------------------------------------
 

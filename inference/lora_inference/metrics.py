@@ -26,6 +26,11 @@ class Metrics:
             ["tier", "result"],
             registry=r,
         )
+        self.inplace_swaps = Counter(
+            "lora_adapter_inplace_swaps",
+            "GPU loads that copied weights into an evicted adapter's layers instead of new ones",
+            registry=r,
+        )
         self.evictions = Counter(
             "lora_adapter_evictions", "Adapters evicted, by tier", ["tier"], registry=r
         )

@@ -60,6 +60,9 @@ class ParsedAdapter:
     size_bytes: int
     rank: int
     components: tuple[str, ...]  # the pipeline components it adapts
+    # (component, module) pairs it targets: two adapters with the same layout and rank can share
+    # one set of peft layers, swapped in place
+    layout: frozenset[tuple[str, str]]
     # diffusers' own LoRA metadata (alpha, rank pattern) lives in the file header and is lost
     # when a state dict is passed in memory; such adapters are loaded from their file instead.
     needs_file: bool
@@ -102,6 +105,7 @@ class DiffusionBackend:
         )
         self.shapes = _layer_shapes(pipe, self.components)
         self._base_fingerprint = self._fingerprint()
+        self._resident: dict[str, ParsedAdapter] = {}  # pipeline adapter name -> what it holds
         self._call_params = set(inspect.signature(pipe.__call__).parameters)
         vae_scale = int(getattr(pipe, "vae_scale_factor", 8))
         denoiser = self._denoiser()
@@ -141,9 +145,8 @@ class DiffusionBackend:
                 f"{weights.name} cannot be read as safetensors: {e}", param="lora_path"
             ) from e
         files.check_lora_keys(list(tensors), name=name)
-        summary = validation.check_adapter_fits(
-            self._peft_shapes(tensors, name), self.shapes, max_rank=max_rank, name=name
-        )
+        shapes = self._peft_shapes(tensors, name)
+        summary = validation.check_adapter_fits(shapes, self.shapes, max_rank=max_rank, name=name)
         tensors = {k: v.to(self.dtype) if v.is_floating_point() else v for k, v in tensors.items()}
         return ParsedAdapter(
             tensors=tensors,
@@ -151,6 +154,12 @@ class DiffusionBackend:
             size_bytes=len(data),
             rank=summary.rank,
             components=summary.components,
+            layout=frozenset(
+                (component, key.split(".lora_")[0])
+                for component, keys in shapes.items()
+                for key in keys
+                if ".lora_" in key
+            ),
             needs_file="lora_adapter_metadata" in header.metadata,
             weights_file=weights,
         )
@@ -194,7 +203,7 @@ class DiffusionBackend:
             source = str(adapter.weights_file.parent)
             kwargs = {"weight_name": adapter.weights_file.name}
         else:
-            source = {k: v.to(self.device) for k, v in adapter.tensors.items()}
+            source = self._device_copy(adapter)
             kwargs = {}
         try:
             with torch.no_grad():
@@ -202,12 +211,7 @@ class DiffusionBackend:
                     source, adapter_name=key, low_cpu_mem_usage=True, **kwargs
                 )
             self._check_landed(key, adapter)
-            if self._fingerprint() != self._base_fingerprint:
-                raise errors.IncompatibleAdapter(
-                    "loading it changed the shapes of the base model's layers (a LoRA wider than "
-                    "the layer it targets); it was removed",
-                    param="lora_path",
-                )
+            self._check_base_unchanged()
         except Exception as e:
             self.remove_adapter(key)
             if isinstance(e, errors.InferenceError):
@@ -215,6 +219,70 @@ class DiffusionBackend:
             raise errors.IncompatibleAdapter(
                 f"the pipeline refused the adapter: {e}", param="lora_path"
             ) from e
+        self._resident[key] = adapter
+
+    def replace(self, name: str, adapter: ParsedAdapter) -> bool:
+        """Swap `adapter` into the layers of resident adapter `name`, in place; False if it can't.
+
+        Copying weights into layers that already exist is several times cheaper than creating
+        layers (peft's hotswap), and the pipeline keeps the same set of layers. It applies when
+        both adapters adapt only the denoiser (peft cannot hotswap text encoders), target the same
+        modules at the same rank and have the same alpha; the alpha is only known after the copy,
+        so a mismatch removes `name` and returns False, and the caller loads `adapter` afresh.
+        Either way `name` no longer holds its previous adapter.
+        """
+        current = self._resident.get(name)
+        denoiser_only = (self._denoiser_component,)
+        if (
+            current is None
+            or adapter.needs_file
+            or current.components != denoiser_only
+            or adapter.components != denoiser_only
+            or current.layout != adapter.layout
+            or current.rank != adapter.rank
+        ):
+            return False
+        try:
+            with torch.no_grad():
+                self.pipe.load_lora_weights(
+                    self._device_copy(adapter),
+                    adapter_name=name,
+                    hotswap=True,
+                    low_cpu_mem_usage=True,
+                )
+            self._check_base_unchanged()
+        except Exception as e:
+            self.remove_adapter(name)
+            if isinstance(e, errors.InferenceError):
+                raise
+            raise errors.IncompatibleAdapter(
+                f"the pipeline refused the adapter: {e}", param="lora_path"
+            ) from e
+        # hotswap sets `scaling` from the new adapter's alpha but keeps the old `lora_alpha`, which
+        # `set_scale` reads; they agree only when the alphas were equal.
+        for layer in self._lora_layers():
+            if (
+                name in layer.lora_A
+                and layer.scaling[name] != layer.lora_alpha[name] / layer.r[name]
+            ):
+                self.remove_adapter(name)
+                return False
+        self._resident[name] = adapter
+        return True
+
+    def _device_copy(self, adapter: ParsedAdapter) -> dict[str, torch.Tensor]:
+        """Fresh tensors for the pipeline: with low_cpu_mem_usage peft adopts the tensors it is
+        given as parameters, and a later in-place swap writes into them, so the cached ones must
+        never be handed over."""
+        return {k: v.to(self.device, copy=True) for k, v in adapter.tensors.items()}
+
+    def _check_base_unchanged(self) -> None:
+        if self._fingerprint() != self._base_fingerprint:
+            raise errors.IncompatibleAdapter(
+                "loading it changed the shapes of the base model's layers (a LoRA wider than "
+                "the layer it targets); it was removed",
+                param="lora_path",
+            )
 
     def _check_landed(self, key: str, adapter: ParsedAdapter) -> None:
         """The adapter reached exactly the components it targets.
@@ -244,6 +312,7 @@ class DiffusionBackend:
 
     def remove_adapter(self, key: str) -> None:
         """Delete `key` from every component; a name a component lacks is fine."""
+        self._resident.pop(key, None)
         for component in self.components:
             model = getattr(self.pipe, component)
             for module in model.modules():
@@ -373,10 +442,13 @@ class DiffusionBackend:
         return sum(p.numel() for c in self.components for p in getattr(self.pipe, c).parameters())
 
     def _denoiser(self) -> Any:
+        return getattr(self.pipe, self._denoiser_component)
+
+    @property
+    def _denoiser_component(self) -> str:
         for name in _DENOISERS:
-            model = getattr(self.pipe, name, None)
-            if model is not None:
-                return model
+            if getattr(self.pipe, name, None) is not None:
+                return name
         raise ValueError(f"{self.family} has neither a unet nor a transformer")
 
     def _lora_layers(self) -> list[Any]:

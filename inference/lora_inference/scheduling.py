@@ -84,9 +84,15 @@ def plan_next_batch(
         scales[first.key.adapter] = first.key.scale
     members = [anchor]
     total = first.images
-    for i, item in enumerate(queue):
-        if i == anchor or item.key.shape != first.key.shape:
-            continue
+    # Fill with requests whose adapters cost nothing first (resident, or already in the batch),
+    # then with ones that need a load, so a batch does not evict adapters it could have used.
+    candidates = [
+        i for i, item in enumerate(queue) if i != anchor and item.key.shape == first.key.shape
+    ]
+    free = [i for i in candidates if _costs_nothing(queue[i].key.adapter, resident, scales)]
+    costly = [i for i in candidates if i not in set(free)]
+    for i in free + costly:
+        item = queue[i]
         if total + item.images > max_batch_images:
             continue
         adapter = item.key.adapter
@@ -101,6 +107,10 @@ def plan_next_batch(
         total += item.images
     members.sort()
     return BatchPlan(members=members, skipped_head=members[0] != 0)
+
+
+def _costs_nothing(adapter: str | None, resident: Collection[str], batch: Collection[str]) -> bool:
+    return adapter is None or adapter in resident or adapter in batch
 
 
 def adapters_wanted(queue: Sequence[Queued]) -> set[str]:

@@ -111,6 +111,7 @@ def test_a_load_that_fails_inside_diffusers_is_rolled_back(
         size_bytes=0,
         rank=good.rank,
         components=good.components,
+        layout=good.layout,
         needs_file=False,
         weights_file=good.weights_file,
     )
@@ -156,7 +157,7 @@ async def test_inplace_swap_keeps_admitted_requests_on_old_weights(
     for image in await asyncio.gather(*late):
         assert np.array_equal(image, new)
     await server.engine.idle()
-    assert old_key not in server.engine.backend.resident_keys()  # collected once unused
+    assert old_key not in server.engine.gpu  # collected once unused
 
 
 async def test_failed_inplace_swap_keeps_the_old_adapter_serving(
@@ -264,3 +265,40 @@ async def test_one_batch_serves_several_adapters_without_leaking(
                     name,
                     other,
                 )
+
+
+async def test_evicted_layers_are_reused_in_place_and_images_stay_exact(
+    start_server: Any, assets: Assets, tmp_path: Any
+) -> None:
+    """With one slot, UNet-only adapters of one layout are copied into the same peft layers.
+
+    One of them has a different alpha, which only shows after the copy: it must be loaded afresh.
+    """
+    from lora_inference.tools.random_adapters import build_random_lora, to_kohya
+    from safetensors.torch import save_file
+
+    roots = (assets.root, tmp_path)
+    roomy = await start_server(max_loras=4, max_batch_size=1, allowed_roots=roots)
+    backend_pipe = roomy.engine.backend.pipe
+    other = tmp_path / "other.safetensors"
+    save_file(to_kohya(build_random_lora(backend_pipe, seed=11), rank=4), str(other))
+    half = tmp_path / "half-alpha.safetensors"
+    halved = {
+        k: (v * 0 + 2.0 if k.endswith(".alpha") else v)
+        for k, v in to_kohya(build_random_lora(backend_pipe, seed=12), rank=4).items()
+    }
+    save_file(halved, str(half))
+    adapters = {"a": assets.adapter_a, "other": other, "half": half}
+    for name, path in adapters.items():
+        await roomy.load(name, path, pinned=True)
+    reference = {name: await roomy.image(model=name) for name in adapters}
+    await roomy.session.close()
+    await roomy.server.close()
+
+    tight = await start_server(max_loras=1, max_batch_size=1, allowed_roots=roots)
+    for name, path in adapters.items():
+        await tight.load(name, path)
+    for name in ["a", "other", "a", "half", "other", "a"]:
+        assert np.array_equal(await tight.image(model=name), reference[name]), name
+    assert tight.metric("lora_adapter_inplace_swaps_total") >= 2
+    assert len(tight.engine.backend.resident_keys()) == 1

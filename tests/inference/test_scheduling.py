@@ -28,11 +28,17 @@ def test_empty_queue_plans_nothing() -> None:
 
 
 def test_batch_fills_with_any_adapters_up_to_the_image_limit() -> None:
-    queue = [Item(key("a")), Item(key("b")), Item(key("a"), images=2), Item(key("a"), images=1)]
+    queue = [Item(key("a")), Item(key("b")), Item(key("c"), images=2), Item(key("a"), images=1)]
     plan = plan_next_batch(queue, {"a"}, max_batch_images=3, max_skips=2, max_adapters=2)
     assert plan is not None
     assert plan.members == [0, 1, 3]
     assert not plan.skipped_head
+
+
+def test_resident_adapters_fill_the_batch_before_ones_that_need_a_load() -> None:
+    queue = [Item(key("a")), Item(key("cold")), Item(key("a"), images=2)]
+    plan = plan_next_batch(queue, {"a"}, max_batch_images=3, max_skips=2, max_adapters=2)
+    assert plan is not None and plan.members == [0, 2]
 
 
 def test_an_adapter_never_appears_with_two_scales_and_shapes_never_mix() -> None:

@@ -27,9 +27,13 @@ _KOHYA_PREFIXES = {"unet": "lora_unet", "text_encoder": "lora_te1", "text_encode
 
 
 def _linear_targets(module: torch.nn.Module, suffixes: tuple[str, ...]) -> list[tuple[str, Any]]:
+    """Linear layers whose names end with one of `suffixes`, seen through any LoRA wrappers."""
     found = []
     for name, sub in module.named_modules():
-        if isinstance(sub, torch.nn.Linear) and any(name.endswith(s) for s in suffixes):
+        if ".lora_" in name or not isinstance(sub, torch.nn.Linear):
+            continue
+        name = name.removesuffix(".base_layer")  # a layer that already carries adapters
+        if any(name.endswith(s) for s in suffixes):
             found.append((name, sub))
     return found
 
