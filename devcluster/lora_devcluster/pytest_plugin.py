@@ -4,7 +4,8 @@ point, so every test suite of the project can use them).
 - `devcluster` (session): starts a cluster in a temporary directory, makes this process join
   the cluster's network namespace (so the test, kopf's threads started later, kubectl and helm
   reach the API server at 127.0.0.1:6443 and pod IPs 10.244.0.N), sets KUBECONFIG and PATH,
-  and stops everything at the end of the session, also after a failure or Ctrl-C.
+  and stops everything after the last test that uses it (or at the end of the session, also
+  after a failure or Ctrl-C), returning this process to its own network namespace.
 - `devcluster_namespace` (function): a fresh namespace per test, deleted after it.
 - When a test using a namespace fails, its containers' logs are added to the report.
 
@@ -30,6 +31,8 @@ from lora_devcluster import harness, ns
 
 _NAMESPACE_KEY = pytest.StashKey[str]()
 _HARNESS_KEY = pytest.StashKey[harness.Harness]()
+_STACK_KEY = pytest.StashKey[contextlib.ExitStack]()
+_LAST_USER_KEY = pytest.StashKey[str]()
 
 
 def _unavailable(message: str) -> None:
@@ -76,9 +79,31 @@ def running_cluster() -> Iterator[harness.Harness]:
 
 
 @pytest.fixture(scope="session")
-def devcluster() -> Iterator[harness.Harness]:
-    with running_cluster() as h:
-        yield h
+def devcluster(pytestconfig: pytest.Config) -> Iterator[harness.Harness]:
+    stack = contextlib.ExitStack()
+    pytestconfig.stash[_STACK_KEY] = stack
+    with stack:
+        yield stack.enter_context(running_cluster())
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # Remember the last test that needs the cluster (after deselection: trylast).
+    users = [item for item in items if "devcluster" in getattr(item, "fixturenames", ())]
+    if users:
+        config.stash[_LAST_USER_KEY] = users[-1].nodeid
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    yield
+    # Stop the cluster as soon as no later test needs it, instead of at the end of the session:
+    # the rest of the session gets its memory and CPU back, and runs in the host's network
+    # namespace again.
+    if item.config.stash.get(_LAST_USER_KEY, None) == item.nodeid:
+        stack = item.config.stash.get(_STACK_KEY, None)
+        if stack is not None:
+            stack.close()
 
 
 def _namespace_name(test_name: str) -> str:

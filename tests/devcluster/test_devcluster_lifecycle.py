@@ -106,6 +106,8 @@ INNER_TESTS = """
 import os, time
 from pathlib import Path
 
+HOME_NETNS = os.readlink("/proc/self/ns/net")  # read at import, before any fixture ran
+
 def _pod(h, ns):
     h.apply({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "talker"},
              "spec": {"containers": [{"name": "c", "image": "shell",
@@ -118,6 +120,14 @@ def test_fails(devcluster, devcluster_namespace):
     _pod(devcluster, devcluster_namespace)
     assert False, "failing on purpose"
 
+def test_uses_the_cluster(devcluster):
+    assert devcluster.get("/api/v1/nodes")["items"]
+
+def test_runs_after_the_last_user():
+    # The cluster stopped after the last test needing it: back in the host's namespace.
+    assert os.readlink("/proc/self/ns/net") == HOME_NETNS
+    assert list(Path(os.environ["TMPDIR"]).iterdir()) == []
+
 def test_interrupted(devcluster, devcluster_namespace):
     _pod(devcluster, devcluster_namespace)
     Path(os.environ["MARKER"]).write_text("running")
@@ -125,7 +135,7 @@ def test_interrupted(devcluster, devcluster_namespace):
 """
 
 
-def _inner_pytest(tmp_path: Path, test: str) -> subprocess.Popen[str]:
+def _inner_pytest(tmp_path: Path, *tests: str) -> subprocess.Popen[str]:
     (tmp_path / "test_inner.py").write_text(textwrap.dedent(INNER_TESTS))
     work = tmp_path / "tmp"
     work.mkdir()
@@ -138,7 +148,7 @@ def _inner_pytest(tmp_path: Path, test: str) -> subprocess.Popen[str]:
             "-p",
             "no:cacheprovider",
             "-q",
-            f"{tmp_path / 'test_inner.py'}::{test}",
+            *(f"{tmp_path / 'test_inner.py'}::{test}" for test in tests),
             "--rootdir",
             str(tmp_path),
         ],
@@ -191,4 +201,13 @@ def test_ctrl_c_tears_the_cluster_down(tmp_path: Path) -> None:
     proc.send_signal(signal.SIGINT)
     out, _ = proc.communicate(timeout=120)
     assert "KeyboardInterrupt" in out, out
+    _assert_clean(tmp_path / "tmp")
+
+
+def test_cluster_stops_after_the_last_test_that_needs_it(tmp_path: Path) -> None:
+    require_binaries()
+    proc = _inner_pytest(tmp_path, "test_uses_the_cluster", "test_runs_after_the_last_user")
+    out, _ = proc.communicate(timeout=240)
+    assert proc.returncode == 0, out
+    assert "2 passed" in out
     _assert_clean(tmp_path / "tmp")
