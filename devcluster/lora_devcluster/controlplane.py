@@ -110,6 +110,12 @@ def build_apiserver_args(bin_dir: Path, pki: certs.PKI) -> list[str]:
         # The default reconciler would publish the `kubernetes` Service endpoints and fight
         # nobody here, but it needs a reachable advertise address on the host: keep it off.
         "--endpoint-reconciler-type=none",
+        # `kubectl logs` goes through the API server to the process kubelet on the node address;
+        # the node's Hostname does not resolve here.
+        "--kubelet-preferred-address-types=InternalIP",
+        f"--kubelet-certificate-authority={pki.ca_cert}",
+        f"--kubelet-client-certificate={pki.admin_cert}",
+        f"--kubelet-client-key={pki.admin_key}",
         "--v=1",
     ]
 

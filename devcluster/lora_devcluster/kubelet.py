@@ -134,6 +134,7 @@ class Kubelet:
                     "lastTransitionTime": now,
                 }
             ],
+            "daemonEndpoints": {"kubeletEndpoint": {"Port": 10250}},
             "nodeInfo": {
                 "kubeletVersion": "v1.37.2-process",
                 "containerRuntimeVersion": "process://lora-devcluster",
@@ -285,7 +286,7 @@ class ContainerRunner:
                 continue
             with open(self.log, "a") as f:
                 n = self.restart_count
-                f.write(f"--- lora-devcluster: starting {self.name} (restart {n}) ---\n")
+                f.write(f"{podlogic.LOG_RUN_MARKER}{self.name} (restart {n}) ---\n")
             self.proc = await self.worker.spawn_launcher(self.name, spec, self.log)
             started = now_rfc3339()
             self.running_since = started

@@ -404,3 +404,34 @@ def status_differs(old: Obj, new: Obj) -> bool:
     """Whether patching `new` would change anything the API server stores (ignoring nothing:
     the builder keeps transition times stable, so equal states compare equal)."""
     return any(old.get(k) != v for k, v in new.items())
+
+
+# ---------------------------------------------------------------- logs
+
+LOG_RUN_MARKER = "--- lora-devcluster: starting "
+
+
+def split_log_runs(text: str) -> list[str]:
+    """A container's log file holds every run, each after a marker line; split it per run."""
+    runs: list[str] = []
+    for line in text.splitlines(keepends=True):
+        if line.startswith(LOG_RUN_MARKER):
+            runs.append("")
+            continue
+        if not runs:
+            runs.append("")
+        runs[-1] += line
+    return runs
+
+
+def select_log(text: str, *, previous: bool, tail_lines: int | None) -> str | None:
+    """What `kubectl logs [--previous] [--tail N]` shows; None when there is no such run."""
+    runs = split_log_runs(text)
+    index = -2 if previous else -1
+    if len(runs) < (2 if previous else 1):
+        return None if previous else ""
+    out = runs[index]
+    if tail_lines is not None:
+        lines = out.splitlines(keepends=True)
+        out = "".join(lines[-tail_lines:]) if tail_lines > 0 else ""
+    return out

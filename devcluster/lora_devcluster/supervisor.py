@@ -19,7 +19,14 @@ import signal
 import sys
 from pathlib import Path
 
-from lora_devcluster import controlplane, kubelet, mountpoints, podlogic, processes
+from lora_devcluster import (
+    controlplane,
+    kubelet,
+    kubeletserver,
+    mountpoints,
+    podlogic,
+    processes,
+)
 from lora_devcluster.apiclient import ApiClient
 
 
@@ -60,6 +67,10 @@ async def serve(root: Path, bin_dir: Path, image_map: list[podlogic.ImageEntry])
             f"https://127.0.0.1:{controlplane.API_PORT}", pki.ca_cert, pki.admin_cert, pki.admin_key
         ) as api:
             kl = kubelet.Kubelet(api, config)
+            # The API server's serving certificate also names the node address (10.244.0.1).
+            server = await kubeletserver.start(
+                kl, controlplane.HOST_IP, pki.server_cert, pki.server_key
+            )
             await kl.register_node()
             layout.ready.write_text(json.dumps({"supervisor_pid_in_namespace": os.getpid()}))
             logging.info("cluster ready")
@@ -83,6 +94,7 @@ async def serve(root: Path, bin_dir: Path, image_map: list[podlogic.ImageEntry])
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await run
             logging.info("stopping pods")
+            await server.cleanup()
             await kl.shutdown()
     finally:
         logging.info("stopping the control plane")

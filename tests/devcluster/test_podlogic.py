@@ -286,3 +286,33 @@ def test_etc_hosts_resolves_the_pod_name_to_its_ip() -> None:
     hosts = podlogic.build_etc_hosts("web-0", "10.244.0.5")
     assert "10.244.0.5\tweb-0\n" in hosts
     assert "127.0.0.1\tlocalhost\n" in hosts
+
+
+LOG = (
+    "--- lora-devcluster: starting c (restart 0) ---\n"
+    "first run 1\nfirst run 2\n"
+    "--- lora-devcluster: liveness probe failed, killing c ---\n"
+    "--- lora-devcluster: starting c (restart 1) ---\n"
+    "second run 1\nsecond run 2\nsecond run 3\n"
+)
+
+
+@pytest.mark.parametrize(
+    ("previous", "tail", "expected"),
+    [
+        (False, None, "second run 1\nsecond run 2\nsecond run 3\n"),
+        (False, 1, "second run 3\n"),
+        (False, 0, ""),
+        (True, None, "first run 1\nfirst run 2\n"
+                     "--- lora-devcluster: liveness probe failed, killing c ---\n"),
+    ],
+    ids=["current", "tail-1", "tail-0", "previous"],
+)  # fmt: skip
+def test_select_log(previous: bool, tail: int | None, expected: str) -> None:
+    assert podlogic.select_log(LOG, previous=previous, tail_lines=tail) == expected
+
+
+def test_select_log_previous_without_a_restart_is_none() -> None:
+    first_only = "--- lora-devcluster: starting c (restart 0) ---\nhello\n"
+    assert podlogic.select_log(first_only, previous=True, tail_lines=None) is None
+    assert podlogic.select_log("", previous=False, tail_lines=None) == ""

@@ -1,0 +1,79 @@
+"""The kubelet's HTTPS endpoint, so `kubectl logs` works: the API server proxies
+`pods/log` to https://<node InternalIP>:10250/containerLogs/<ns>/<pod>/<container>.
+
+Owns: serving container logs (tailLines, previous, follow) from the log files.
+Must not: serve exec, attach or port-forward (not implemented: answered 501). It listens only
+inside the cluster's network namespace, on the node address.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+from pathlib import Path
+
+from aiohttp import web
+
+from lora_devcluster import podlogic
+from lora_devcluster.kubelet import Kubelet
+
+PORT = 10250
+KUBELET_KEY = web.AppKey("kubelet", Kubelet)
+
+
+def _find_log(kubelet: Kubelet, namespace: str, pod: str, container: str) -> Path | None:
+    for worker in kubelet.workers.values():
+        if worker.namespace == namespace and worker.name == pod:
+            for runner in worker.runners:
+                if runner.name == container:
+                    return runner.log
+    return None
+
+
+async def container_logs(request: web.Request) -> web.StreamResponse:
+    kubelet = request.app[KUBELET_KEY]
+    ns, pod, container = (request.match_info[k] for k in ("namespace", "pod", "container"))
+    log = _find_log(kubelet, ns, pod, container)
+    if log is None or not log.exists():
+        raise web.HTTPNotFound(text=f"container {container!r} of pod {ns}/{pod} has no log here")
+    query = request.query
+    tail = int(query["tailLines"]) if "tailLines" in query else None
+    previous = query.get("previous") == "true"
+    text = log.read_text(errors="replace")
+    selected = podlogic.select_log(text, previous=previous, tail_lines=tail)
+    if selected is None:
+        raise web.HTTPBadRequest(text=f"previous terminated container {container!r} not found")
+    if query.get("follow") != "true" or previous:
+        return web.Response(text=selected)
+    response = web.StreamResponse(headers={"Content-Type": "text/plain"})
+    await response.prepare(request)
+    await response.write(selected.encode())
+    offset = len(text.encode())
+    while True:  # until the client goes away (aiohttp cancels this handler then)
+        await asyncio.sleep(0.2)
+        size = log.stat().st_size
+        if size > offset:
+            with open(log, "rb") as f:
+                f.seek(offset)
+                chunk = f.read(size - offset)
+            offset = size
+            await response.write(chunk)
+
+
+async def not_implemented(request: web.Request) -> web.Response:
+    raise web.HTTPNotImplemented(
+        text="lora-devcluster's process kubelet serves only container logs"
+    )
+
+
+async def start(kubelet: Kubelet, host: str, cert: Path, key: Path) -> web.AppRunner:
+    app = web.Application()
+    app[KUBELET_KEY] = kubelet
+    app.router.add_get("/containerLogs/{namespace}/{pod}/{container}", container_logs)
+    app.router.add_route("*", "/{tail:.*}", not_implemented)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(str(cert), str(key))
+    await web.TCPSite(runner, host, PORT, ssl_context=context).start()
+    return runner
