@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import itertools
 import logging
 import random
 import time
@@ -37,6 +38,9 @@ from lora_inference.pipeline import DiffusionBackend, ImageJob, ParsedAdapter
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+# Process-wide, like adapter versions: a slot name is never reused, even by another engine
+# around the same pipeline (tests run several).
+_slot_numbers = itertools.count(1)
 
 
 @dataclass(frozen=True)
@@ -88,8 +92,8 @@ class Engine:
         self.gpu = cache.LRUTier("gpu", config.max_loras, label=self._label)
         self.cpu = cache.LRUTier("cpu", config.max_cpu_loras, label=self._label)
         self._parsed: dict[str, ParsedAdapter] = {}
-        # Resident adapter -> the peft adapter name of the layers holding it. A slot keeps the name
-        # of the adapter that created it when later adapters are swapped into it in place.
+        # Resident adapter -> its slot: the peft adapter name of the layers holding it. A slot
+        # outlives its first adapter when later ones are swapped into it in place.
         self._slots: dict[str, str] = {}
         self._refs: collections.Counter[str] = collections.Counter()
         self._retired: set[str] = set()  # keys replaced or unloaded, to drop when unreferenced
@@ -468,7 +472,7 @@ class Engine:
         self._slots[record.key] = slot
         self.gpu.admit(record.key, pinned=record.pinned, evicted=evict)
         self.metrics.loads.labels("gpu", "ok").inc()
-        if slot != record.key:
+        if slot in freed:
             self.metrics.inplace_swaps.inc()
         self.metrics.load_seconds.labels("gpu").observe(time.perf_counter() - started)
         self._update_tier_gauges()
@@ -489,8 +493,10 @@ class Engine:
             self._remove_all(freed)
             raise
         if placed is None:
-            self.backend.add_adapter(key, parsed)
-            placed = key
+            # Never the record key: a slot named after an earlier adapter may still be resident
+            # holding another one.
+            placed = f"slot{next(_slot_numbers)}"
+            self.backend.add_adapter(placed, parsed)
         return placed
 
     def _drop_broken(self, record: AdapterRecord) -> None:

@@ -288,7 +288,7 @@ async def test_evicted_layers_are_reused_in_place_and_images_stay_exact(
         for k, v in to_kohya(build_random_lora(backend_pipe, seed=12), rank=4).items()
     }
     save_file(halved, str(half))
-    adapters = {"a": assets.adapter_a, "other": other, "half": half}
+    adapters = {"a": assets.adapter_a, "other": other, "half": half, "b": assets.adapter_b}
     for name, path in adapters.items():
         await roomy.load(name, path, pinned=True)
     reference = {name: await roomy.image(model=name) for name in adapters}
@@ -302,3 +302,10 @@ async def test_evicted_layers_are_reused_in_place_and_images_stay_exact(
         assert np.array_equal(await tight.image(model=name), reference[name]), name
     assert tight.metric("lora_adapter_inplace_swaps_total") >= 2
     assert len(tight.engine.backend.resident_keys()) == 1
+
+    # Two slots: a's layers end up holding `other` while `a` itself is loaded afresh beside it.
+    two = await start_server(max_loras=2, max_batch_size=1, allowed_roots=roots)
+    for name, path in adapters.items():
+        await two.load(name, path)
+    for name in ["a", "b", "other", "a", "b", "other"]:
+        assert np.array_equal(await two.image(model=name), reference[name]), name
