@@ -4,7 +4,8 @@ One run prints, side by side, for a Zipf(1.1) request stream over 20 adapters:
   (a) this server (`--max-loras 4`), (b) a naive server that loads, generates and unloads per
   request, (c) the base model with no LoRA at all (the limit),
 with throughput, p50/p95 latency and the ratios a/c and a/b; then cold-load and switch times as
-the number of resident adapters grows (1, 5, 25, 50).
+the number of resident adapters grows (1, 5, 25, 50), with the in-place swap an eviction uses
+when the incoming adapter fits the evicted one's layers.
 
     .venv/bin/python bench/bench_inference.py [--requests 120] [--clients 8] [--steps 4]
 
@@ -122,11 +123,17 @@ async def measure(
 
 def growth(
     backend: DiffusionBackend, adapters: list[Path], steps: int
-) -> list[tuple[int, float, float]]:
-    """Cold load (parse + add) and switch (activate) times with 1, 5, 25, 50 resident adapters."""
+) -> list[tuple[int, float, float, float]]:
+    """Cold load, in-place swap and switch times with 1, 5, 25, 50 resident adapters.
+
+    Cold load: parse + check + a fresh peft load. In-place swap: copying an adapter into the
+    layers of a resident one of the same layout (what an eviction does when it can). Switch:
+    setting the active adapter on every layer before a batch.
+    """
     rows = []
     loaded: list[str] = []
     parsed = [backend.parse_adapter(p, name=p.name, max_rank=1024) for p in adapters]
+    unet_only = [a for a in parsed if a.components == (backend.components[0],)]
     for target in (1, 5, 25, 50):
         while len(loaded) < target:
             key = f"res_{len(loaded)}"
@@ -139,12 +146,22 @@ def growth(
             backend.add_adapter("probe", fresh)
             cold.append(time.perf_counter() - started)
             backend.remove_adapter("probe")
+        backend.add_adapter("probe", unet_only[0])
+        swap = []
+        for i in range(steps):
+            started = time.perf_counter()
+            if not backend.replace("probe", unet_only[1 + i % (len(unet_only) - 1)]):
+                raise RuntimeError("same-layout adapters must swap in place")
+            swap.append(time.perf_counter() - started)
+        backend.remove_adapter("probe")
         switch = []
         for i in range(steps * 4):
             started = time.perf_counter()
             backend.activate({loaded[i % len(loaded)]: 1.0})
             switch.append(time.perf_counter() - started)
-        rows.append((target, statistics.median(cold), statistics.median(switch)))
+        rows.append(
+            (target, statistics.median(cold), statistics.median(swap), statistics.median(switch))
+        )
     for key in loaded:
         backend.remove_adapter(key)
     return rows
@@ -183,7 +200,7 @@ async def main_async(args: argparse.Namespace) -> None:
         )
 
         app_a = create_app(config, backend=backend)
-        from lora_inference.app import STARTUP
+        from lora_inference.app import METRICS, STARTUP
 
         ours = await measure(
             "(a) lora-inference, max-loras 4",
@@ -214,6 +231,18 @@ async def main_async(args: argparse.Namespace) -> None:
         print(f"{'':36}{'req/s':>8}{'p50 s':>9}{'p95 s':>9}")
         for r in (ours, naive, limit):
             print(f"{r.label:36}{r.throughput:8.2f}{r.p50:9.3f}{r.p95:9.3f}")
+        m = app_a[METRICS].registry
+
+        def sample(name: str, **labels: str) -> float:
+            return float(m.get_sample_value(name, labels) or 0.0)
+
+        print(
+            f"(a) adapter lookups: {sample('lora_adapter_lookups_total', result='hit'):.0f} hits, "
+            f"{sample('lora_adapter_lookups_total', result='miss'):.0f} misses "
+            f"({sample('lora_adapter_inplace_swaps_total'):.0f} served by in-place swaps); "
+            f"{sample('lora_batch_images_sum') / max(1.0, sample('lora_batch_images_count')):.2f} "
+            "images per pipeline call"
+        )
         print(
             f"ratio a/c (target >= 0.9): {ours.throughput / limit.throughput:.2f}   "
             f"ratio a/b (target >= 3): {ours.throughput / naive.throughput:.2f}"
@@ -223,9 +252,9 @@ async def main_async(args: argparse.Namespace) -> None:
             f"\nGrowth with resident adapters (median of {args.growth_samples} cold loads, "
             f"{args.growth_samples * 4} switches)"
         )
-        print(f"{'resident':>8}{'cold load ms':>14}{'switch ms':>11}")
-        for resident, cold, switch in growth(backend, paths, args.growth_samples):
-            print(f"{resident:8d}{cold * 1000:14.1f}{switch * 1000:11.2f}")
+        print(f"{'resident':>8}{'cold load ms':>14}{'in-place swap ms':>18}{'switch ms':>11}")
+        for resident, cold, swap, switch in growth(backend, paths, args.growth_samples):
+            print(f"{resident:8d}{cold * 1000:14.1f}{swap * 1000:18.1f}{switch * 1000:11.2f}")
 
 
 def main() -> None:
