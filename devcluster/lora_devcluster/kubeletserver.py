@@ -9,36 +9,40 @@ inside the cluster's network namespace, on the node address.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ssl
 from pathlib import Path
 
 from aiohttp import web
 
 from lora_devcluster import podlogic
-from lora_devcluster.kubelet import Kubelet
+from lora_devcluster.kubelet import ContainerRunner, Kubelet
 
 PORT = 10250
 KUBELET_KEY = web.AppKey("kubelet", Kubelet)
 
 
-def _find_log(kubelet: Kubelet, namespace: str, pod: str, container: str) -> Path | None:
+def _find_container(
+    kubelet: Kubelet, namespace: str, pod: str, container: str
+) -> ContainerRunner | None:
     for worker in kubelet.workers.values():
         if worker.namespace == namespace and worker.name == pod:
             for runner in worker.runners:
                 if runner.name == container:
-                    return runner.log
+                    return runner
     return None
 
 
 async def container_logs(request: web.Request) -> web.StreamResponse:
     kubelet = request.app[KUBELET_KEY]
     ns, pod, container = (request.match_info[k] for k in ("namespace", "pod", "container"))
-    log = _find_log(kubelet, ns, pod, container)
-    if log is None or not log.exists():
+    runner = _find_container(kubelet, ns, pod, container)
+    if runner is None or not runner.log.exists():
         raise web.HTTPNotFound(text=f"container {container!r} of pod {ns}/{pod} has no log here")
     query = request.query
     tail = int(query["tailLines"]) if "tailLines" in query else None
     previous = query.get("previous") == "true"
+    log = runner.log
     text = log.read_text(errors="replace")
     selected = podlogic.select_log(text, previous=previous, tail_lines=tail)
     if selected is None:
@@ -49,7 +53,11 @@ async def container_logs(request: web.Request) -> web.StreamResponse:
     await response.prepare(request)
     await response.write(selected.encode())
     offset = len(text.encode())
-    while True:  # until the client goes away (aiohttp cancels this handler then)
+    marker = podlogic.LOG_RUN_MARKER.encode()
+    # Like the kubelet: follow until this run of the container ends (or the client leaves,
+    # which cancels this handler).
+    while request.transport is not None and not request.transport.is_closing():
+        running = runner.running_since is not None
         await asyncio.sleep(0.2)
         size = log.stat().st_size
         if size > offset:
@@ -57,7 +65,15 @@ async def container_logs(request: web.Request) -> web.StreamResponse:
                 f.seek(offset)
                 chunk = f.read(size - offset)
             offset = size
+            if marker in chunk:  # the next run started: this one is over
+                await response.write(chunk[: chunk.index(marker)])
+                break
             await response.write(chunk)
+        elif not running:
+            break
+    with contextlib.suppress(ConnectionError):
+        await response.write_eof()
+    return response
 
 
 async def not_implemented(request: web.Request) -> web.Response:
@@ -75,5 +91,6 @@ async def start(kubelet: Kubelet, host: str, cert: Path, key: Path) -> web.AppRu
     await runner.setup()
     context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     context.load_cert_chain(str(cert), str(key))
-    await web.TCPSite(runner, host, PORT, ssl_context=context).start()
+    # A `kubectl logs -f` still streaming must not hold up the cluster's shutdown.
+    await web.TCPSite(runner, host, PORT, ssl_context=context, shutdown_timeout=1).start()
     return runner

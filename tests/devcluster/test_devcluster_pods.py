@@ -740,3 +740,50 @@ def test_pod_waiting_for_a_missing_configmap_says_so_starts_when_it_appears_and_
     (p,) = ready_pods(h, ns, "app=waiter", 1)
     h.kubectl("delete", "pod", "-n", ns, "waiter", "--wait=true", "--timeout=30s")
     assert h.container_pids(p["metadata"]["uid"]) == []
+
+
+def test_kubectl_logs_current_previous_tail_and_follow(
+    devcluster: Harness, devcluster_namespace: str
+) -> None:
+    h, ns = devcluster, devcluster_namespace
+    script = 'echo "run $(cat /proc/sys/kernel/random/uuid)"; echo last-line; sleep 600'
+    h.apply(
+        {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": "talk", "labels": {"app": "talk"}},
+            "spec": {
+                "containers": [{"name": "c", "image": "shell", "command": ["sh", "-c", script]}]
+            },
+        },
+        ns,
+    )
+    (pod,) = ready_pods(h, ns, "app=talk", 1)
+    first = h.wait_for("the first run's output", lambda: h.kubectl("logs", "-n", ns, "talk"))
+    assert first.splitlines()[1:] == ["last-line"]
+    for pid in h.container_pids(pod["metadata"]["uid"]):  # sh and its sleep
+        os.kill(pid, signal.SIGKILL)
+    h.wait_for(
+        "a restart",
+        lambda: (
+            container_status(h.pods(ns, "app=talk")[0])["restartCount"] == 1
+            and h.kubectl("logs", "-n", ns, "talk").count("last-line") == 1
+            and h.kubectl("logs", "-n", ns, "talk") != first
+        ),
+    )
+    assert h.kubectl("logs", "-n", ns, "talk", "--previous") == first
+    assert h.kubectl("logs", "-n", ns, "talk", "--tail=1") == "last-line\n"
+    # --follow streams the current run; stop it after the output arrived.
+    follow = subprocess.Popen(
+        ["kubectl", "logs", "-f", "-n", ns, "talk"],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=h.cluster.env(),
+    )
+    try:
+        assert follow.stdout is not None
+        assert follow.stdout.readline().startswith("run ")
+        assert follow.stdout.readline() == "last-line\n"
+    finally:
+        follow.kill()
+        follow.wait()
