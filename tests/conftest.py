@@ -1,4 +1,4 @@
-"""Shared fixtures: tiny offline models and random adapters, built once per test session."""
+"""Settings shared by every test: keep diffusers' and transformers' chatter out of test output."""
 
 from __future__ import annotations
 
