@@ -27,8 +27,6 @@ from typing import Any
 import aiohttp
 
 from lora_devcluster import apiclient, mountpoints, podlogic, processes
-from lora_devcluster.apiclient import ApiClient, ApiError
-from lora_devcluster.podlogic import ContainerConfigError, ContainerView
 
 log = logging.getLogger("lora_devcluster.kubelet")
 
@@ -79,7 +77,7 @@ class IPAllocator:
 
 
 class Kubelet:
-    def __init__(self, api: ApiClient, config: KubeletConfig) -> None:
+    def __init__(self, api: apiclient.ApiClient, config: KubeletConfig) -> None:
         self.api = api
         self.config = config
         self.ips = IPAllocator(config.pod_prefix)
@@ -109,7 +107,7 @@ class Kubelet:
         }
         try:
             await self.api.create("/api/v1/nodes", node)
-        except ApiError as e:
+        except apiclient.ApiError as e:
             if e.status != 409:
                 raise
         await self.update_node_status()
@@ -159,7 +157,7 @@ class Kubelet:
                 if time.monotonic() - last_heartbeat > 10:
                     await self.update_node_status()
                     last_heartbeat = time.monotonic()
-            except (ApiError, aiohttp.ClientError, TimeoutError) as e:
+            except (apiclient.ApiError, aiohttp.ClientError, TimeoutError) as e:
                 log.warning("sync failed, retrying: %s", e)
             await asyncio.sleep(POLL_S)
 
@@ -210,7 +208,7 @@ class Kubelet:
         }
         try:
             await self.api.delete(apiclient.pod_path(meta["namespace"], meta["name"]), body)
-        except ApiError as e:
+        except apiclient.ApiError as e:
             if e.status not in (404, 409):
                 log.warning(
                     "pod %s/%s: final delete failed: %s", meta["namespace"], meta["name"], e
@@ -228,7 +226,7 @@ class Kubelet:
             await self.api.create(
                 apiclient.pod_path(meta["namespace"], meta["name"], "binding"), body
             )
-        except ApiError as e:
+        except apiclient.ApiError as e:
             if e.status not in (404, 409):
                 raise
 
@@ -254,8 +252,8 @@ class ContainerRunner:
         self.stopping = False
         self.log = worker.dir / f"{self.name}.log"
 
-    def view(self) -> ContainerView:
-        return ContainerView(
+    def view(self) -> podlogic.ContainerView:
+        return podlogic.ContainerView(
             name=self.name,
             image=self.spec.get("image", ""),
             restart_count=self.restart_count,
@@ -275,12 +273,12 @@ class ContainerRunner:
                 spec = await self.worker.launch_spec(
                     self.spec, self.spec.get("command"), self.spec.get("args")
                 )
-            except ContainerConfigError as e:
+            except podlogic.ContainerConfigError as e:
                 self.waiting_reason, self.waiting_message = e.reason, e.message
                 self.worker.changed()
                 await asyncio.sleep(1)
                 continue
-            except (ApiError, aiohttp.ClientError, TimeoutError) as e:
+            except (apiclient.ApiError, aiohttp.ClientError, TimeoutError) as e:
                 self.waiting_reason, self.waiting_message = "ContainerCreating", str(e)
                 await asyncio.sleep(1)
                 continue
@@ -467,9 +465,9 @@ class PodWorker:
                 await self._prepare_volumes()
                 await self._prepare_service_account()
                 break
-            except ContainerConfigError as e:
+            except podlogic.ContainerConfigError as e:
                 self._waiting(e.reason, e.message)
-            except (ApiError, aiohttp.ClientError, TimeoutError, OSError) as e:
+            except (apiclient.ApiError, aiohttp.ClientError, TimeoutError, OSError) as e:
                 log.warning("pod %s/%s: volume setup failed: %s", self.namespace, self.name, e)
                 self._waiting("ContainerCreating", f"volume setup failed: {e}")
             await asyncio.sleep(1)
@@ -492,7 +490,7 @@ class PodWorker:
                 return  # the final delete follows; nobody reads this status any more
             try:
                 await self._patch_status()
-            except ApiError as e:
+            except apiclient.ApiError as e:
                 if e.status == 404:
                     return
                 log.warning("pod %s/%s: status patch failed: %s", self.namespace, self.name, e)
@@ -654,7 +652,7 @@ class PodWorker:
                 self.volume_paths[name] = str(target)
                 self.read_only_volumes.add(name)
             else:
-                raise ContainerConfigError(
+                raise podlogic.ContainerConfigError(
                     "CreateContainerConfigError", f"volume {name!r}: unsupported volume type"
                 )
 
@@ -678,7 +676,7 @@ class PodWorker:
             try:
                 token = (await self.kubelet.api.create(path, body))["status"]["token"]
                 break
-            except ApiError as e:
+            except apiclient.ApiError as e:
                 if e.status != 404:
                     raise
             self._waiting("ContainerCreating", f'serviceaccount "{sa}" not found')
@@ -710,7 +708,7 @@ class PodWorker:
                 pv = await api.get(f"/api/v1/persistentvolumes/{pv_name}")
                 host_path = pv["spec"].get("hostPath", {}).get("path")
                 if not host_path:
-                    raise ContainerConfigError(
+                    raise podlogic.ContainerConfigError(
                         "CreateContainerConfigError",
                         f"PV {pv_name} is not a hostPath volume; this kubelet mounts only those",
                     )
@@ -840,6 +838,12 @@ class PodWorker:
                 except TimeoutError:
                     await proc.stop(0)
                     return False
-        except (OSError, aiohttp.ClientError, TimeoutError, ValueError, ContainerConfigError):
+        except (
+            OSError,
+            aiohttp.ClientError,
+            TimeoutError,
+            ValueError,
+            podlogic.ContainerConfigError,
+        ):
             return False
         return False

@@ -15,17 +15,16 @@ from pathlib import Path
 
 from aiohttp import web
 
-from lora_devcluster import podlogic
-from lora_devcluster.kubelet import ContainerRunner, Kubelet
+from lora_devcluster import kubelet, podlogic
 
 PORT = 10250
-KUBELET_KEY = web.AppKey("kubelet", Kubelet)
+KUBELET_KEY = web.AppKey("kubelet", kubelet.Kubelet)
 
 
 def _find_container(
-    kubelet: Kubelet, namespace: str, pod: str, container: str
-) -> ContainerRunner | None:
-    for worker in kubelet.workers.values():
+    kl: kubelet.Kubelet, namespace: str, pod: str, container: str
+) -> kubelet.ContainerRunner | None:
+    for worker in kl.workers.values():
         if worker.namespace == namespace and worker.name == pod:
             for runner in worker.runners:
                 if runner.name == container:
@@ -34,9 +33,9 @@ def _find_container(
 
 
 async def container_logs(request: web.Request) -> web.StreamResponse:
-    kubelet = request.app[KUBELET_KEY]
+    kl = request.app[KUBELET_KEY]
     ns, pod, container = (request.match_info[k] for k in ("namespace", "pod", "container"))
-    runner = _find_container(kubelet, ns, pod, container)
+    runner = _find_container(kl, ns, pod, container)
     if runner is None or not runner.log.exists():
         raise web.HTTPNotFound(text=f"container {container!r} of pod {ns}/{pod} has no log here")
     query = request.query
@@ -82,9 +81,9 @@ async def not_implemented(request: web.Request) -> web.Response:
     )
 
 
-async def start(kubelet: Kubelet, host: str, cert: Path, key: Path) -> web.AppRunner:
+async def start(kl: kubelet.Kubelet, host: str, cert: Path, key: Path) -> web.AppRunner:
     app = web.Application()
-    app[KUBELET_KEY] = kubelet
+    app[KUBELET_KEY] = kl
     app.router.add_get("/containerLogs/{namespace}/{pod}/{container}", container_logs)
     app.router.add_route("*", "/{tail:.*}", not_implemented)
     runner = web.AppRunner(app, access_log=None)

@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 from lora_devcluster import (
+    apiclient,
     controlplane,
     kubelet,
     kubeletserver,
@@ -27,7 +28,6 @@ from lora_devcluster import (
     podlogic,
     processes,
 )
-from lora_devcluster.apiclient import ApiClient
 
 
 async def setup_network() -> None:
@@ -63,7 +63,7 @@ async def serve(root: Path, bin_dir: Path, image_map: list[podlogic.ImageEntry])
             api_port=controlplane.API_PORT,
             ca_cert=pki.ca_cert,
         )
-        async with ApiClient(
+        async with apiclient.ApiClient(
             f"https://127.0.0.1:{controlplane.API_PORT}", pki.ca_cert, pki.admin_cert, pki.admin_key
         ) as api:
             kl = kubelet.Kubelet(api, config)
