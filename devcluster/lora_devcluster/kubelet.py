@@ -237,9 +237,10 @@ class Kubelet:
 class ContainerRunner:
     """One container of a pod: start, watch, probe, restart."""
 
-    def __init__(self, worker: PodWorker, spec: Obj) -> None:
+    def __init__(self, worker: PodWorker, spec: Obj, *, init: bool = False) -> None:
         self.worker = worker
         self.spec = spec
+        self.init = init  # an init container: runs to completion before the others start
         self.name: str = spec["name"]
         self.proc: processes.Proc | None = None
         self.restart_count = 0
@@ -268,6 +269,8 @@ class ContainerRunner:
 
     async def run(self) -> None:
         policy = self.worker.pod["spec"].get("restartPolicy", "Always")
+        if self.init:
+            policy = podlogic.init_restart_policy(policy)
         while not self.stopping:
             try:
                 spec = await self.worker.launch_spec(
@@ -412,6 +415,9 @@ class PodWorker:
         self.ip = ""
         self.holder: processes.Proc | None = None
         self.runners = [ContainerRunner(self, c) for c in pod["spec"].get("containers", [])]
+        self.init_runners = [
+            ContainerRunner(self, c, init=True) for c in pod["spec"].get("initContainers") or []
+        ]
         self.volume_paths: dict[str, str] = {}
         self.read_only_volumes: set[str] = set()
         self.service_account_dir: Path | None = None
@@ -471,13 +477,20 @@ class PodWorker:
                 log.warning("pod %s/%s: volume setup failed: %s", self.namespace, self.name, e)
                 self._waiting("ContainerCreating", f"volume setup failed: {e}")
             await asyncio.sleep(1)
+        for init in self.init_runners:
+            self._waiting("PodInitializing", "", init_too=False)
+            await init.run()
+            if init.terminated is None or init.terminated["exitCode"] != 0:
+                self.changed()  # the pod failed (restartPolicy Never) or is being stopped
+                await status
+                return
         runners = [asyncio.create_task(r.run()) for r in self.runners]
         await asyncio.gather(*runners, return_exceptions=True)
         self.changed()
         await status
 
-    def _waiting(self, reason: str, message: str) -> None:
-        for r in self.runners:
+    def _waiting(self, reason: str, message: str, *, init_too: bool = True) -> None:
+        for r in self.runners + (self.init_runners if init_too else []):
             r.waiting_reason, r.waiting_message = reason, message
         self.changed()
 
@@ -498,6 +511,11 @@ class PodWorker:
                 log.warning("pod %s/%s: status patch failed: %s", self.namespace, self.name, e)
             if self.runners and all(r.terminated is not None for r in self.runners):
                 return
+            if any(
+                r.terminated is not None and r.terminated["exitCode"] != 0
+                for r in self.init_runners
+            ):
+                return
 
     async def _patch_status(self) -> None:
         if not self.ip:
@@ -506,6 +524,7 @@ class PodWorker:
         status = podlogic.build_pod_status(
             {**self.pod, **old},
             [r.view() for r in self.runners],
+            init_containers=[r.view() for r in self.init_runners],
             pod_ip=self.ip,
             host_ip=self.kubelet.config.host_ip,
             start_time=self.start_time,
@@ -544,7 +563,7 @@ class PodWorker:
         await self._teardown(grace)
 
     async def stop_all(self, grace: float) -> None:
-        await asyncio.gather(*(r.stop(grace) for r in self.runners))
+        await asyncio.gather(*(r.stop(grace) for r in self.runners + self.init_runners))
         if self.holder is not None:
             await self.holder.stop(grace=0)
 

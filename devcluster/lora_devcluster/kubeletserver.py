@@ -26,7 +26,7 @@ def _find_container(
 ) -> kubelet.ContainerRunner | None:
     for worker in kl.workers.values():
         if worker.namespace == namespace and worker.name == pod:
-            for runner in worker.runners:
+            for runner in worker.init_runners + worker.runners:
                 if runner.name == container:
                     return runner
     return None

@@ -363,6 +363,11 @@ def build_pod_phase(restart_policy: str, containers: list[ContainerView]) -> str
     return "Pending"
 
 
+def init_restart_policy(pod_restart_policy: str) -> str:
+    """Init containers run to completion: retried on failure unless the pod says Never."""
+    return "Never" if pod_restart_policy == "Never" else "OnFailure"
+
+
 def build_pod_status(
     pod: Obj,
     containers: list[ContainerView],
@@ -371,18 +376,33 @@ def build_pod_status(
     host_ip: str,
     start_time: str,
     now: str,
+    init_containers: list[ContainerView] | None = None,
 ) -> Obj:
-    """The status the kubelet patches: phase, IPs, conditions and containerStatuses."""
+    """The status the kubelet patches: phase, IPs, conditions and container statuses. Until
+    every init container has exited 0 the pod is Pending and not Initialized (Failed if one
+    failed and the pod's restartPolicy is Never)."""
     old = (pod.get("status") or {}).get("conditions") or []
     restart_policy = pod.get("spec", {}).get("restartPolicy", "Always")
-    phase = build_pod_phase(restart_policy, containers)
-    containers_ready = bool(containers) and all(
-        c.ready and c.running_since is not None for c in containers
+    inits = init_containers or []
+    initialized = all(c.terminated is not None and c.terminated["exitCode"] == 0 for c in inits)
+    init_failed = restart_policy == "Never" and any(
+        c.terminated is not None and c.terminated["exitCode"] != 0 for c in inits
+    )
+    if init_failed:
+        phase = "Failed"
+    elif not initialized:
+        phase = "Pending"
+    else:
+        phase = build_pod_phase(restart_policy, containers)
+    containers_ready = (
+        initialized
+        and bool(containers)
+        and all(c.ready and c.running_since is not None for c in containers)
     )
     reason = None if containers_ready else "ContainersNotReady"
     if phase in ("Succeeded", "Failed"):
         reason = "PodCompleted"
-    return {
+    status = {
         "phase": phase,
         "hostIP": host_ip,
         "hostIPs": [{"ip": host_ip}],
@@ -392,12 +412,15 @@ def build_pod_status(
         "qosClass": "BestEffort",
         "conditions": [
             _condition("PodScheduled", True, now, old),
-            _condition("Initialized", True, now, old),
+            _condition("Initialized", initialized, now, old, "ContainersNotInitialized"),
             _condition("ContainersReady", containers_ready, now, old, reason),
             _condition("Ready", containers_ready, now, old, reason),
         ],
         "containerStatuses": [_container_status(c) for c in containers],
     }
+    if inits:
+        status["initContainerStatuses"] = [_container_status(c) for c in inits]
+    return status
 
 
 def status_differs(old: Obj, new: Obj) -> bool:

@@ -787,3 +787,70 @@ def test_kubectl_logs_current_previous_tail_and_follow(
     finally:
         follow.kill()
         follow.wait()
+
+
+def test_init_containers_run_to_completion_first(
+    devcluster: Harness, devcluster_namespace: str
+) -> None:
+    h, ns = devcluster, devcluster_namespace
+    mount = {"name": "work", "mountPath": "/lora-devcluster-test/work"}
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "staged", "labels": {"app": "staged"}},
+        "spec": {
+            "volumes": [{"name": "work", "emptyDir": {}}],
+            "initContainers": [
+                {"name": "first", "image": "shell", "volumeMounts": [mount],
+                 "command": ["sh", "-c", "sleep 1; echo 1 > /lora-devcluster-test/work/a"]},
+                {"name": "second", "image": "shell", "volumeMounts": [mount],
+                 "command": ["sh", "-c", "test -f /lora-devcluster-test/work/a && echo 2 > "
+                             "/lora-devcluster-test/work/b"]},
+            ],
+            "containers": [{"name": "app", "image": ECHO, "volumeMounts": [mount]}],
+        },
+    }  # fmt: skip
+    h.apply(pod, ns)
+    time.sleep(0.5)
+    early = h.get(f"/api/v1/namespaces/{ns}/pods/staged")
+    assert early["status"].get("phase") == "Pending"
+    (p,) = ready_pods(h, ns, "app=staged", 1)
+    inits = p["status"]["initContainerStatuses"]
+    assert [s["state"]["terminated"]["exitCode"] for s in inits] == [0, 0]
+    ip = p["status"]["podIP"]
+
+    def listing() -> list[str] | None:
+        try:
+            names: list[str] = json.loads(
+                http_get(f"http://{ip}:8080/ls?path=/lora-devcluster-test/work")[1]
+            )
+        except OSError:
+            return None
+        return names
+
+    assert h.wait_for("the app to serve", listing) == ["a", "b"]
+
+
+def test_failing_init_container_with_restart_never_fails_the_pod(
+    devcluster: Harness, devcluster_namespace: str
+) -> None:
+    h, ns = devcluster, devcluster_namespace
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "broken"},
+        "spec": {
+            "restartPolicy": "Never",
+            "initContainers": [{"name": "i", "image": "shell", "command": ["sh", "-c", "exit 4"]}],
+            "containers": [{"name": "app", "image": ECHO}],
+        },
+    }
+    h.apply(pod, ns)
+
+    def failed() -> Obj | None:
+        p = h.get(f"/api/v1/namespaces/{ns}/pods/broken")
+        return p if p["status"].get("phase") == "Failed" else None
+
+    p = h.wait_for("the pod to fail", failed, timeout=30)
+    assert p["status"]["initContainerStatuses"][0]["state"]["terminated"]["exitCode"] == 4
+    assert p["status"]["containerStatuses"][0]["state"]["waiting"]["reason"] == "PodInitializing"

@@ -316,3 +316,39 @@ def test_select_log_previous_without_a_restart_is_none() -> None:
     first_only = "--- lora-devcluster: starting c (restart 0) ---\nhello\n"
     assert podlogic.select_log(first_only, previous=True, tail_lines=None) is None
     assert podlogic.select_log("", previous=False, tail_lines=None) == ""
+
+
+def _init_status(inits: list[ContainerView], policy: str = "Always") -> Any:
+    main = [ContainerView("app", "img", running_since="T0", ready=True)]
+    pod = {"spec": {"restartPolicy": policy}, "status": {}}
+    return podlogic.build_pod_status(
+        pod, main, pod_ip="10.244.0.9", host_ip="10.244.0.1", start_time="T0", now="T1",
+        init_containers=inits,
+    )  # fmt: skip
+
+
+def test_pod_is_pending_and_not_initialized_while_an_init_container_runs() -> None:
+    s = _init_status([ContainerView("init", "img", running_since="T0")])
+    assert s["phase"] == "Pending"
+    assert _cond(s, "Initialized")["status"] == "False"
+    assert _cond(s, "Initialized")["reason"] == "ContainersNotInitialized"
+    assert _cond(s, "Ready")["status"] == "False"
+    assert s["initContainerStatuses"][0]["state"] == {"running": {"startedAt": "T0"}}
+
+
+def test_pod_runs_once_init_containers_exited_zero() -> None:
+    done = {"exitCode": 0, "reason": "Completed", "startedAt": "T0", "finishedAt": "T1"}
+    s = _init_status([ContainerView("init", "img", terminated=done)])
+    assert s["phase"] == "Running"
+    assert _cond(s, "Initialized")["status"] == "True"
+    assert _cond(s, "Ready")["status"] == "True"
+
+
+def test_failed_init_container_fails_the_pod_only_with_restart_policy_never() -> None:
+    failed = {"exitCode": 2, "reason": "Error", "startedAt": "T0", "finishedAt": "T1"}
+    assert (
+        _init_status([ContainerView("i", "img", terminated=failed)], "Never")["phase"] == "Failed"
+    )
+    assert podlogic.init_restart_policy("Always") == "OnFailure"
+    assert podlogic.init_restart_policy("OnFailure") == "OnFailure"
+    assert podlogic.init_restart_policy("Never") == "Never"
