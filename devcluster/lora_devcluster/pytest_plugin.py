@@ -19,6 +19,7 @@ import contextlib
 import os
 import re
 import shutil
+import subprocess
 import tempfile
 import uuid
 from collections.abc import Generator, Iterator
@@ -51,7 +52,7 @@ def running_cluster() -> Iterator[harness.Harness]:
             _unavailable(f"{tool} is not installed (util-linux / iproute2)")
     try:
         bins = cluster_mod.bin_dir()
-    except (cluster_mod.ClusterError, OSError) as e:
+    except (cluster_mod.ClusterError, OSError, subprocess.CalledProcessError) as e:
         _unavailable(str(e))
         raise
     missing = cluster_mod.missing_binaries(bins)
