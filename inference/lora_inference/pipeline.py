@@ -19,7 +19,7 @@ import hashlib
 import inspect
 import logging
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +31,7 @@ from diffusers.utils.state_dict_utils import (
     convert_state_dict_to_peft,
     convert_unet_state_dict_to_peft,
 )
+from peft.tuners.lora import LoraLayer
 from peft.tuners.tuners_utils import BaseTunerLayer
 from PIL import Image
 
@@ -60,13 +61,15 @@ class ParsedAdapter:
     size_bytes: int
     rank: int
     components: tuple[str, ...]  # the pipeline components it adapts
-    # (component, module) pairs it targets: two adapters with the same layout and rank can share
-    # one set of peft layers, swapped in place
-    layout: frozenset[tuple[str, str]]
     # diffusers' own LoRA metadata (alpha, rank pattern) lives in the file header and is lost
     # when a state dict is passed in memory; such adapters are loaded from their file instead.
     needs_file: bool
     weights_file: Path
+    # The same tensors under peft's names, by component: what an in-place swap copies.
+    peft_state: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
+    # Per layer (component, module) -> (rank, alpha, scaling, rslora) as peft set them up on the
+    # adapter's first fresh load; an in-place swap restores them. Empty until that load.
+    profile: dict[tuple[str, str], tuple[int, float, float, bool]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -145,29 +148,29 @@ class DiffusionBackend:
                 f"{weights.name} cannot be read as safetensors: {e}", param="lora_path"
             ) from e
         files.check_lora_keys(list(tensors), name=name)
-        shapes = self._peft_shapes(tensors, name)
+        # Weights take the model's dtype; scalars (alphas) keep theirs, as diffusers reads them.
+        tensors = {
+            k: v.to(self.dtype) if v.is_floating_point() and v.dim() > 0 else v
+            for k, v in tensors.items()
+        }
+        peft_state = self._peft_state(tensors, name)
+        shapes = {c: {k: tuple(v.shape) for k, v in part.items()} for c, part in peft_state.items()}
         summary = validation.check_adapter_fits(shapes, self.shapes, max_rank=max_rank, name=name)
-        tensors = {k: v.to(self.dtype) if v.is_floating_point() else v for k, v in tensors.items()}
         return ParsedAdapter(
             tensors=tensors,
             sha256=hashlib.sha256(data).hexdigest(),
             size_bytes=len(data),
             rank=summary.rank,
             components=summary.components,
-            layout=frozenset(
-                (component, key.split(".lora_")[0])
-                for component, keys in shapes.items()
-                for key in keys
-                if ".lora_" in key
-            ),
             needs_file="lora_adapter_metadata" in header.metadata,
             weights_file=weights,
+            peft_state=peft_state,
         )
 
-    def _peft_shapes(
+    def _peft_state(
         self, tensors: dict[str, torch.Tensor], name: str
-    ) -> dict[str, dict[str, tuple[int, ...]]]:
-        """Convert keys the way diffusers will when loading, then group shapes by component."""
+    ) -> dict[str, dict[str, torch.Tensor]]:
+        """Convert keys the way diffusers will when loading, grouped by component."""
         try:
             converted = type(self.pipe).lora_state_dict(dict(tensors))
         except Exception as e:  # diffusers' converters raise ValueError, KeyError, ...
@@ -184,15 +187,15 @@ class DiffusionBackend:
                     f"adapter {name!r}: key {key!r} names no pipeline component", param="lora_path"
                 )
             by_component.setdefault(component, {})[rest] = tensor
-        shapes: dict[str, dict[str, tuple[int, ...]]] = {}
+        state_by_component: dict[str, dict[str, torch.Tensor]] = {}
         for component, part in by_component.items():
             if component in _DENOISERS:
                 if not any("lora_A" in k for k in part):
                     part = convert_unet_state_dict_to_peft(part)
             else:
                 part = convert_state_dict_to_peft(convert_state_dict_to_diffusers(part))
-            shapes[component] = {k: tuple(v.shape) for k, v in part.items()}
-        return shapes
+            state_by_component[component] = part
+        return state_by_component
 
     # -- mutating the pipeline (pipeline thread only) ------------------------------------------
 
@@ -220,53 +223,55 @@ class DiffusionBackend:
                 f"the pipeline refused the adapter: {e}", param="lora_path"
             ) from e
         self._resident[key] = adapter
+        if not adapter.profile:
+            adapter.profile.update(self._profile(key))
+
+    def _profile(self, name: str) -> dict[tuple[str, str], tuple[int, float, float, bool]]:
+        profile = {}
+        for component in self.components:
+            for module_name, module in getattr(self.pipe, component).named_modules():
+                if isinstance(module, LoraLayer) and name in module.lora_A:
+                    profile[(component, module_name)] = (
+                        module.r[name],
+                        module.lora_alpha[name],
+                        module.scaling[name],
+                        bool(module.use_rslora.get(name, False)),
+                    )
+        return profile
 
     def replace(self, name: str, adapter: ParsedAdapter) -> bool:
-        """Swap `adapter` into the layers of resident adapter `name`, in place; False if it can't.
+        """Copy `adapter` into the layers of resident adapter `name`, in place; False if it can't.
 
-        Copying weights into layers that already exist is several times cheaper than creating
-        layers (peft's hotswap), and the pipeline keeps the same set of layers. It applies when
-        both adapters adapt only the denoiser (peft cannot hotswap text encoders), target the same
-        modules at the same rank and have the same alpha; the alpha is only known after the copy,
-        so a mismatch removes `name` and returns False, and the caller loads `adapter` afresh.
-        Either way `name` no longer holds its previous adapter.
+        Copying weights into layers that exist is several times cheaper than creating layers,
+        and the pipeline keeps the same layers. It applies when `adapter` has been loaded afresh
+        once (its per-layer rank and alpha, as peft set them up, are then known) and targets
+        exactly the layers `name` holds, with the same shapes. On False nothing changed.
         """
         current = self._resident.get(name)
-        denoiser_only = (self._denoiser_component,)
-        if (
-            current is None
-            or adapter.needs_file
-            or current.components != denoiser_only
-            or adapter.components != denoiser_only
-            or current.layout != adapter.layout
-            or current.rank != adapter.rank
-        ):
+        if current is None or not adapter.profile or set(adapter.profile) != set(current.profile):
             return False
-        try:
-            with torch.no_grad():
-                self.pipe.load_lora_weights(
-                    self._device_copy(adapter),
-                    adapter_name=name,
-                    hotswap=True,
-                    low_cpu_mem_usage=True,
-                )
-            self._check_base_unchanged()
-        except Exception as e:
-            self.remove_adapter(name)
-            if isinstance(e, errors.InferenceError):
-                raise
-            raise errors.IncompatibleAdapter(
-                f"the pipeline refused the adapter: {e}", param="lora_path"
-            ) from e
-        # hotswap sets `scaling` from the new adapter's alpha but keeps the old `lora_alpha`, which
-        # `set_scale` reads; they agree only when the alphas were equal.
-        for layer in self._lora_layers():
-            if (
-                name in layer.lora_A
-                and layer.scaling[name] != layer.lora_alpha[name] / layer.r[name]
-            ):
-                self.remove_adapter(name)
+        copies = []
+        for (component, module_name), setup in adapter.profile.items():
+            layer = getattr(self.pipe, component).get_submodule(module_name)
+            part = adapter.peft_state.get(component, {})
+            down = part.get(f"{module_name}.lora_A.weight")
+            up = part.get(f"{module_name}.lora_B.weight")
+            if down is None or up is None:
                 return False
+            if (
+                down.shape != layer.lora_A[name].weight.shape
+                or up.shape != layer.lora_B[name].weight.shape
+            ):
+                return False
+            copies.append((layer, down, up, setup))
+        with torch.no_grad():
+            for layer, down, up, (rank, alpha, scaling, rslora) in copies:
+                layer.lora_A[name].weight.copy_(down)
+                layer.lora_B[name].weight.copy_(up)
+                layer.r[name] = rank
+                layer.lora_alpha[name] = alpha
+                layer.scaling[name] = scaling
+                layer.use_rslora[name] = rslora
         self._resident[name] = adapter
         return True
 

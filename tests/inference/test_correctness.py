@@ -111,7 +111,6 @@ def test_a_load_that_fails_inside_diffusers_is_rolled_back(
         size_bytes=0,
         rank=good.rank,
         components=good.components,
-        layout=good.layout,
         needs_file=False,
         weights_file=good.weights_file,
     )
@@ -270,15 +269,16 @@ async def test_one_batch_serves_several_adapters_without_leaking(
 async def test_evicted_layers_are_reused_in_place_and_images_stay_exact(
     start_server: Any, assets: Assets, tmp_path: Any
 ) -> None:
-    """With one slot, UNet-only adapters of one layout are copied into the same peft layers.
+    """An adapter loaded before is copied into an evicted adapter's layers when they match.
 
-    One of them has a different alpha, which only shows after the copy: it must be loaded afresh.
+    `half` differs from `other` only in its alpha, `b` and `k` carry text-encoder layers in two
+    file formats; every image must equal the one from a server that loaded each adapter fresh.
     """
     from lora_inference.tools.random_adapters import build_random_lora, to_kohya
     from safetensors.torch import save_file
 
     roots = (assets.root, tmp_path)
-    roomy = await start_server(max_loras=4, max_batch_size=1, allowed_roots=roots)
+    roomy = await start_server(max_loras=5, max_cpu_loras=8, max_batch_size=1, allowed_roots=roots)
     backend_pipe = roomy.engine.backend.pipe
     other = tmp_path / "other.safetensors"
     save_file(to_kohya(build_random_lora(backend_pipe, seed=11), rank=4), str(other))
@@ -288,19 +288,27 @@ async def test_evicted_layers_are_reused_in_place_and_images_stay_exact(
         for k, v in to_kohya(build_random_lora(backend_pipe, seed=12), rank=4).items()
     }
     save_file(halved, str(half))
-    adapters = {"a": assets.adapter_a, "other": other, "half": half, "b": assets.adapter_b}
+    adapters = {
+        "a": assets.adapter_a,
+        "other": other,
+        "half": half,
+        "b": assets.adapter_b,
+        "k": assets.kohya,
+    }
     for name, path in adapters.items():
         await roomy.load(name, path, pinned=True)
     reference = {name: await roomy.image(model=name) for name in adapters}
     await roomy.session.close()
     await roomy.server.close()
 
-    tight = await start_server(max_loras=1, max_batch_size=1, allowed_roots=roots)
+    tight = await start_server(max_loras=1, max_cpu_loras=8, max_batch_size=1, allowed_roots=roots)
     for name, path in adapters.items():
         await tight.load(name, path)
-    for name in ["a", "other", "a", "half", "other", "a"]:
+    sequence = ["a", "other", "a", "half", "other", "a", "half", "b", "k", "b", "k", "a", "b"]
+    for name in sequence:
         assert np.array_equal(await tight.image(model=name), reference[name]), name
-    assert tight.metric("lora_adapter_inplace_swaps_total") >= 2
+    # Fresh loads: the first use of each of the five; every later switch within a layout swaps.
+    assert tight.metric("lora_adapter_inplace_swaps_total") >= 5
     assert len(tight.engine.backend.resident_keys()) == 1
 
     # Two slots: a's layers end up holding `other` while `a` itself is loaded afresh beside it.
