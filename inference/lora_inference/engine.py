@@ -208,9 +208,18 @@ class Engine:
                 async with self._pipeline_lock:
                     await self._make_resident(record, wanted=set())
             except errors.InferenceError:
-                await self.unregister(name, force=True)
+                self._restore(record, previous)
                 raise
         return record
+
+    def _restore(self, failed: AdapterRecord, previous: AdapterRecord | None) -> None:
+        """Undo a registration whose pin could not be honoured; a replaced record comes back."""
+        if self.registry.get(failed.name) in (failed, None):
+            self.registry.remove(failed.name)
+            if previous is not None:
+                self.registry.put(previous)
+                self._retired.discard(previous.key)
+        self._retire(failed)
 
     async def unregister(self, name: str, *, force: bool = False) -> AdapterRecord:
         record = self.registry.get(name)

@@ -317,3 +317,31 @@ async def test_evicted_layers_are_reused_in_place_and_images_stay_exact(
         await two.load(name, path)
     for name in ["a", "b", "other", "a", "b", "other"]:
         assert np.array_equal(await two.image(model=name), reference[name]), name
+
+
+async def test_a_pinned_swap_the_pipeline_refuses_keeps_the_old_adapter(
+    server: Server, assets: Assets, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The pipeline refusing an adapter that passed every check (our own seam, forced here)."""
+    await server.load("s", assets.adapter_a, pinned=True)
+    before = await server.image(model="s")
+    backend = server.engine.backend
+
+    def refuse(*_: object) -> None:
+        raise errors.IncompatibleAdapter("refused for the test", param="lora_path")
+
+    monkeypatch.setattr(backend, "add_adapter", refuse)
+    monkeypatch.setattr(backend, "replace", lambda *_: False)
+    status, body = await server.post(
+        "/v1/load_lora_adapter",
+        {
+            "lora_name": "s",
+            "lora_path": str(assets.adapter_b),
+            "load_inplace": True,
+            "pinned": True,
+        },
+    )
+    assert status == 422 and "refused for the test" in body["error"]["message"]
+    monkeypatch.undo()
+    assert server.engine.registry.get("s").path == assets.adapter_a.resolve()
+    assert np.array_equal(await server.image(model="s"), before)
