@@ -450,9 +450,6 @@ class Engine:
         if record.key in self.gpu:
             self.gpu.touch(record.key)
             return
-        evict = self.gpu.plan_admit(
-            record.key, pinned=record.pinned, protected={record.key, *protected}, prefer_keep=wanted
-        )
         parsed = self._parsed.get(record.key)
         if parsed is None:
             parsed = await self._parse(record.path, record.name)
@@ -466,6 +463,15 @@ class Engine:
             self._cache_parsed(record.key, parsed)
         else:
             self.cpu.touch(record.key)
+        # Evicting an adapter whose layers the newcomer fits lets it be copied in place.
+        reusable = [k for k in self.gpu if self.backend.fits(self._slots[k], parsed)]
+        evict = self.gpu.plan_admit(
+            record.key,
+            pinned=record.pinned,
+            protected={record.key, *protected},
+            prefer_keep=wanted,
+            prefer_evict=reusable,
+        )
         started = time.perf_counter()
         freed = [self._slots.pop(old) for old in evict if old in self._slots]
         try:

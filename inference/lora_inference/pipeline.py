@@ -239,6 +239,15 @@ class DiffusionBackend:
                     )
         return profile
 
+    def fits(self, name: str, adapter: ParsedAdapter) -> bool:
+        """Whether `adapter` targets exactly the layers resident adapter `name` holds."""
+        current = self._resident.get(name)
+        return (
+            current is not None
+            and bool(adapter.profile)
+            and adapter.profile.keys() == current.profile.keys()
+        )
+
     def replace(self, name: str, adapter: ParsedAdapter) -> bool:
         """Copy `adapter` into the layers of resident adapter `name`, in place; False if it can't.
 
@@ -247,8 +256,7 @@ class DiffusionBackend:
         once (its per-layer rank and alpha, as peft set them up, are then known) and targets
         exactly the layers `name` holds, with the same shapes. On False nothing changed.
         """
-        current = self._resident.get(name)
-        if current is None or not adapter.profile or set(adapter.profile) != set(current.profile):
+        if not self.fits(name, adapter):
             return False
         copies = []
         for (component, module_name), setup in adapter.profile.items():
