@@ -148,11 +148,11 @@ def _vae(*, latent_channels: int = 4, flow: bool = False) -> Any:
     )
 
 
-def _build_sd15(workdir: Path) -> Any:
-    from diffusers import DDIMScheduler, StableDiffusionPipeline, UNet2DConditionModel
+def _tiny_unet(**family: Any) -> Any:
+    """A two-level UNet; `family` adds what SD 1.5 and SDXL differ in."""
+    from diffusers import UNet2DConditionModel
 
-    tokenizer, vocab = _clip_tokenizer(workdir / "tokenizer")
-    unet = UNet2DConditionModel(
+    return UNet2DConditionModel(
         block_out_channels=(8, 16),
         layers_per_block=1,
         sample_size=16,
@@ -160,10 +160,16 @@ def _build_sd15(workdir: Path) -> Any:
         out_channels=4,
         down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
         up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
-        cross_attention_dim=32,
         norm_num_groups=4,
-        attention_head_dim=4,
+        **family,
     )
+
+
+def _build_sd15(workdir: Path) -> Any:
+    from diffusers import DDIMScheduler, StableDiffusionPipeline
+
+    tokenizer, vocab = _clip_tokenizer(workdir / "tokenizer")
+    unet = _tiny_unet(cross_attention_dim=32, attention_head_dim=4)
     return StableDiffusionPipeline(
         unet=unet,
         vae=_vae(),
@@ -184,18 +190,11 @@ def _build_sd15(workdir: Path) -> Any:
 
 
 def _build_sdxl(workdir: Path) -> Any:
-    from diffusers import EulerDiscreteScheduler, StableDiffusionXLPipeline, UNet2DConditionModel
+    from diffusers import EulerDiscreteScheduler, StableDiffusionXLPipeline
 
     tokenizer, vocab = _clip_tokenizer(workdir / "tokenizer")
     tokenizer_2, _ = _clip_tokenizer(workdir / "tokenizer_2")
-    unet = UNet2DConditionModel(
-        block_out_channels=(8, 16),
-        layers_per_block=1,
-        sample_size=16,
-        in_channels=4,
-        out_channels=4,
-        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
-        up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
+    unet = _tiny_unet(
         attention_head_dim=(2, 4),
         use_linear_projection=True,
         addition_embed_type="text_time",
@@ -204,7 +203,6 @@ def _build_sdxl(workdir: Path) -> Any:
         # 6 micro-conditioning ids of 8 dims each, plus text_encoder_2's 32-dim projection.
         projection_class_embeddings_input_dim=80,
         cross_attention_dim=64,
-        norm_num_groups=4,
     )
     return StableDiffusionXLPipeline(
         unet=unet,
