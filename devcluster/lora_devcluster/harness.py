@@ -157,6 +157,38 @@ class Harness:
                 parts.append(f"==== {d.name}/{log.name}\n{log.read_text(errors='replace')}")
         return "\n".join(parts) if parts else f"(no container logs for namespace {namespace})"
 
+    def describe_pods(self, namespace: str) -> str:
+        """One line per pod and container: phase, IP, state and reason (for failure reports)."""
+        try:
+            pods = self.pods(namespace)
+        except (ApiError, OSError) as e:
+            return f"(cannot list pods of {namespace}: {e})"
+        lines = []
+        for p in pods:
+            st = p.get("status") or {}
+            deleting = " (deleting)" if p["metadata"].get("deletionTimestamp") else ""
+            lines.append(
+                f"pod {p['metadata']['name']}{deleting}: phase={st.get('phase')} "
+                f"ip={st.get('podIP')} node={p['spec'].get('nodeName')}"
+            )
+            for cs in (st.get("initContainerStatuses") or []) + (st.get("containerStatuses") or []):
+                states: dict[str, Obj] = cs.get("state") or {"unknown": {}}
+                kind, info = next(iter(states.items()))
+                detail = " ".join(f"{k}={v}" for k, v in info.items() if k != "startedAt")
+                lines.append(
+                    f"  {cs['name']}: {kind} {detail} ready={cs.get('ready')} "
+                    f"restarts={cs.get('restartCount')}"
+                )
+        return "\n".join(lines) if lines else f"(no pods in {namespace})"
+
+    def kubelet_log_tail(self, lines: int = 40) -> str:
+        path = self.cluster.layout.logs / "supervisor.log"
+        try:
+            text = path.read_text(errors="replace").splitlines()
+        except OSError as e:
+            return f"(cannot read {path}: {e})"
+        return "\n".join(text[-lines:])
+
     def container_pids(self, pod_uid: str, container: str | None = None) -> list[int]:
         """Host PIDs of the processes a container runs (found by the kubelet's env markers)."""
         pids = []

@@ -281,7 +281,10 @@ class ContainerRunner:
                 self.worker.changed()
                 await asyncio.sleep(1)
                 continue
-            except (apiclient.ApiError, aiohttp.ClientError, TimeoutError) as e:
+            except (apiclient.ApiError, aiohttp.ClientError, OSError) as e:
+                log.warning(
+                    "container %s of %s: cannot start yet: %s", self.name, self.worker.name, e
+                )
                 self.waiting_reason, self.waiting_message = "ContainerCreating", str(e)
                 await asyncio.sleep(1)
                 continue
@@ -414,6 +417,7 @@ class PodWorker:
         self.dir = kubelet.config.root / f"{self.namespace}_{self.name}_{self.uid}"
         self.ip = ""
         self.holder: processes.Proc | None = None
+        self._host_if = ""
         self.runners = [ContainerRunner(self, c) for c in pod["spec"].get("containers", [])]
         self.init_runners = [
             ContainerRunner(self, c, init=True) for c in pod["spec"].get("initContainers") or []
@@ -456,15 +460,22 @@ class PodWorker:
 
     async def _main(self) -> None:
         status = asyncio.create_task(self._status_loop())
-        try:
-            self.dir.mkdir(parents=True, exist_ok=True)
-            self.ip = self.kubelet.ips.allocate()
-            await self._setup_network()
-        except Exception as e:
-            log.exception("pod %s/%s: network setup failed", self.namespace, self.name)
-            self._waiting("ContainerCreating", f"pod network setup failed: {e}")
-            await status
-            return
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.ip = self.kubelet.ips.allocate()
+        log.info("pod %s/%s: setting up %s", self.namespace, self.name, self.ip)
+        for attempt in range(1, 4):
+            try:
+                await self._setup_network()
+                break
+            except Exception as e:
+                log.exception("pod %s/%s: network setup failed", self.namespace, self.name)
+                self._waiting("ContainerCreating", f"pod network setup failed: {e}")
+                await self._undo_network()
+                if attempt == 3:
+                    await status
+                    return
+                await asyncio.sleep(1)
+        log.info("pod %s/%s: network ready", self.namespace, self.name)
         self.changed()
         while True:  # volumes wait for their ConfigMaps, Secrets, bound PVCs, service account
             try:
@@ -477,6 +488,7 @@ class PodWorker:
                 log.warning("pod %s/%s: volume setup failed: %s", self.namespace, self.name, e)
                 self._waiting("ContainerCreating", f"volume setup failed: {e}")
             await asyncio.sleep(1)
+        log.info("pod %s/%s: volumes ready, starting containers", self.namespace, self.name)
         for init in self.init_runners:
             self._waiting("PodInitializing", "", init_too=False)
             await init.run()
@@ -485,7 +497,13 @@ class PodWorker:
                 await status
                 return
         runners = [asyncio.create_task(r.run()) for r in self.runners]
-        await asyncio.gather(*runners, return_exceptions=True)
+        for result in await asyncio.gather(*runners, return_exceptions=True):
+            if isinstance(result, Exception):
+                # A bug here must not leave a pod silently stuck: say so in the log and status.
+                log.error(
+                    "pod %s/%s: container runner failed", self.namespace, self.name, exc_info=result
+                )
+                self._waiting("RunContainerError", f"kubelet error: {result!r}")
         self.changed()
         await status
 
@@ -587,12 +605,16 @@ class PodWorker:
             self.dir / "holder.log",
         )
         netns = f"/proc/{self.holder.pid}/ns/net"
-        # unshare has to have switched namespaces before the veth can move there.
-        for _ in range(100):
-            if os.readlink(netns) != os.readlink("/proc/self/ns/net"):
-                break
+        # unshare must have switched namespaces before the veth moves there, or the veth would
+        # land in the cluster's namespace. On a loaded machine that can take seconds.
+        deadline = time.monotonic() + 60
+        while os.readlink(netns) == os.readlink("/proc/self/ns/net"):
+            if not self.holder.running or time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"the pod's namespace holder did not start: {processes.tail(self.holder.log)}"
+                )
             await asyncio.sleep(0.01)
-        host_if = self.kubelet.next_veth()
+        host_if = self._host_if = self.kubelet.next_veth()
         run = processes.run_checked
         await run(
             [
@@ -615,6 +637,17 @@ class PodWorker:
         await run([*inside, "addr", "add", f"{self.ip}/24", "dev", "eth0"])
         await run([*inside, "link", "set", "eth0", "up"])
         await run([*inside, "route", "add", "default", "via", cfg.host_ip])
+
+    async def _undo_network(self) -> None:
+        """Remove what a failed setup left, so the next attempt starts clean."""
+        if self.holder is not None:
+            await self.holder.stop(grace=0)
+            self.holder = None
+        if self._host_if:
+            with contextlib.suppress(RuntimeError):
+                # Deleting one end of a veth pair deletes both.
+                await processes.run_checked(["ip", "link", "del", self._host_if])
+            self._host_if = ""
 
     @property
     def netns(self) -> str:
@@ -815,10 +848,12 @@ class PodWorker:
             missing.append(p)
             p = p.parent
         for d in reversed(missing):
-            d.mkdir()
+            # Another pod may create the same directory at the same moment: fine either way,
+            # and recording it twice is harmless.
+            d.mkdir(exist_ok=True)
             await self.kubelet.record_mountpoint(d)
         if not source.is_dir():
-            target.touch()
+            target.touch(exist_ok=True)
             await self.kubelet.record_mountpoint(target)
 
     async def spawn_launcher(self, name: str, spec: Obj, log_path: Path) -> processes.Proc:

@@ -135,9 +135,10 @@ def pytest_runtest_makereport(
     report = outcome.get_result()
     if report.failed and _NAMESPACE_KEY in item.stash and _HARNESS_KEY in item.stash:
         h = item.stash[_HARNESS_KEY]
+        ns_name = item.stash[_NAMESPACE_KEY]
+        when = report.when
+        report.sections.append((f"devcluster pods ({when})", h.describe_pods(ns_name)))
+        report.sections.append((f"devcluster container logs ({when})", h.container_logs(ns_name)))
         report.sections.append(
-            (
-                f"devcluster container logs ({report.when})",
-                h.container_logs(item.stash[_NAMESPACE_KEY]),
-            )
+            (f"devcluster supervisor/kubelet log, tail ({when})", h.kubelet_log_tail())
         )

@@ -187,6 +187,8 @@ def test_failing_test_shows_container_logs_and_leaves_nothing(tmp_path: Path) ->
     assert "failing on purpose" in out
     assert "devcluster container logs" in out
     assert "hello-from-the-pod" in out
+    assert "pod talker: phase=Running" in out  # the pods section
+    assert "cluster ready" in out  # the supervisor log's tail
     _assert_clean(tmp_path / "tmp")
 
 
