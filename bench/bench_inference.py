@@ -3,9 +3,10 @@
 One run prints, side by side, for a Zipf(1.1) request stream over 20 adapters:
   (a) this server (`--max-loras 4`), (b) a naive server that loads, generates and unloads per
   request, (c) the base model with no LoRA at all (the limit),
-with throughput, p50/p95 latency and the ratios a/c and a/b; then cold-load and switch times as
-the number of resident adapters grows (1, 5, 25, 50), with the in-place swap an eviction uses
-when the incoming adapter fits the evicted one's layers.
+with throughput, p50/p95 latency and the ratios a/c and a/b (the stream is cut into slices that
+the three take turns at, so background load drifts hit them alike); then cold-load and switch
+times as the number of resident adapters grows (1, 5, 25, 50), with the in-place swap an
+eviction uses when the incoming adapter fits the evicted one's layers.
 
     .venv/bin/python bench/bench_inference.py [--requests 120] [--clients 8] [--steps 4]
 
@@ -22,8 +23,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -91,34 +91,59 @@ async def drive(
         return time.perf_counter() - started, latencies
 
 
-async def measure(
-    label: str,
-    app: web.Application,
-    models: list[str],
-    args: argparse.Namespace,
-    ready: Callable[[], bool] = lambda: True,
-) -> RunResult:
-    server = TestServer(app, host="127.0.0.1")
-    await server.start_server()
-    try:
-        while not ready():
-            await asyncio.sleep(0.05)
-        url = str(server.make_url("/v1/images/generations"))
-        await drive(
-            url, models[:8], clients=args.clients, steps=args.steps, size=args.size
-        )  # warm-up
-        wall, latencies = await drive(
-            url, models, clients=args.clients, steps=args.steps, size=args.size
+@dataclass
+class Target:
+    label: str
+    app: web.Application
+    models: list[str]  # the model named by each request of the stream
+    wall: float = 0.0
+    latencies: list[float] = field(default_factory=list)
+
+    def result(self) -> RunResult:
+        ordered = sorted(self.latencies)
+        return RunResult(
+            label=self.label,
+            throughput=len(ordered) / self.wall,
+            p50=statistics.median(ordered),
+            p95=ordered[min(len(ordered) - 1, int(0.95 * len(ordered)))],
         )
+
+
+async def measure_interleaved(targets: list[Target], args: argparse.Namespace) -> None:
+    """Drive every target with the same stream, in rounds that rotate the order.
+
+    The machine's background load drifts; interleaving slices of the stream across the targets
+    makes each ratio compare runs made under the same conditions.
+    """
+    servers = [TestServer(t.app, host="127.0.0.1") for t in targets]
+    for server in servers:
+        await server.start_server()
+    try:
+        urls = [str(server.make_url("/v1/images/generations")) for server in servers]
+        for target, url in zip(targets, urls, strict=True):
+            for attempt in range(600):  # the servers load their pipeline in the background
+                try:
+                    await drive(url, target.models[:8], clients=1, steps=args.steps, size=args.size)
+                    break
+                except RuntimeError:
+                    if attempt == 599:
+                        raise
+                    await asyncio.sleep(0.1)
+        rounds = args.rounds
+        size = -(-len(targets[0].models) // rounds)
+        for r in range(rounds):
+            order = list(range(len(targets)))
+            order = order[r % len(order) :] + order[: r % len(order)]
+            for i in order:
+                chunk = targets[i].models[r * size : (r + 1) * size]
+                wall, latencies = await drive(
+                    urls[i], chunk, clients=args.clients, steps=args.steps, size=args.size
+                )
+                targets[i].wall += wall
+                targets[i].latencies += latencies
     finally:
-        await server.close()
-    ordered = sorted(latencies)
-    return RunResult(
-        label=label,
-        throughput=len(models) / wall,
-        p50=statistics.median(ordered),
-        p95=ordered[min(len(ordered) - 1, int(0.95 * len(ordered)))],
-    )
+        for server in servers:
+            await server.close()
 
 
 def growth(
@@ -202,27 +227,22 @@ async def main_async(args: argparse.Namespace) -> None:
             device=device,
         )
 
-        app_a = create_app(config, backend=backend)
-        from lora_inference.app import METRICS, STARTUP
+        from lora_inference.app import METRICS
 
-        ours = await measure(
-            "(a) lora-inference, max-loras 4",
-            app_a,
-            stream,
-            args,
-            ready=lambda: STARTUP in app_a and app_a[STARTUP].done(),
-        )
-        app_c = create_app(config, backend=backend)
-        limit = await measure(
-            "(c) base model, no LoRA",
-            app_c,
-            [model.name] * len(stream),
-            args,
-            ready=lambda: STARTUP in app_c and app_c[STARTUP].done(),
-        )
-        naive = await measure(
-            "(b) naive load/generate/unload", create_naive_app(model, root), stream, args
-        )
+        app_a = create_app(config, backend=backend)
+        # The limit gets a pipeline of its own that never held an adapter.
+        pristine = DiffusionBackend.load(model, device=device, dtype=dtype)
+        targets = [
+            Target("(a) lora-inference, max-loras 4", app_a, stream),
+            Target("(b) naive load/generate/unload", create_naive_app(model, root), stream),
+            Target(
+                "(c) base model, no LoRA",
+                create_app(config, backend=pristine),
+                [model.name] * len(stream),
+            ),
+        ]
+        await measure_interleaved(targets, args)
+        ours, naive, limit = (t.result() for t in targets)
 
         print(
             f"\nZipf(1.1) over {ADAPTERS} adapters: {len(stream)} requests "
@@ -273,6 +293,7 @@ def main() -> None:
     parser.add_argument("--arch", default="sd15")
     parser.add_argument("--device", default=None)
     parser.add_argument("--growth-samples", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=4, help="interleaved slices of the stream")
     asyncio.run(main_async(parser.parse_args()))
 
 
