@@ -23,7 +23,7 @@ import random
 import time
 from collections.abc import Callable, Collection
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -72,7 +72,6 @@ class _Pending:
     future: asyncio.Future[list[GeneratedImage]]
     abandoned: Callable[[], bool]
     skipped: int = 0
-    enqueued_at: float = field(default_factory=time.monotonic)
 
     @property
     def images(self) -> int:
