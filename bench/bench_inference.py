@@ -10,8 +10,10 @@ eviction uses when the incoming adapter fits the evicted one's layers.
 
     .venv/bin/python bench/bench_inference.py [--requests 120] [--clients 8] [--steps 4]
 
-CPU on the tiny pipeline by default; `--arch`/`--device` run the same on a GPU. Results go in
-docs/benchmarks.md together with this command.
+CPU on the tiny pipeline by default. On a GPU, the issue's full-size run is
+    bench_inference.py --full-size --device cuda --size 1024 --rank 64 --steps 20 --requests 60
+(a random-weight SDXL base architecture, see lora_inference/tools/full_size.py). Results go in
+docs/benchmarks.md together with the command.
 """
 
 from __future__ import annotations
@@ -25,17 +27,18 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 from aiohttp import ClientSession, web
 from aiohttp.test_utils import TestServer
-from diffusers import DiffusionPipeline
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from lora_inference.app import create_app
 from lora_inference.config import ServerConfig
 from lora_inference.pipeline import DiffusionBackend, resolve_dtype
+from lora_inference.tools.full_size import build_full_size_sdxl
 from lora_inference.tools.random_adapters import write_random_adapter
 from lora_inference.tools.tiny_models import write_tiny_model
 from naive_server import create_naive_app
@@ -200,8 +203,18 @@ async def main_async(args: argparse.Namespace) -> None:
     dtype = resolve_dtype("auto", device)
     with tempfile.TemporaryDirectory(prefix="lora-bench-") as scratch:
         work = Path(scratch)
-        model = write_tiny_model(work / "model", args.arch)
-        pipe = DiffusionPipeline.from_pretrained(str(model))
+
+        def pipeline() -> Any:
+            """A fresh pipeline: each server gets its own."""
+            if args.full_size:
+                return build_full_size_sdxl(device, dtype)
+            return DiffusionBackend.load(model, device=device, dtype=dtype).pipe
+
+        if args.full_size:
+            model = work / "sdxl-full-size"  # a name only: the weights live in memory
+        else:
+            model = write_tiny_model(work / "model", args.arch)
+        pipe = pipeline()
         root = work / "adapters"
         paths = [
             write_random_adapter(
@@ -211,13 +224,13 @@ async def main_async(args: argparse.Namespace) -> None:
                 seed=i,
                 rank=args.rank,
                 text_encoder=i % 2 == 1,
+                dtype=dtype,
             )
             for i in range(max(ADAPTERS, 50))
         ]
-        del pipe
         stream = zipf_stream(args.requests, ADAPTERS, 1.1, seed=0)
         distinct = len(set(stream))
-        backend = DiffusionBackend.load(model, device=device, dtype=dtype)
+        backend = DiffusionBackend(pipe, device=device, dtype=dtype)
         config = ServerConfig(
             model=model,
             adapter_root=root,
@@ -231,10 +244,14 @@ async def main_async(args: argparse.Namespace) -> None:
 
         app_a = create_app(config, backend=backend)
         # The limit gets a pipeline of its own that never held an adapter.
-        pristine = DiffusionBackend.load(model, device=device, dtype=dtype)
+        pristine = DiffusionBackend(pipeline(), device=device, dtype=dtype)
         targets = [
             Target("(a) lora-inference, max-loras 4", app_a, stream),
-            Target("(b) naive load/generate/unload", create_naive_app(model, root), stream),
+            Target(
+                "(b) naive load/generate/unload",
+                create_naive_app(model, root, pipeline()),
+                stream,
+            ),
             Target(
                 "(c) base model, no LoRA",
                 create_app(config, backend=pristine),
@@ -248,7 +265,8 @@ async def main_async(args: argparse.Namespace) -> None:
             f"\nZipf(1.1) over {ADAPTERS} adapters: {len(stream)} requests "
             f"({distinct} distinct adapters), {args.clients} clients, {args.steps} steps, "
             f"{args.size}x{args.size}, rank {args.rank}, "
-            f"{args.arch} on {device} ({platform.processor() or platform.machine()}, "
+            f"{model.name if args.full_size else args.arch} on {device} "
+            f"({platform.processor() or platform.machine()}, "
             f"{torch.get_num_threads()} threads)"
         )
         print(f"{'':36}{'req/s':>8}{'p50 s':>9}{'p95 s':>9}")
@@ -291,6 +309,11 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=4)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--arch", default="sd15")
+    parser.add_argument(
+        "--full-size",
+        action="store_true",
+        help="a random-weight full-size SDXL (GPU only); use with --size 1024 --rank 64",
+    )
     parser.add_argument("--device", default=None)
     parser.add_argument("--growth-samples", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=4, help="interleaved slices of the stream")

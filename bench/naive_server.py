@@ -18,8 +18,10 @@ from aiohttp import web
 from diffusers import DiffusionPipeline
 
 
-def create_naive_app(model_dir: Path, adapter_root: Path) -> web.Application:
-    pipe: Any = DiffusionPipeline.from_pretrained(str(model_dir), dtype=torch.float32)
+def create_naive_app(model_dir: Path, adapter_root: Path, pipe: Any = None) -> web.Application:
+    """`pipe`: an already built pipeline (full-size runs); else loaded from `model_dir`."""
+    if pipe is None:
+        pipe = DiffusionPipeline.from_pretrained(str(model_dir), dtype=torch.float32)
     pipe.set_progress_bar_config(disable=True)
     for component in pipe.components.values():
         if isinstance(component, torch.nn.Module):

@@ -99,13 +99,17 @@ def write_random_adapter(
     fmt: str = "peft",
     text_encoder: bool = False,
     strength: float = 0.2,
+    dtype: torch.dtype = torch.float32,
 ) -> Path:
     """Write a random adapter for `pipe` to `out` (a directory for peft, a file for kohya)."""
     if fmt not in FORMATS:
         raise ValueError(f"unknown format {fmt!r}; choose one of {', '.join(FORMATS)}")
-    state = build_random_lora(
-        pipe, rank=rank, seed=seed, text_encoder=text_encoder, strength=strength
-    )
+    state = {
+        k: v.to(dtype)
+        for k, v in build_random_lora(
+            pipe, rank=rank, seed=seed, text_encoder=text_encoder, strength=strength
+        ).items()
+    }
     if fmt == "kohya":
         if _denoiser_name(pipe) != "unet":
             raise ValueError("kohya format is only written for UNet pipelines (sd15, sdxl)")

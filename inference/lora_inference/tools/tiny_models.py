@@ -41,7 +41,7 @@ def _byte_level_alphabet() -> list[str]:
     return [chr(c) for c in chars]
 
 
-def _write_clip_tokenizer(directory: Path) -> int:
+def write_clip_tokenizer(directory: Path) -> int:
     """Write a CLIP tokenizer into `directory`; return its vocabulary size."""
     directory.mkdir(parents=True, exist_ok=True)
     alphabet = _byte_level_alphabet()
@@ -64,7 +64,7 @@ def _write_clip_tokenizer(directory: Path) -> int:
 def _clip_tokenizer(directory: Path) -> tuple[Any, int]:
     from transformers import CLIPTokenizer
 
-    size = _write_clip_tokenizer(directory)
+    size = write_clip_tokenizer(directory)
     return CLIPTokenizer.from_pretrained(str(directory)), size
 
 
