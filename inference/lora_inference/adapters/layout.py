@@ -8,8 +8,14 @@ layout is defined here, once, for both sides (this module imports no torch):
 
 `current` is replaced atomically (a new symlink renamed over the old one), so a reader sees either
 the old revision or the new one, never a half-written directory. A pod is given the root of its
-own namespace as `--adapter-root`. A plain adapter directory or `<name>.safetensors` file directly
-under the root is also resolved, so a volume filled by hand works too.
+own namespace as `--adapter-root`. Next to the namespaces, the operator keeps its own folders:
+
+    <volume-root>/.objects/sha256/<sha256>.safetensors   each content stored once
+    <volume-root>/.tmp/                                  downloads in progress, cleared at start
+
+and every revision directory holds a hard link to its object named
+`pytorch_lora_weights.safetensors`. A plain adapter directory or `<name>.safetensors` file
+directly under the root is also resolved, so a volume filled by hand works too.
 """
 
 from __future__ import annotations
@@ -21,6 +27,10 @@ from lora_inference import errors
 
 CURRENT = "current"
 REVISIONS = "revisions"
+OBJECTS = ".objects"
+TMP = ".tmp"
+# The name diffusers' training scripts use; `files.find_weights_file` looks for it first.
+WEIGHTS_FILE = "pytorch_lora_weights.safetensors"
 
 # Kubernetes object names (RFC 1123 subdomain) plus the characters adapter names commonly use
 # (`_`, uppercase); never a path separator, never `..`.
@@ -46,6 +56,21 @@ def revision_dir(root: Path, name: str, sha256: str) -> Path:
 
 def current_link(root: Path, name: str) -> Path:
     return root / name / CURRENT
+
+
+def namespace_root(volume_root: Path, namespace: str) -> Path:
+    """The adapter root of one namespace: what its pods get as `--adapter-root`."""
+    return volume_root / namespace
+
+
+def object_path(volume_root: Path, sha256: str) -> Path:
+    """Where the content with this SHA-256 is stored, once for the whole volume."""
+    return volume_root / OBJECTS / "sha256" / f"{sha256}.safetensors"
+
+
+def tmp_dir(volume_root: Path) -> Path:
+    """Where downloads in progress live: on the volume, so publishing is a rename."""
+    return volume_root / TMP
 
 
 def resolve_on_root(root: Path, name: str) -> Path | None:

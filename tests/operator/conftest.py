@@ -1,0 +1,83 @@
+"""Fixtures for the staging tests: LoRA-shaped safetensors bytes and a real HTTP origin.
+
+Staging tests bind 127.0.0.1 themselves and never use the devcluster fixture.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import pytest_asyncio
+from aiohttp import web
+from safetensors.numpy import save
+
+
+def lora_bytes(seed: int = 0, rank: int = 4) -> bytes:
+    """A small peft-style LoRA safetensors file, as bytes."""
+    rng = np.random.default_rng(seed)
+    tensors = {
+        "unet.down.0.attn.to_q.lora_A.weight": rng.standard_normal((rank, 32)).astype(np.float32),
+        "unet.down.0.attn.to_q.lora_B.weight": rng.standard_normal((32, rank)).astype(np.float32),
+    }
+    return save(tensors)
+
+
+def not_lora_bytes() -> bytes:
+    """A valid safetensors file holding a full weight, not a LoRA."""
+    return save({"unet.conv_in.weight": np.zeros((4, 4), dtype=np.float32)})
+
+
+def sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+Handler = Callable[[web.Request], web.StreamResponse]
+
+
+@dataclass
+class Origin:
+    """A real aiohttp server on 127.0.0.1; tests add routes as path -> handler."""
+
+    base: str = ""
+    routes: dict[str, Handler] = field(default_factory=dict)
+    hits: dict[str, int] = field(default_factory=dict)
+
+    def url(self, path: str) -> str:
+        return f"{self.base}{path}"
+
+    def serve_bytes(self, path: str, data: bytes) -> str:
+        async def handler(request: web.Request) -> web.StreamResponse:
+            return web.Response(body=data, content_type="application/octet-stream")
+
+        self.routes[path] = handler
+        return self.url(path)
+
+
+@pytest_asyncio.fixture
+async def origin() -> AsyncIterator[Origin]:
+    state = Origin()
+
+    async def dispatch(request: web.Request) -> web.StreamResponse:
+        state.hits[request.path] = state.hits.get(request.path, 0) + 1
+        handler = state.routes.get(request.path)
+        if handler is None:
+            raise web.HTTPNotFound()
+        return await handler(request)  # type: ignore[misc,no-any-return]
+
+    app = web.Application()
+    app.router.add_route("GET", "/{tail:.*}", dispatch)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    # Plain http on loopback: tests build HttpsSource directly; parse_source's https-only rule
+    # is tested on its own in test_sources.py.
+    state.base = f"http://127.0.0.1:{port}"
+    try:
+        yield state
+    finally:
+        await runner.cleanup()
