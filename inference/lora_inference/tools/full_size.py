@@ -80,7 +80,7 @@ def build_sdxl_components(device: str | torch.device = "cpu") -> dict[str, Any]:
 
 def build_full_size_sdxl(device: str, dtype: torch.dtype, *, seed: int = 0) -> Any:
     """A random-weight SDXL pipeline on `device` in `dtype`, in eval mode."""
-    from diffusers import EulerDiscreteScheduler, StableDiffusionXLPipeline
+    from diffusers import StableDiffusionXLPipeline
     from transformers import CLIPTokenizer
 
     torch.manual_seed(seed)
@@ -92,13 +92,7 @@ def build_full_size_sdxl(device: str, dtype: torch.dtype, *, seed: int = 0) -> A
         **networks,
         tokenizer=tokenizer,
         tokenizer_2=tokenizer,
-        scheduler=EulerDiscreteScheduler(
-            beta_start=0.00085,
-            beta_end=0.012,
-            beta_schedule="scaled_linear",
-            timestep_spacing="leading",
-            steps_offset=1,
-        ),
+        scheduler=tiny_models.sdxl_scheduler(),
     )
     pipe.to(dtype=dtype)
     for network in networks.values():

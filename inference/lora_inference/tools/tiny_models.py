@@ -189,8 +189,21 @@ def _build_sd15(workdir: Path) -> Any:
     )
 
 
+def sdxl_scheduler() -> Any:
+    """SDXL base's scheduler settings."""
+    from diffusers import EulerDiscreteScheduler
+
+    return EulerDiscreteScheduler(
+        beta_start=0.00085,
+        beta_end=0.012,
+        beta_schedule="scaled_linear",
+        timestep_spacing="leading",
+        steps_offset=1,
+    )
+
+
 def _build_sdxl(workdir: Path) -> Any:
-    from diffusers import EulerDiscreteScheduler, StableDiffusionXLPipeline
+    from diffusers import StableDiffusionXLPipeline
 
     tokenizer, vocab = _clip_tokenizer(workdir / "tokenizer")
     tokenizer_2, _ = _clip_tokenizer(workdir / "tokenizer_2")
@@ -211,13 +224,7 @@ def _build_sdxl(workdir: Path) -> Any:
         text_encoder_2=_clip_text_model(vocab, projection=32),
         tokenizer=tokenizer,
         tokenizer_2=tokenizer_2,
-        scheduler=EulerDiscreteScheduler(
-            beta_start=0.00085,
-            beta_end=0.012,
-            beta_schedule="scaled_linear",
-            timestep_spacing="leading",
-            steps_offset=1,
-        ),
+        scheduler=sdxl_scheduler(),
     )
 
 
