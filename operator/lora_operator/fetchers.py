@@ -1,0 +1,290 @@
+"""Fetching a source's bytes into a staging sink: https, hf://, s3:// and volume paths.
+
+Each fetcher writes the whole content into the sink, calling `sink.reset()` before a retry, and
+raises only `lora_operator.errors`: 404/403 and other 4xx are permanent, 5xx, 408, 429 and
+connection errors are retried with backoff and then transient. Credentials go into request
+headers or clients only; they never appear in a message or a log line.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+import aiohttp
+from lora_inference import errors as inference_errors
+from lora_inference.adapters import files, layout
+
+from lora_operator import errors, sources
+
+if TYPE_CHECKING:
+    from lora_operator.staging import Sink
+
+CHUNK_BYTES = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    attempts: int = 4
+    backoff_s: float = 0.5
+    max_backoff_s: float = 8.0
+    connect_timeout_s: float = 30.0
+    read_timeout_s: float = 60.0
+
+    def delay(self, attempt: int) -> float:
+        """Seconds to wait after failed attempt number `attempt` (0-based), pure."""
+        return float(min(self.max_backoff_s, self.backoff_s * 2**attempt))
+
+
+Verdict = Literal["ok", "retry", "not_found", "forbidden", "rejected"]
+
+
+def classify_status(status: int) -> Verdict:
+    """What an HTTP status means for a download (pure)."""
+    if 200 <= status < 300:
+        return "ok"
+    if status in (404, 410):
+        return "not_found"
+    if status in (401, 403):
+        return "forbidden"
+    if status in (408, 425, 429) or status >= 500:
+        return "retry"
+    return "rejected"
+
+
+def _status_error(
+    verdict: Verdict, status: int, what: str, secret_hint: str
+) -> errors.StagingError:
+    if verdict == "not_found":
+        return errors.SourceNotFound(f"{what} answered HTTP {status}: not found; check the URI")
+    if verdict == "forbidden":
+        return errors.SourceForbidden(
+            f"{what} answered HTTP {status}: access denied; check {secret_hint} in the Secret "
+            "named by source.secretRef"
+        )
+    return errors.InvalidSource(f"{what} answered HTTP {status}; check the URI")
+
+
+async def fetch(
+    source: sources.Source,
+    credentials: sources.Credentials,
+    sink: Sink,
+    *,
+    policy: RetryPolicy | None = None,
+    session: aiohttp.ClientSession | None = None,
+    volume_root: Path | None = None,
+) -> None:
+    """Fetch any source into `sink` (the default fetcher of `staging.Store`)."""
+    policy = policy or RetryPolicy()
+    if isinstance(source, sources.HttpsSource):
+        headers = {"Authorization": credentials.authorization} if credentials.authorization else {}
+        await fetch_https(source.url, sink, headers=headers, policy=policy, session=session)
+    elif isinstance(source, sources.HfSource):
+        await fetch_hf(source, credentials, sink, policy=policy, session=session)
+    elif isinstance(source, sources.S3Source):
+        await fetch_s3(source, credentials, sink, policy=policy)
+    else:
+        if volume_root is None:
+            raise errors.InvalidSource(
+                f"{source.path}: volume paths need the volume root; stage them with a Store"
+            )
+        await fetch_volume(source, volume_root, sink)
+
+
+async def fetch_https(
+    url: str,
+    sink: Sink,
+    *,
+    headers: dict[str, str],
+    policy: RetryPolicy,
+    session: aiohttp.ClientSession | None = None,
+    secret_hint: str = "AUTHORIZATION",
+) -> None:
+    what = sink.description
+    timeout = aiohttp.ClientTimeout(
+        total=None, sock_connect=policy.connect_timeout_s, sock_read=policy.read_timeout_s
+    )
+    own = session is None
+    client = session or aiohttp.ClientSession()
+    last = "no attempt"
+    try:
+        for attempt in range(policy.attempts):
+            if attempt:
+                await asyncio.sleep(policy.delay(attempt - 1))
+                sink.reset()
+            try:
+                async with client.get(url, headers=headers, timeout=timeout) as resp:
+                    verdict = classify_status(resp.status)
+                    if verdict == "retry":
+                        last = f"HTTP {resp.status}"
+                        continue
+                    if verdict != "ok":
+                        raise _status_error(verdict, resp.status, what, secret_hint)
+                    sink.expect(resp.content_length)
+                    async for chunk in resp.content.iter_chunked(CHUNK_BYTES):
+                        sink.write(chunk)
+                    if resp.content_length is not None and sink.size != resp.content_length:
+                        last = f"body ended after {sink.size} of {resp.content_length} bytes"
+                        continue
+                    return
+            except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as e:
+                last = f"{type(e).__name__}: {_short(e)}"
+            except TimeoutError:
+                last = "timed out"
+    finally:
+        if own:
+            await client.close()
+    raise errors.SourceUnavailable(
+        f"{what} could not be downloaded after {policy.attempts} attempts ({last}); "
+        "staging retries later"
+    )
+
+
+def _short(e: BaseException) -> str:
+    # aiohttp messages can carry the full URL (with a signed query string): keep the first line
+    # and drop anything after a '?'.
+    return str(e).splitlines()[0].split("?")[0][:200] if str(e) else "no detail"
+
+
+async def fetch_hf(
+    source: sources.HfSource,
+    credentials: sources.Credentials,
+    sink: Sink,
+    *,
+    policy: RetryPolicy,
+    session: aiohttp.ClientSession | None = None,
+) -> None:
+    """Resolve the file with huggingface_hub, then stream it like any https download."""
+    import huggingface_hub
+    from huggingface_hub import errors as hf_errors
+
+    what = sources.describe(source)
+    filename = source.filename
+    if filename is None:
+        api = huggingface_hub.HfApi(token=credentials.hf_token or False)
+        try:
+            names = await asyncio.to_thread(
+                api.list_repo_files, source.repo_id, revision=source.revision
+            )
+        except (hf_errors.RepositoryNotFoundError, hf_errors.RevisionNotFoundError) as e:
+            raise errors.SourceNotFound(
+                f"{what}: repository or revision not found (or private: set HF_TOKEN in the "
+                "Secret named by source.secretRef)"
+            ) from e
+        except hf_errors.GatedRepoError as e:
+            raise errors.SourceForbidden(
+                f"{what} is gated: accept its terms on the Hub and set HF_TOKEN in the Secret"
+            ) from e
+        except (hf_errors.HfHubHTTPError, OSError) as e:
+            raise errors.SourceUnavailable(f"{what}: the Hub could not be reached") from e
+        filename = sources.choose_hf_file(names, source=what)
+        sources.check_not_pickle(sources.HfSource(source.repo_id, filename, source.revision))
+    url = huggingface_hub.hf_hub_url(source.repo_id, filename, revision=source.revision)
+    headers = {"Authorization": f"Bearer {credentials.hf_token}"} if credentials.hf_token else {}
+    await fetch_https(
+        url, sink, headers=headers, policy=policy, session=session, secret_hint="HF_TOKEN"
+    )
+
+
+async def fetch_s3(
+    source: sources.S3Source,
+    credentials: sources.Credentials,
+    sink: Sink,
+    *,
+    policy: RetryPolicy,
+) -> None:
+    """GetObject with boto3 in a worker thread; unsigned when the Secret holds no keys."""
+    await asyncio.to_thread(_fetch_s3_sync, source, credentials, sink, policy)
+
+
+def _s3_client(credentials: sources.Credentials, policy: RetryPolicy) -> Any:
+    import boto3
+    from botocore import UNSIGNED
+    from botocore.config import Config
+
+    config = Config(
+        retries={"max_attempts": policy.attempts, "mode": "standard"},
+        connect_timeout=policy.connect_timeout_s,
+        read_timeout=policy.read_timeout_s,
+        signature_version=None if credentials.aws_access_key_id else UNSIGNED,
+    )
+    return boto3.session.Session().client(
+        "s3",
+        endpoint_url=credentials.aws_endpoint_url,
+        region_name=credentials.aws_region or "us-east-1",
+        aws_access_key_id=credentials.aws_access_key_id,
+        aws_secret_access_key=credentials.aws_secret_access_key,
+        config=config,
+    )
+
+
+def _fetch_s3_sync(
+    source: sources.S3Source,
+    credentials: sources.Credentials,
+    sink: Sink,
+    policy: RetryPolicy,
+) -> None:
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    what = sink.description
+    client = _s3_client(credentials, policy)
+    last = "no attempt"
+    for attempt in range(policy.attempts):
+        if attempt:
+            sink.reset()
+        try:
+            response = client.get_object(Bucket=source.bucket, Key=source.key)
+            sink.expect(response.get("ContentLength"))
+            body = response["Body"]
+            try:
+                for chunk in body.iter_chunks(CHUNK_BYTES):
+                    sink.write(chunk)
+            finally:
+                body.close()
+            return
+        except ClientError as e:
+            code = str(e.response.get("Error", {}).get("Code", ""))
+            status = int(e.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
+            if code in ("NoSuchKey", "NoSuchBucket", "404", "NotFound") or status == 404:
+                raise errors.SourceNotFound(f"{what}: {code or 'not found'}; check the URI") from e
+            if code in ("AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "403"):
+                raise errors.SourceForbidden(
+                    f"{what}: {code}; check AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY and "
+                    "AWS_ENDPOINT_URL in the Secret named by source.secretRef"
+                ) from e
+            if status and classify_status(status) != "retry":
+                raise errors.InvalidSource(f"{what}: {code} (HTTP {status})") from e
+            last = code or f"HTTP {status}"
+        except BotoCoreError as e:
+            last = type(e).__name__
+    raise errors.SourceUnavailable(
+        f"{what} could not be downloaded after {policy.attempts} attempts ({last}); "
+        "staging retries later"
+    )
+
+
+async def fetch_volume(source: sources.VolumeSource, volume_root: Path, sink: Sink) -> None:
+    """Copy a file (or an adapter directory's weights) that is already on the volume."""
+    await asyncio.to_thread(_fetch_volume_sync, source, volume_root, sink)
+
+
+def _fetch_volume_sync(source: sources.VolumeSource, volume_root: Path, sink: Sink) -> None:
+    try:
+        resolved = layout.resolve_allowed(source.path, (volume_root,), param="source.uri")
+        weights = files.find_weights_file(resolved)
+    except inference_errors.AdapterNotFound as e:
+        raise errors.SourceNotFound(f"{e.message}; check the path on the volume") from e
+    except inference_errors.UnsupportedFormat as e:
+        raise errors.PickleRefused(e.message) from e
+    except inference_errors.InferenceError as e:
+        raise errors.InvalidSource(e.message) from e
+    for internal in (layout.tmp_dir(volume_root), volume_root / layout.OBJECTS):
+        if weights.is_relative_to(internal.resolve()):
+            raise errors.InvalidSource(
+                f"{source.path} is inside the operator's own store; name a file you put there"
+            )
+    with weights.open("rb") as f:
+        while chunk := f.read(CHUNK_BYTES):
+            sink.write(chunk)

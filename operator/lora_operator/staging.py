@@ -1,0 +1,309 @@
+"""The store on the shared adapter volume: download, verify, publish, point `current`.
+
+Owns every write to the volume (layout in `lora_inference.adapters.layout`). A download streams
+into `<volume>/.tmp/` while it is hashed and counted; only a verified file is hard-linked into
+the content store `.objects/sha256/<hex>.safetensors`, a revision directory is built in `.tmp/`
+and renamed into place, and `current` is a new symlink renamed over the old one. So a kill at any
+point leaves at most files under `.tmp/` (removed by `clean_tmp`), never a partial revision.
+Fetching is injected (`fetchers.fetch` by default); nothing here speaks a network protocol.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import hashlib
+import os
+import shutil
+import struct
+import tempfile
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO
+
+from lora_inference import errors as inference_errors
+from lora_inference.adapters import files, layout
+
+from lora_operator import errors, fetchers, sources
+
+ProgressCallback = Callable[[int], None]
+Fetch = Callable[[sources.Source, sources.Credentials, "Sink"], Awaitable[None]]
+
+DEFAULT_MAX_BYTES = 2 * 1024**3
+DEFAULT_MAX_CONCURRENT = 4
+
+
+@dataclass(frozen=True)
+class StagedRevision:
+    namespace: str
+    name: str
+    sha256: str
+    size: int
+    path: Path  # the revision directory, what a pod's load call names
+    reused: bool  # the content was already in the store: nothing new was written
+
+
+class Sink:
+    """The temporary file a fetcher writes into: hashes, counts, enforces the size limit.
+
+    Synchronous on purpose, so thread-based fetchers (boto3, file copies) can call it; the
+    progress callback is called from whichever thread writes and must be quick.
+    """
+
+    def __init__(
+        self,
+        file: BinaryIO,
+        *,
+        max_bytes: int,
+        description: str,
+        progress: ProgressCallback | None = None,
+    ) -> None:
+        self._file = file
+        self._max = max_bytes
+        self._progress = progress
+        self.description = description
+        self._hash = hashlib.sha256()
+        self.size = 0
+
+    def reset(self) -> None:
+        """Start over (a retry after a failed attempt)."""
+        self._file.seek(0)
+        self._file.truncate()
+        self._hash = hashlib.sha256()
+        self.size = 0
+        if self._progress:
+            self._progress(0)
+
+    def expect(self, declared: int | None) -> None:
+        """Refuse at once a source that announces more bytes than the limit."""
+        if declared is not None and declared > self._max:
+            raise self._too_large(declared)
+
+    def write(self, chunk: bytes) -> None:
+        if self.size + len(chunk) > self._max:
+            raise self._too_large(self.size + len(chunk))
+        try:
+            self._file.write(chunk)
+        except OSError as e:
+            raise disk_error(e) from e
+        self._hash.update(chunk)
+        self.size += len(chunk)
+        if self._progress:
+            self._progress(self.size)
+
+    def hexdigest(self) -> str:
+        return self._hash.hexdigest()
+
+    def _too_large(self, size: int) -> errors.TooLarge:
+        return errors.TooLarge(
+            f"{self.description} is larger than the staging limit of {self._max} bytes "
+            f"(at least {size}); a LoRA adapter is rarely that big: check the URI, or raise "
+            "the operator's staging size limit"
+        )
+
+
+def disk_error(e: OSError) -> errors.StagingError:
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return errors.DiskFull(
+            "the shared adapter volume is full; free space or grow the volume (staging retries)"
+        )
+    return errors.SourceUnavailable(f"writing to the shared adapter volume failed: {e.strerror}")
+
+
+class Store:
+    """Stages adapters onto one volume, at most `max_concurrent` at a time."""
+
+    def __init__(
+        self,
+        volume_root: Path,
+        *,
+        max_bytes: int = DEFAULT_MAX_BYTES,
+        max_concurrent: int = DEFAULT_MAX_CONCURRENT,
+        fetch: Fetch | None = None,
+        policy: fetchers.RetryPolicy | None = None,
+    ) -> None:
+        self.root = volume_root
+        self.policy = policy or fetchers.RetryPolicy()
+        self.max_bytes = max_bytes
+        self._semaphore = asyncio.Semaphore(max_concurrent)
+        self._fetch: Fetch = fetch or self._default_fetch
+
+    async def _default_fetch(
+        self, source: sources.Source, credentials: sources.Credentials, sink: Sink
+    ) -> None:
+        await fetchers.fetch(source, credentials, sink, policy=self.policy, volume_root=self.root)
+
+    async def stage(
+        self,
+        namespace: str,
+        name: str,
+        source: sources.Source,
+        *,
+        credentials: sources.Credentials | None = None,
+        sha256: str | None = None,
+        progress: ProgressCallback | None = None,
+    ) -> StagedRevision:
+        """Make `source` the current revision of `namespace/name`; idempotent.
+
+        With a `sha256` pin whose content is already stored, nothing is downloaded.
+        """
+        _check_name(namespace, "namespace")
+        _check_name(name, "adapter name")
+        pin = sources.check_sha256(sha256)
+        sources.check_not_pickle(source)
+        description = sources.describe(source)
+        async with self._semaphore:
+            if pin is not None and layout.object_path(self.root, pin).is_file():
+                return await asyncio.to_thread(self._publish, namespace, name, pin, None)
+            tmp_root = layout.tmp_dir(self.root)
+            tmp_root.mkdir(parents=True, exist_ok=True)
+            fd, tmp_name = tempfile.mkstemp(dir=tmp_root, prefix="download-", suffix=".part")
+            tmp = Path(tmp_name)
+            try:
+                with os.fdopen(fd, "w+b") as f:
+                    sink = Sink(
+                        f, max_bytes=self.max_bytes, description=description, progress=progress
+                    )
+                    await self._fetch(source, credentials or sources.Credentials(), sink)
+                    try:
+                        f.flush()
+                        os.fsync(f.fileno())
+                    except OSError as e:
+                        raise disk_error(e) from e
+                digest = sink.hexdigest()
+                if pin is not None and digest != pin:
+                    raise errors.ChecksumMismatch(
+                        f"{description} has SHA-256 {digest}, but source.sha256 pins {pin}; "
+                        "fix the pin or the source"
+                    )
+                await asyncio.to_thread(verify_lora_file, tmp, description)
+                return await asyncio.to_thread(self._publish, namespace, name, digest, tmp)
+            finally:
+                tmp.unlink(missing_ok=True)
+
+    def _publish(self, namespace: str, name: str, digest: str, tmp: Path | None) -> StagedRevision:
+        try:
+            return self._publish_unchecked(namespace, name, digest, tmp)
+        except OSError as e:
+            raise disk_error(e) from e
+
+    def _publish_unchecked(
+        self, namespace: str, name: str, digest: str, tmp: Path | None
+    ) -> StagedRevision:
+        obj = layout.object_path(self.root, digest)
+        obj.parent.mkdir(parents=True, exist_ok=True)
+        reused = True
+        if tmp is not None:
+            os.chmod(tmp, 0o444)
+            try:
+                os.link(tmp, obj)
+                reused = False
+                _fsync_dir(obj.parent)
+            except FileExistsError:
+                pass
+        ns_root = layout.namespace_root(self.root, namespace)
+        revision = layout.revision_dir(ns_root, name, digest)
+        if not revision.is_dir():
+            building = Path(tempfile.mkdtemp(dir=layout.tmp_dir(self.root), prefix="revision-"))
+            try:
+                os.link(obj, building / layout.WEIGHTS_FILE)
+                os.chmod(building, 0o755)
+                _fsync_dir(building)
+                revision.parent.mkdir(parents=True, exist_ok=True)
+                try:
+                    os.rename(building, revision)
+                except OSError as e:
+                    if e.errno not in (errno.EEXIST, errno.ENOTEMPTY):
+                        raise
+                _fsync_dir(revision.parent)
+            finally:
+                shutil.rmtree(building, ignore_errors=True)
+        _point_current(self.root, ns_root, name, digest)
+        return StagedRevision(
+            namespace=namespace,
+            name=name,
+            sha256=digest,
+            size=obj.stat().st_size,
+            path=revision,
+            reused=reused,
+        )
+
+
+def _point_current(volume_root: Path, ns_root: Path, name: str, digest: str) -> None:
+    link = layout.current_link(ns_root, name)
+    target = f"{layout.REVISIONS}/{digest}"
+    if link.is_symlink() and os.readlink(link) == target:
+        return
+    # Built in .tmp/ and renamed across directories (same volume), so a kill between the two
+    # steps leaves nothing in the adapter's directory.
+    tmp_link = layout.tmp_dir(volume_root) / f"current-{os.urandom(8).hex()}"
+    os.symlink(target, tmp_link)
+    try:
+        os.replace(tmp_link, link)
+    finally:
+        tmp_link.unlink(missing_ok=True)
+    _fsync_dir(link.parent)
+
+
+def current_revision(volume_root: Path, namespace: str, name: str) -> str | None:
+    """The SHA-256 `current` points at, or None when the adapter has none."""
+    link = layout.current_link(layout.namespace_root(volume_root, namespace), name)
+    if not link.is_symlink():
+        return None
+    return Path(os.readlink(link)).name
+
+
+def remove_current(volume_root: Path, namespace: str, name: str) -> bool:
+    """Unpublish an adapter (its deletion): pods stop resolving it; GC then frees its files."""
+    link = layout.current_link(layout.namespace_root(volume_root, namespace), name)
+    if not link.is_symlink():
+        return False
+    link.unlink()
+    _fsync_dir(link.parent)
+    return True
+
+
+def verify_lora_file(path: Path, description: str) -> None:
+    """Refuse a file that is not a sane LoRA safetensors, with the server's own checks."""
+    size = path.stat().st_size
+    try:
+        with path.open("rb") as f:
+            head = f.read(8)
+            if len(head) == 8:
+                (header_len,) = struct.unpack("<Q", head)
+                head += f.read(min(header_len, files.MAX_HEADER_BYTES))
+        header = files.parse_safetensors_header(head, size, name=description)
+        files.check_lora_keys(list(header.tensors), name=description)
+    except inference_errors.InferenceError as e:
+        raise errors.NotALora(e.message) from e
+
+
+def clean_tmp(volume_root: Path) -> int:
+    """Remove what interrupted stagings left in `.tmp/`; call once at start, before staging."""
+    tmp_root = layout.tmp_dir(volume_root)
+    if not tmp_root.is_dir():
+        return 0
+    removed = 0
+    for entry in tmp_root.iterdir():
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry, ignore_errors=True)
+        else:
+            entry.unlink(missing_ok=True)
+        removed += 1
+    return removed
+
+
+def _check_name(value: str, what: str) -> None:
+    try:
+        layout.check_adapter_name(value, param=what)
+    except inference_errors.InferenceError as e:
+        raise errors.InvalidSource(e.message) from e
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,103 @@
+"""Staging from a path already on the volume, and what a real kill mid-staging leaves behind."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from lora_inference.adapters import files, layout
+from lora_operator import errors, sources, staging
+
+from tests.operator.conftest import lora_bytes, sha
+from tests.operator.test_staging_https import NS, tmp_entries, visible
+
+
+async def test_copy_from_a_file_on_the_volume(tmp_path: Path) -> None:
+    data = lora_bytes(20)
+    incoming = tmp_path / "incoming"
+    incoming.mkdir()
+    (incoming / "pixel.safetensors").write_bytes(data)
+    staged = await staging.Store(tmp_path).stage(
+        NS, "pixel", sources.parse_source(str(incoming / "pixel.safetensors"))
+    )
+    assert staged.sha256 == sha(data)
+    found = layout.resolve_on_root(layout.namespace_root(tmp_path, NS), "pixel")
+    assert found is not None
+    assert files.find_weights_file(found).read_bytes() == data
+
+
+async def test_copy_from_an_adapter_directory(tmp_path: Path) -> None:
+    data = lora_bytes(21)
+    adapter = tmp_path / "incoming" / "peft"
+    adapter.mkdir(parents=True)
+    (adapter / "adapter_model.safetensors").write_bytes(data)
+    (adapter / "adapter_config.json").write_text("{}")
+    staged = await staging.Store(tmp_path).stage(NS, "p", sources.VolumeSource(adapter))
+    assert staged.sha256 == sha(data)
+
+
+async def test_path_outside_the_volume_refused(tmp_path: Path) -> None:
+    volume, outside = tmp_path / "volume", tmp_path / "outside"
+    volume.mkdir()
+    outside.mkdir()
+    (outside / "w.safetensors").write_bytes(lora_bytes(22))
+    (volume / "sneaky.safetensors").symlink_to(outside / "w.safetensors")
+    store = staging.Store(volume)
+    for path in (outside / "w.safetensors", volume / "sneaky.safetensors"):
+        with pytest.raises(errors.InvalidSource, match="outside the allowed roots") as e:
+            await store.stage(NS, "x", sources.VolumeSource(path))
+        assert e.value.permanent
+    assert visible(volume) == ["sneaky.safetensors"]
+
+
+async def test_missing_path_and_store_internals(tmp_path: Path) -> None:
+    store = staging.Store(tmp_path)
+    with pytest.raises(errors.SourceNotFound, match="does not exist"):
+        await store.stage(NS, "x", sources.VolumeSource(tmp_path / "nope.safetensors"))
+    data = lora_bytes(23)
+    (tmp_path / "w.safetensors").write_bytes(data)
+    await store.stage(NS, "x", sources.VolumeSource(tmp_path / "w.safetensors"))
+    with pytest.raises(errors.InvalidSource, match="operator's own store"):
+        await store.stage(NS, "y", sources.VolumeSource(layout.object_path(tmp_path, sha(data))))
+
+
+def test_a_killed_staging_leaves_only_a_temp_file(tmp_path: Path) -> None:
+    data = lora_bytes(24, rank=256)
+    (tmp_path / "w.safetensors").write_bytes(data)
+    script = textwrap.dedent(
+        f"""
+        import asyncio, os
+        from pathlib import Path
+        from lora_operator import sources, staging
+
+        def die(size: int) -> None:
+            os._exit(9)  # no cleanup, no finally: as if the pod were killed
+
+        asyncio.run(staging.Store(Path({str(tmp_path)!r})).stage(
+            {NS!r}, "x", sources.VolumeSource(Path({str(tmp_path / "w.safetensors")!r})),
+            progress=die,
+        ))
+        """
+    )
+    proc = subprocess.run([sys.executable, "-c", script], timeout=60, capture_output=True)
+    assert proc.returncode == 9, proc.stderr.decode()
+    assert visible(tmp_path) == ["w.safetensors"]
+    assert len(tmp_entries(tmp_path)) == 1
+    assert staging.clean_tmp(tmp_path) == 1
+    assert tmp_entries(tmp_path) == []
+
+
+async def test_restart_after_a_kill_completes(tmp_path: Path) -> None:
+    data = lora_bytes(25)
+    (tmp_path / "w.safetensors").write_bytes(data)
+    layout.tmp_dir(tmp_path).mkdir()
+    (layout.tmp_dir(tmp_path) / "download-left.part").write_bytes(data[:10])
+    (layout.tmp_dir(tmp_path) / "revision-left").mkdir()
+    assert staging.clean_tmp(tmp_path) == 2
+    staged = await staging.Store(tmp_path).stage(
+        NS, "x", sources.VolumeSource(tmp_path / "w.safetensors")
+    )
+    assert staging.current_revision(tmp_path, NS, "x") == staged.sha256
