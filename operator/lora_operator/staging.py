@@ -17,7 +17,7 @@ import os
 import shutil
 import struct
 import tempfile
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
@@ -25,7 +25,7 @@ from typing import BinaryIO
 from lora_inference import errors as inference_errors
 from lora_inference.adapters import files, layout
 
-from lora_operator import errors, fetchers, sources
+from lora_operator import errors, fetchers, gc, sources
 
 ProgressCallback = Callable[[int], None]
 Fetch = Callable[[sources.Source, sources.Credentials, "Sink"], Awaitable[None]]
@@ -127,6 +127,9 @@ class Store:
         self.policy = policy or fetchers.RetryPolicy()
         self.max_bytes = max_bytes
         self._semaphore = asyncio.Semaphore(max_concurrent)
+        # Publishing and garbage collection exclude each other: between storing an object and
+        # linking its revision, the object looks unreferenced.
+        self._publish_lock = asyncio.Lock()
         self._fetch: Fetch = fetch or self._default_fetch
 
     async def _default_fetch(
@@ -155,7 +158,8 @@ class Store:
         description = sources.describe(source)
         async with self._semaphore:
             if pin is not None and layout.object_path(self.root, pin).is_file():
-                return await asyncio.to_thread(self._publish, namespace, name, pin, None)
+                async with self._publish_lock:
+                    return await asyncio.to_thread(self._publish, namespace, name, pin, None)
             tmp_root = layout.tmp_dir(self.root)
             tmp_root.mkdir(parents=True, exist_ok=True)
             fd, tmp_name = tempfile.mkstemp(dir=tmp_root, prefix="download-", suffix=".part")
@@ -178,9 +182,24 @@ class Store:
                         "fix the pin or the source"
                     )
                 await asyncio.to_thread(verify_lora_file, tmp, description)
-                return await asyncio.to_thread(self._publish, namespace, name, digest, tmp)
+                async with self._publish_lock:
+                    return await asyncio.to_thread(self._publish, namespace, name, digest, tmp)
             finally:
                 tmp.unlink(missing_ok=True)
+
+    async def unpublish(self, namespace: str, name: str) -> bool:
+        """Remove the adapter's `current` (its deletion); `collect` then frees its files."""
+        async with self._publish_lock:
+            return await asyncio.to_thread(remove_current, self.root, namespace, name)
+
+    async def collect(self, in_use: Collection[gc.RevisionRef]) -> tuple[gc.GcPlan, int]:
+        """Delete revisions neither current nor in `in_use` (what pods report), and the
+        objects left without a revision; returns the plan applied and the bytes freed."""
+        async with self._publish_lock:
+            snapshot = await asyncio.to_thread(gc.scan_volume, self.root)
+            plan = gc.plan_gc(snapshot, in_use)
+            freed = await asyncio.to_thread(gc.apply_gc, self.root, plan) if plan else 0
+        return plan, freed
 
     def _publish(self, namespace: str, name: str, digest: str, tmp: Path | None) -> StagedRevision:
         try:
