@@ -75,14 +75,21 @@ async def fetch(
     policy: RetryPolicy | None = None,
     session: aiohttp.ClientSession | None = None,
     volume_root: Path | None = None,
+    hf_endpoint: str | None = None,
 ) -> None:
-    """Fetch any source into `sink` (the default fetcher of `staging.Store`)."""
+    """Fetch any source into `sink` (the default fetcher of `staging.Store`).
+
+    `hf_endpoint` overrides the Hub's address (a mirror); None keeps huggingface_hub's default,
+    which honours HF_ENDPOINT.
+    """
     policy = policy or RetryPolicy()
     if isinstance(source, sources.HttpsSource):
         headers = {"Authorization": credentials.authorization} if credentials.authorization else {}
         await fetch_https(source.url, sink, headers=headers, policy=policy, session=session)
     elif isinstance(source, sources.HfSource):
-        await fetch_hf(source, credentials, sink, policy=policy, session=session)
+        await fetch_hf(
+            source, credentials, sink, policy=policy, session=session, endpoint=hf_endpoint
+        )
     elif isinstance(source, sources.S3Source):
         await fetch_s3(source, credentials, sink, policy=policy)
     else:
@@ -155,6 +162,7 @@ async def fetch_hf(
     *,
     policy: RetryPolicy,
     session: aiohttp.ClientSession | None = None,
+    endpoint: str | None = None,
 ) -> None:
     """Resolve the file with huggingface_hub, then stream it like any https download."""
     import huggingface_hub
@@ -163,7 +171,7 @@ async def fetch_hf(
     what = sources.describe(source)
     filename = source.filename
     if filename is None:
-        api = huggingface_hub.HfApi(token=credentials.hf_token or False)
+        api = huggingface_hub.HfApi(endpoint=endpoint, token=credentials.hf_token or False)
         try:
             names = await asyncio.to_thread(
                 api.list_repo_files, source.repo_id, revision=source.revision
@@ -181,7 +189,9 @@ async def fetch_hf(
             raise errors.SourceUnavailable(f"{what}: the Hub could not be reached") from e
         filename = sources.choose_hf_file(names, source=what)
         sources.check_not_pickle(sources.HfSource(source.repo_id, filename, source.revision))
-    url = huggingface_hub.hf_hub_url(source.repo_id, filename, revision=source.revision)
+    url = huggingface_hub.hf_hub_url(
+        source.repo_id, filename, revision=source.revision, endpoint=endpoint
+    )
     headers = {"Authorization": f"Bearer {credentials.hf_token}"} if credentials.hf_token else {}
     await fetch_https(
         url, sink, headers=headers, policy=policy, session=session, secret_hint="HF_TOKEN"

@@ -122,8 +122,10 @@ class Store:
         max_concurrent: int = DEFAULT_MAX_CONCURRENT,
         fetch: Fetch | None = None,
         policy: fetchers.RetryPolicy | None = None,
+        hf_endpoint: str | None = None,
     ) -> None:
         self.root = volume_root
+        self.hf_endpoint = hf_endpoint
         self.policy = policy or fetchers.RetryPolicy()
         self.max_bytes = max_bytes
         self._semaphore = asyncio.Semaphore(max_concurrent)
@@ -135,7 +137,14 @@ class Store:
     async def _default_fetch(
         self, source: sources.Source, credentials: sources.Credentials, sink: Sink
     ) -> None:
-        await fetchers.fetch(source, credentials, sink, policy=self.policy, volume_root=self.root)
+        await fetchers.fetch(
+            source,
+            credentials,
+            sink,
+            policy=self.policy,
+            volume_root=self.root,
+            hf_endpoint=self.hf_endpoint,
+        )
 
     async def stage(
         self,

@@ -282,3 +282,24 @@ async def test_invalid_names_refused(tmp_path: Path) -> None:
     for ns, name in (("../etc", "x"), ("ns", "a/b"), ("ns", ".objects")):
         with pytest.raises(errors.InvalidSource):
             await store.stage(ns, name, sources.HttpsSource("https://h/x"))
+
+
+async def test_hf_file_with_revision_and_token(origin: Origin, tmp_path: Path) -> None:
+    """hf:// with a file goes through huggingface_hub's URL scheme, here against a local Hub."""
+    data = lora_bytes(13)
+
+    async def hub(request: web.Request) -> web.StreamResponse:
+        if request.headers.get("Authorization") != "Bearer hf_secret":
+            raise web.HTTPUnauthorized()
+        return web.Response(body=data)
+
+    origin.routes["/org/repo/resolve/v1.0/pytorch_lora_weights.safetensors"] = hub
+    store = make_store(tmp_path, hf_endpoint=origin.base)
+    source = sources.parse_source("hf://org/repo/pytorch_lora_weights.safetensors", "v1.0")
+    with pytest.raises(errors.SourceForbidden, match="HF_TOKEN"):
+        await store.stage(NS, "x", source)
+    creds = sources.credentials_from_secret({"HF_TOKEN": "hf_secret"})
+    staged = await store.stage(NS, "x", source, credentials=creds)
+    assert staged.sha256 == sha(data)
+    with pytest.raises(errors.SourceNotFound):
+        await store.stage(NS, "x", sources.parse_source("hf://org/repo/nope.safetensors"))
