@@ -101,3 +101,12 @@ async def test_restart_after_a_kill_completes(tmp_path: Path) -> None:
         NS, "x", sources.VolumeSource(tmp_path / "w.safetensors")
     )
     assert staging.current_revision(tmp_path, NS, "x") == staged.sha256
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
+def test_a_full_volume_is_transient() -> None:
+    with open("/dev/full", "wb", buffering=0) as f:
+        sink = staging.Sink(f, max_bytes=1 << 20, description="x")
+        with pytest.raises(errors.DiskFull, match="volume is full") as e:
+            sink.write(b"\0" * 4096)
+    assert not e.value.permanent
