@@ -122,7 +122,9 @@ async def fetch_https(
                 await asyncio.sleep(policy.delay(attempt - 1))
                 sink.reset()
             try:
-                async with client.get(url, headers=headers, timeout=timeout) as resp:
+                # identity: the hash and the size limit apply to the bytes of the file itself.
+                request_headers = {**headers, "Accept-Encoding": "identity"}
+                async with client.get(url, headers=request_headers, timeout=timeout) as resp:
                     verdict = classify_status(resp.status)
                     if verdict == "retry":
                         last = f"HTTP {resp.status}"
@@ -136,10 +138,14 @@ async def fetch_https(
                         last = f"body ended after {sink.size} of {resp.content_length} bytes"
                         continue
                     return
+            except (aiohttp.InvalidURL, aiohttp.TooManyRedirects) as e:
+                raise errors.InvalidSource(f"{what}: {type(e).__name__}; check the URI") from e
             except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as e:
                 last = f"{type(e).__name__}: {_short(e)}"
             except TimeoutError:
                 last = "timed out"
+            except aiohttp.ClientError as e:
+                last = type(e).__name__
     finally:
         if own:
             await client.close()

@@ -164,6 +164,8 @@ class Store:
         _check_name(name, "adapter name")
         pin = sources.check_sha256(sha256)
         sources.check_not_pickle(source)
+        if isinstance(source, sources.VolumeSource):
+            _check_not_other_namespace(self.root, source.path, namespace)
         description = sources.describe(source)
         async with self._semaphore:
             if pin is not None and layout.object_path(self.root, pin).is_file():
@@ -320,6 +322,19 @@ def clean_tmp(volume_root: Path) -> int:
             entry.unlink(missing_ok=True)
         removed += 1
     return removed
+
+
+def _check_not_other_namespace(volume_root: Path, path: Path, namespace: str) -> None:
+    """Refuse a volume path into another namespace's staged revisions: namespaces stay isolated."""
+    try:
+        parts = path.resolve().relative_to(volume_root.resolve()).parts
+    except ValueError:
+        return  # outside the volume: the fetcher refuses it with the allowed-roots message
+    if len(parts) >= 3 and parts[2] in (layout.REVISIONS, layout.CURRENT) and parts[0] != namespace:
+        raise errors.InvalidSource(
+            f"{path} belongs to an adapter of namespace {parts[0]!r}; an adapter may copy "
+            "only files of its own namespace or outside every namespace's adapters"
+        )
 
 
 def _check_name(value: str, what: str) -> None:

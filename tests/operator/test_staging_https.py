@@ -303,3 +303,18 @@ async def test_hf_file_with_revision_and_token(origin: Origin, tmp_path: Path) -
     assert staged.sha256 == sha(data)
     with pytest.raises(errors.SourceNotFound):
         await store.stage(NS, "x", sources.parse_source("hf://org/repo/nope.safetensors"))
+
+
+async def test_a_compressing_server_sends_the_file_as_is(origin: Origin, tmp_path: Path) -> None:
+    data = lora_bytes(14, rank=64)
+
+    async def compressing(request: web.Request) -> web.StreamResponse:
+        resp = web.Response(body=data)
+        resp.enable_compression()  # gzip whenever the client accepts it
+        return resp
+
+    origin.routes["/gz.safetensors"] = compressing
+    staged = await make_store(tmp_path).stage(
+        NS, "x", sources.HttpsSource(origin.url("/gz.safetensors")), sha256=sha(data)
+    )
+    assert staged.size == len(data)

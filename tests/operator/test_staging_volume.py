@@ -110,3 +110,16 @@ def test_a_full_volume_is_transient() -> None:
         with pytest.raises(errors.DiskFull, match="volume is full") as e:
             sink.write(b"\0" * 4096)
     assert not e.value.permanent
+
+
+async def test_another_namespaces_revisions_are_out_of_reach(tmp_path: Path) -> None:
+    data = lora_bytes(26)
+    (tmp_path / "w.safetensors").write_bytes(data)
+    store = staging.Store(tmp_path)
+    theirs = await store.stage("team-b", "secret", sources.VolumeSource(tmp_path / "w.safetensors"))
+    current = layout.current_link(tmp_path / "team-b", "secret")
+    for path in (current, theirs.path / layout.WEIGHTS_FILE):
+        with pytest.raises(errors.InvalidSource, match="namespace 'team-b'"):
+            await store.stage("team-a", "copy", sources.VolumeSource(path))
+    mine = await store.stage("team-b", "copy", sources.VolumeSource(current))
+    assert mine.sha256 == theirs.sha256
