@@ -168,12 +168,17 @@ class Store:
             _check_not_other_namespace(self.root, source.path, namespace)
         description = sources.describe(source)
         async with self._semaphore:
-            if pin is not None and layout.object_path(self.root, pin).is_file():
+            if pin is not None:
+                # Checked under the lock: a collection cannot remove the object in between.
                 async with self._publish_lock:
-                    return await asyncio.to_thread(self._publish, namespace, name, pin, None)
+                    if layout.object_path(self.root, pin).is_file():
+                        return await asyncio.to_thread(self._publish, namespace, name, pin, None)
             tmp_root = layout.tmp_dir(self.root)
-            tmp_root.mkdir(parents=True, exist_ok=True)
-            fd, tmp_name = tempfile.mkstemp(dir=tmp_root, prefix="download-", suffix=".part")
+            try:
+                tmp_root.mkdir(parents=True, exist_ok=True)
+                fd, tmp_name = tempfile.mkstemp(dir=tmp_root, prefix="download-", suffix=".part")
+            except OSError as e:
+                raise disk_error(e) from e
             tmp = Path(tmp_name)
             try:
                 with os.fdopen(fd, "w+b") as f:
