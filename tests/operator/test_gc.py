@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import pytest
@@ -113,3 +114,38 @@ async def test_restaging_after_collection_rebuilds(tmp_path: Path) -> None:
     assert gc.scan_volume(tmp_path).objects == frozenset()
     again = await _stage(store, tmp_path, "ns", "a", data)
     assert not again.reused and (again.path / layout.WEIGHTS_FILE).read_bytes() == data
+
+
+async def test_collect_racing_stagings_never_breaks_a_current(tmp_path: Path) -> None:
+    """Stagings (some pinned re-stages of collected content) interleaved with collections."""
+    store = staging.Store(tmp_path, max_concurrent=4)
+    blobs = [lora_bytes(50 + i) for i in range(4)]
+    for blob in blobs:
+        (tmp_path / f"{sha(blob)}.safetensors").write_bytes(blob)
+
+    async def stage(i: int) -> staging.StagedRevision:
+        blob = blobs[i % len(blobs)]
+        return await store.stage(
+            "ns",
+            f"a{i % 3}",
+            sources.VolumeSource(tmp_path / f"{sha(blob)}.safetensors"),
+            sha256=sha(blob) if i % 2 else None,
+        )
+
+    async def collect() -> None:
+        for _ in range(10):
+            await store.collect(set())
+            await asyncio.sleep(0)
+
+    results = await asyncio.gather(*(stage(i) for i in range(24)), collect())
+    assert all(isinstance(r, staging.StagedRevision) for r in results[:-1])
+    await store.collect(set())
+    for name in ("a0", "a1", "a2"):
+        found = layout.resolve_on_root(tmp_path / "ns", name)
+        assert found is not None
+        digest = staging.current_revision(tmp_path, "ns", name)
+        assert digest is not None
+        assert sha((found / layout.WEIGHTS_FILE).read_bytes()) == digest
+    snapshot = gc.scan_volume(tmp_path)
+    assert snapshot.revisions == snapshot.current
+    assert snapshot.objects == {r.sha256 for r in snapshot.current}
