@@ -28,6 +28,7 @@ class LoadAdapterRequest:
     path: str
     load_inplace: bool
     pinned: bool
+    scale: float
 
 
 @dataclass(frozen=True)
@@ -103,6 +104,7 @@ def parse_load(body: Any) -> LoadAdapterRequest:
         path=_string(body, "lora_path"),
         load_inplace=_bool(body, "load_inplace"),
         pinned=_bool(body, "pinned"),
+        scale=float(_number(body, "scale", 1.0, *SCALE_RANGE)),
     )
 
 
@@ -164,14 +166,15 @@ def parse_generation(
     return params, choice
 
 
-def _adapter_choice(body: dict[str, Any], base_model: str) -> tuple[AdapterChoice, float]:
+def _adapter_choice(body: dict[str, Any], base_model: str) -> tuple[AdapterChoice, float | None]:
+    """The adapter asked for and its scale; None: the adapter's own default (set at load)."""
     model = body.get("model")
     if model is not None and (not isinstance(model, str) or not model):
         raise errors.InvalidRequest("'model' must be a non-empty string", param="model")
     lora = body.get("lora")
     if lora is None:
         name = None if model in (None, base_model) else model
-        return AdapterChoice(name=name, local_path=None, param="model"), 1.0
+        return AdapterChoice(name=name, local_path=None, param="model"), None
     if not isinstance(lora, dict):
         raise errors.InvalidRequest(
             "'lora' must be an object with 'name' and optional 'scale'", param="lora"
@@ -182,7 +185,8 @@ def _adapter_choice(body: dict[str, Any], base_model: str) -> tuple[AdapterChoic
             f"unknown field(s) in 'lora': {', '.join(sorted(unknown))}", param="lora"
         )
     name = _string(lora, "name", param="lora.name")
-    scale = float(_number(lora, "scale", 1.0, *SCALE_RANGE))
+    raw_scale = lora.get("scale")
+    scale = None if raw_scale is None else float(_number(lora, "scale", 1.0, *SCALE_RANGE))
     local_path = _optional_string(lora, "local_path", param="lora.local_path")
     if model not in (None, base_model, name):
         raise errors.InvalidRequest(

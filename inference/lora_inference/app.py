@@ -100,7 +100,13 @@ async def load_adapter(request: web.Request) -> web.Response:
     _authorise(request)
     body = api.parse_load(await _json(request))
     engine = _engine(request)
-    await engine.register(body.name, body.path, pinned=body.pinned, load_inplace=body.load_inplace)
+    await engine.register(
+        body.name,
+        body.path,
+        pinned=body.pinned,
+        load_inplace=body.load_inplace,
+        scale=body.scale,
+    )
     return web.Response(text=f"Success: LoRA adapter '{body.name}' added successfully.")
 
 
@@ -118,7 +124,10 @@ async def list_models(request: web.Request) -> web.Response:
     task = request.app[STARTUP]
     if task.done() and task.exception() is None:
         for record in task.result().registry.records():
-            cards.append(_card(record.name, str(record.path), config.model_id, created))
+            card = _card(record.name, str(record.path), config.model_id, created)
+            # Beyond vLLM's card: what the operator compares with the LoRAAdapter's spec.
+            card.update(scale=record.scale, pinned=record.pinned, sha256=record.sha256)
+            cards.append(card)
     return web.json_response({"object": "list", "data": cards})
 
 

@@ -55,7 +55,7 @@ class GenerationParams:
     steps: int
     guidance_scale: float
     seed: int | None
-    scale: float
+    scale: float | None  # None: the adapter's default scale (its load call's `scale`)
 
 
 @dataclass(frozen=True)
@@ -147,6 +147,7 @@ class Engine:
         pinned: bool = False,
         load_inplace: bool = False,
         origin: Origin = "api",
+        scale: float = 1.0,
     ) -> AdapterRecord:
         """Validate the adapter at `path` and register it as `name` (the load endpoint).
 
@@ -194,6 +195,7 @@ class Engine:
                 pinned=pinned,
                 origin=origin,
                 version=next_version(),
+                scale=scale,
             )
             self._cache_parsed(record.key, parsed)
             self._by_key[record.key] = record
@@ -306,7 +308,7 @@ class Engine:
         pending = _Pending(
             key=scheduling.BatchKey(
                 adapter=record.key if record is not None else None,
-                scale=params.scale if record is not None else 0.0,
+                scale=_scale_for(params, record),
                 width=params.width,
                 height=params.height,
                 steps=params.steps,
@@ -608,3 +610,10 @@ class Engine:
 
 def _path_param(origin: Origin) -> str:
     return "lora.local_path" if origin == "request" else "lora_path"
+
+
+def _scale_for(params: GenerationParams, record: AdapterRecord | None) -> float:
+    """The request's scale, else the adapter's default; the base model has none."""
+    if record is None:
+        return 0.0
+    return record.scale if params.scale is None else params.scale

@@ -48,6 +48,19 @@ def test_lora_object_selects_adapter_scale_and_path() -> None:
     assert (choice.name, choice.local_path, params.scale) == ("p", "/a/p", -1.5)
 
 
+def test_no_scale_means_the_adapters_default() -> None:
+    assert parse({"prompt": "x", "model": "p"})[0].scale is None
+    assert parse({"prompt": "x", "lora": {"name": "p"}})[0].scale is None
+
+
+def test_load_scale_defaults_to_one_and_is_bounded() -> None:
+    assert api.parse_load({"lora_name": "a", "lora_path": "/p"}).scale == 1.0
+    assert api.parse_load({"lora_name": "a", "lora_path": "/p", "scale": -2}).scale == -2.0
+    with pytest.raises(errors.InvalidRequest) as e:
+        api.parse_load({"lora_name": "a", "lora_path": "/p", "scale": 11})
+    assert e.value.param == "scale"
+
+
 @pytest.mark.parametrize(
     ("body", "param"),
     [

@@ -38,6 +38,30 @@ async def test_scale_changes_the_image_and_negative_scales_work(
     assert np.array_equal(await server.image(lora={"name": "a", "scale": 1.0}), images[0])
 
 
+async def test_load_scale_is_the_default_a_request_can_override(
+    server: Server, assets: Assets
+) -> None:
+    """The load call's `scale` (the CRD's spec.scale) applies when a request names no scale."""
+    explicit = {s: await _alone(server, assets, s) for s in (0.5, -1.0)}
+    await server.load("a", assets.adapter_a, scale=0.5)
+    assert np.array_equal(await server.image(model="a"), explicit[0.5])
+    assert np.array_equal(await server.image(lora={"name": "a", "scale": -1.0}), explicit[-1.0])
+    _, models = await server.get("/v1/models")
+    card = next(c for c in models["data"] if c["id"] == "a")
+    assert (card["scale"], card["pinned"], len(card["sha256"])) == (0.5, False, 64)
+    # An in-place reload changes the default without changing the weights.
+    await server.load("a", assets.adapter_a, scale=-1.0, load_inplace=True)
+    assert np.array_equal(await server.image(model="a"), explicit[-1.0])
+
+
+async def _alone(server: Server, assets: Assets, scale: float) -> np.ndarray:
+    await server.load("ref", assets.adapter_a)
+    image = await server.image(lora={"name": "ref", "scale": scale})
+    status, body = await server.post("/v1/unload_lora_adapter", {"lora_name": "ref"})
+    assert status == 200, body
+    return image
+
+
 async def test_after_unload_equals_base(server: Server, assets: Assets) -> None:
     base = await server.image()
     await server.load("b", assets.adapter_b)

@@ -35,6 +35,9 @@ class AdapterRecord:
     pinned: bool
     origin: Origin
     version: int
+    # The weight a request that names the adapter without a `lora.scale` gets (the CRD's
+    # `spec.scale`); set by the load call.
+    scale: float = 1.0
 
     @property
     def key(self) -> str:
