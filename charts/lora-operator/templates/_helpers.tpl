@@ -1,0 +1,168 @@
+{{/*
+The chart name, truncated to 63 characters (the DNS label limit).
+*/}}
+{{- define "lora-operator.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/*
+The prefix of every resource name: `<release>-<chart>`, or the release name alone when it already
+contains the chart name. Truncated so that suffixes such as `-inference` still fit in 63.
+*/}}
+{{- define "lora-operator.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 52 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 52 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 52 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "lora-operator.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/*
+Labels on every object.
+*/}}
+{{- define "lora-operator.labels" -}}
+helm.sh/chart: {{ include "lora-operator.chart" . }}
+{{ include "lora-operator.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: lora-operator
+{{- end }}
+
+{{/*
+Labels that select this release's objects; each Deployment adds app.kubernetes.io/component.
+*/}}
+{{- define "lora-operator.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "lora-operator.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{- define "lora-operator.operator.name" -}}
+{{- printf "%s-operator" (include "lora-operator.fullname" .) }}
+{{- end }}
+
+{{- define "lora-operator.inference.name" -}}
+{{- printf "%s-inference" (include "lora-operator.fullname" .) }}
+{{- end }}
+
+{{- define "lora-operator.serviceAccountName" -}}
+{{- if .Values.operator.serviceAccount.create }}
+{{- default (include "lora-operator.operator.name" .) .Values.operator.serviceAccount.name }}
+{{- else }}
+{{- required "operator.serviceAccount.name is required when operator.serviceAccount.create is false" .Values.operator.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{/*
+kopf's peering object name, shared by every operator replica (`--peering=<this>`).
+*/}}
+{{- define "lora-operator.peeringName" -}}
+{{- include "lora-operator.fullname" . }}
+{{- end }}
+
+{{- define "lora-operator.peering" -}}
+{{- if gt (int .Values.operator.replicas) 1 }}true{{ end }}
+{{- end }}
+
+{{- define "lora-operator.adapterClaimName" -}}
+{{- if .Values.adapterVolume.existingClaim }}
+{{- .Values.adapterVolume.existingClaim }}
+{{- else }}
+{{- printf "%s-adapters" (include "lora-operator.fullname" .) }}
+{{- end }}
+{{- end }}
+
+{{- define "lora-operator.adminTokenSecretName" -}}
+{{- if .Values.adminToken.existingSecret }}
+{{- .Values.adminToken.existingSecret }}
+{{- else }}
+{{- printf "%s-admin-token" (include "lora-operator.fullname" .) }}
+{{- end }}
+{{- end }}
+
+{{/*
+Where the admin token Secret is mounted, in the operator and in inference pods.
+*/}}
+{{- define "lora-operator.adminTokenDir" -}}
+/var/run/lora/admin-token
+{{- end }}
+
+{{- define "lora-operator.image" -}}
+{{- printf "%s:%s" .image.repository (default .chart.AppVersion .image.tag) }}
+{{- end }}
+
+{{/*
+The CRD annotations: `helm.sh/resource-policy: keep` when crds.keep is on.
+*/}}
+{{- define "lora-operator.crdAnnotations" -}}
+{{- if .Values.crds.keep }}
+helm.sh/resource-policy: keep
+{{- end }}
+{{- end }}
+
+{{/*
+Contradictory values fail here, with a message that says what to change. The operator Deployment
+includes it, and helm renders every template, so any install or template reports them.
+*/}}
+{{- define "lora-operator.validate" -}}
+{{- if and (not .Values.adapterVolume.create) (not .Values.adapterVolume.existingClaim) }}
+{{- fail "adapterVolume: set adapterVolume.create=true or name adapterVolume.existingClaim; the operator and inference pods need the shared adapter volume" }}
+{{- end }}
+{{- if and .Values.inference.enabled .Values.inference.model.existingClaim (not (hasPrefix "/models/" .Values.inference.model.path)) }}
+{{- fail (printf "inference.model.path must be under /models/ when inference.model.existingClaim is set (the claim is mounted at /models); got %q" .Values.inference.model.path) }}
+{{- end }}
+{{- if and .Values.inference.enabled .Values.inference.gpu.enabled (eq .Values.inference.device "cpu") }}
+{{- fail "inference.device is cpu but inference.gpu.enabled is true: the GPU would sit idle; set inference.gpu.enabled=false or inference.device=cuda" }}
+{{- end }}
+{{- if and .Values.inference.enabled (lt (int .Values.inference.maxCpuLoras) (int .Values.inference.maxLoras)) }}
+{{- fail (printf "inference.maxCpuLoras (%d) must be at least inference.maxLoras (%d)" (int .Values.inference.maxCpuLoras) (int .Values.inference.maxLoras)) }}
+{{- end }}
+{{- if not (hasPrefix "/" .Values.volumeRoot) }}
+{{- fail (printf "volumeRoot must be an absolute path; got %q" .Values.volumeRoot) }}
+{{- end }}
+{{- end }}
+
+{{/*
+The rules of the operator's work, in a ClusterRole (all namespaces) or a Role per watched
+namespace (templates/rbac.yaml). Each comment says why the operator needs the rule.
+*/}}
+{{- define "lora-operator.workRules" -}}
+# The LoRAAdapters themselves: kopf lists and watches them, and patches them to add its finalizer
+# (so deletion unloads the adapter from every pod first) and its progress annotations. The
+# operator never creates or deletes an adapter.
+- apiGroups: [lora.dev]
+  resources: [loraadapters]
+  verbs: [get, list, watch, patch]
+# The status the operator reports (phase, conditions, one entry per pod); a subresource.
+- apiGroups: [lora.dev]
+  resources: [loraadapters/status]
+  verbs: [get, patch]
+# Inference pods (label lora.dev/inference=true): their IP, readiness and restarts tell the
+# operator where to load adapters. It reads them and never changes them.
+- apiGroups: [""]
+  resources: [pods]
+  verbs: [get, list, watch]
+# Only the Secrets named in a LoRAAdapter's spec.source.secretRef (hf/s3/https credentials), read
+# one by one when staging. RBAC cannot name them in advance (users choose the names), so this is
+# get on Secrets of the namespace(s); never list or watch, so the operator cannot enumerate them.
+- apiGroups: [""]
+  resources: [secrets]
+  verbs: [get]
+# Events on the LoRAAdapters (staged, loaded, failed and why), so `kubectl describe lora` shows
+# them: kopf posts core/v1 events; patch lets a repeated event be counted instead of duplicated.
+- apiGroups: [""]
+  resources: [events]
+  verbs: [create, patch]
+# The same through the events.k8s.io API, which newer Kubernetes clients use for events.
+- apiGroups: [events.k8s.io]
+  resources: [events]
+  verbs: [create, patch]
+{{- end }}

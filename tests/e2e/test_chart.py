@@ -1,0 +1,670 @@
+"""The Helm chart (charts/lora-operator): what it renders for each set of values, what it refuses,
+and whether a real API server accepts every object it renders (server-side dry run).
+
+Rendering tests need only the helm binary; the dry-run tests use the devcluster fixtures."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import shutil
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from lora_devcluster import cluster as cluster_mod
+from lora_devcluster.harness import Harness
+from lora_inference import cli as inference_cli
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "charts" / "lora-operator"
+CRD_SOURCE = ROOT / "crds" / "lora.dev_loraadapters.yaml"
+CRD_COPY = CHART / "crds-src" / "lora.dev_loraadapters.yaml"
+CI_VALUES = sorted((CHART / "ci").glob("*-values.yaml"))
+RELEASE = "demo"
+NAMESPACE = "lora-system"
+FULLNAME = f"{RELEASE}-lora-operator"
+
+Obj = dict[str, Any]
+
+
+def _unavailable(message: str) -> None:
+    if os.environ.get("CI"):
+        pytest.fail(f"helm unavailable under CI: {message}", pytrace=False)
+    pytest.skip(message)
+
+
+@pytest.fixture(scope="session")
+def helm() -> str:
+    found = shutil.which("helm")
+    if found:
+        return found
+    try:
+        candidate = cluster_mod.bin_dir() / "helm"
+    except (cluster_mod.ClusterError, OSError, subprocess.CalledProcessError) as e:
+        _unavailable(str(e))
+        raise
+    if not candidate.exists():
+        _unavailable(f"no helm in {candidate.parent}: run `make binaries`")
+    return str(candidate)
+
+
+def run_helm(helm: str, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [helm, *args], capture_output=True, text=True, timeout=60, check=False, env=_helm_env()
+    )
+
+
+def _helm_env() -> dict[str, str]:
+    # No kubeconfig: rendering must not depend on a cluster (lookup answers empty).
+    env = dict(os.environ)
+    env.pop("KUBECONFIG", None)
+    return env
+
+
+def template_text(helm: str, *args: str, namespace: str = NAMESPACE) -> str:
+    proc = run_helm(helm, "template", RELEASE, str(CHART), "-n", namespace, *args)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
+def render(helm: str, *args: str, namespace: str = NAMESPACE) -> list[Obj]:
+    text = template_text(helm, *args, namespace=namespace)
+    return [d for d in yaml.safe_load_all(text) if d]
+
+
+def refused(helm: str, *args: str) -> str:
+    proc = run_helm(helm, "template", RELEASE, str(CHART), "-n", NAMESPACE, *args)
+    assert proc.returncode != 0, f"helm template {' '.join(args)} should fail"
+    return proc.stderr
+
+
+def of_kind(docs: list[Obj], kind: str) -> list[Obj]:
+    return [d for d in docs if d["kind"] == kind]
+
+
+def one(docs: list[Obj], kind: str, name: str) -> Obj:
+    found = [d for d in of_kind(docs, kind) if d["metadata"]["name"] == name]
+    assert len(found) == 1, f"expected one {kind} {name}, got {[d['metadata'] for d in found]}"
+    return found[0]
+
+
+def container(deployment: Obj) -> Obj:
+    containers: list[Obj] = deployment["spec"]["template"]["spec"]["containers"]
+    assert len(containers) == 1
+    return containers[0]
+
+
+def operator_args(docs: list[Obj]) -> list[str]:
+    args: list[str] = container(one(docs, "Deployment", f"{FULLNAME}-operator"))["args"]
+    return args
+
+
+# ---- the CRD: one source
+
+
+def test_chart_crd_copy_matches_crds_dir() -> None:
+    assert CRD_COPY.read_bytes() == CRD_SOURCE.read_bytes(), (
+        "charts/lora-operator/crds-src/lora.dev_loraadapters.yaml differs from "
+        "crds/lora.dev_loraadapters.yaml, the CRD's single source. Resync it with:\n"
+        "    cp crds/lora.dev_loraadapters.yaml charts/lora-operator/crds-src/"
+    )
+
+
+def test_rendered_crd_is_the_source_crd_plus_labels(helm: str) -> None:
+    crd = one(render(helm), "CustomResourceDefinition", "loraadapters.lora.dev")
+    source = yaml.safe_load(CRD_SOURCE.read_text())
+    assert crd["spec"] == source["spec"]
+    assert crd["metadata"]["labels"]["app.kubernetes.io/instance"] == RELEASE
+
+
+@pytest.mark.parametrize(
+    ("flags", "annotated"),
+    [([], True), (["--set", "crds.keep=true"], True), (["--set", "crds.keep=false"], False)],
+    ids=["default", "keep", "no-keep"],
+)
+def test_crds_keep_annotation(helm: str, flags: list[str], annotated: bool) -> None:
+    docs = render(helm, "--set", "operator.replicas=2", *flags)
+    crds = of_kind(docs, "CustomResourceDefinition")
+    assert {c["metadata"]["name"] for c in crds} == {
+        "loraadapters.lora.dev",
+        "kopfpeerings.kopf.dev",
+        "clusterkopfpeerings.kopf.dev",
+    }
+    for crd in crds:
+        policy = crd["metadata"].get("annotations", {}).get("helm.sh/resource-policy")
+        assert policy == ("keep" if annotated else None), crd["metadata"]["name"]
+
+
+def test_crds_disabled_renders_no_crd(helm: str) -> None:
+    docs = render(helm, "--set", "crds.enabled=false", "--set", "operator.replicas=2")
+    assert of_kind(docs, "CustomResourceDefinition") == []
+
+
+# ---- lint and schema
+
+
+@pytest.mark.parametrize("values", CI_VALUES, ids=lambda p: p.name)
+def test_helm_lint(helm: str, values: Path) -> None:
+    proc = run_helm(helm, "lint", "--strict", str(CHART), "-f", str(values))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_ci_scenarios_exist() -> None:
+    assert [p.name for p in CI_VALUES] == [
+        "defaults-values.yaml",
+        "existing-claim-values.yaml",
+        "no-inference-values.yaml",
+        "replicas-values.yaml",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("flag", "message"),
+    [
+        ("operator.replcas=2", "additional properties 'replcas' not allowed"),
+        ("inferense.enabled=false", "additional properties 'inferense' not allowed"),
+        ("inference.gpu.cuont=2", "additional properties 'cuont' not allowed"),
+        ("inference.device=tpu", "inference/device"),
+        ("operator.replicas=0", "operator/replicas"),
+        ("adapterVolume.accessModes={ReadWriteSometimes}", "accessModes"),
+    ],
+    ids=["operator-typo", "top-level-typo", "nested-typo", "device", "replicas", "access-mode"],
+)
+def test_schema_rejects_bad_values(helm: str, flag: str, message: str) -> None:
+    stderr = refused(helm, "--set", flag)
+    assert "values don't meet the specifications of the schema" in stderr
+    assert message in stderr
+
+
+def _objects_without_closed_properties(schema: Obj, path: str = "") -> Iterator[str]:
+    if schema.get("properties") is not None and schema.get("additionalProperties") is not False:
+        yield path or "/"
+    for key, sub in (schema.get("properties") or {}).items():
+        yield from _objects_without_closed_properties(sub, f"{path}/{key}")
+    if isinstance(schema.get("items"), dict):
+        yield from _objects_without_closed_properties(schema["items"], f"{path}[]")
+
+
+def test_schema_closes_every_chart_object() -> None:
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    assert list(_objects_without_closed_properties(schema)) == []
+
+
+def _keys(values: Obj, prefix: str = "") -> Iterator[str]:
+    for key, value in values.items():
+        yield f"{prefix}{key}"
+        if isinstance(value, dict) and value and not key.endswith(("Resources", "resources")):
+            yield from _keys(value, f"{prefix}{key}.")
+
+
+def test_every_value_is_in_the_schema_and_documented() -> None:
+    text = (CHART / "values.yaml").read_text()
+    values = yaml.safe_load(text)
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    lines = text.splitlines()
+    for key in _keys(values):
+        node = schema
+        for part in key.split("."):
+            props = node.get("properties")
+            if props is None:  # a free-form Kubernetes object (securityContext, affinity...)
+                break
+            assert part in props, f"{key} is in values.yaml but not in values.schema.json"
+            node = props[part]
+    # Every top-level and second-level key is preceded by a comment or starts a commented group.
+    for i, line in enumerate(lines):
+        stripped = line.lstrip()
+        indent = len(line) - len(stripped)
+        if not stripped or stripped.startswith(("#", "-")) or indent > 2 or ":" not in stripped:
+            continue
+        above = lines[i - 1].strip() if i else ""
+        is_group = stripped.endswith(":")
+        assert above.startswith("#") or is_group, f"values.yaml line {i + 1} has no comment: {line}"
+
+
+def test_contradictory_values_fail_with_what_to_change(helm: str) -> None:
+    assert "set inference.gpu.enabled=false" in refused(helm, "--set", "inference.device=cpu")
+    assert "adapterVolume.existingClaim" in refused(helm, "--set", "adapterVolume.create=false")
+    assert "must be under /models/" in refused(
+        helm, "--set", "inference.model.existingClaim=m", "--set", "inference.model.path=/data/x"
+    )
+    assert "at least inference.maxLoras" in refused(
+        helm, "--set", "inference.maxLoras=8", "--set", "inference.maxCpuLoras=4"
+    )
+
+
+# ---- the operator
+
+
+def test_operator_defaults(helm: str) -> None:
+    docs = render(helm)
+    deployment = one(docs, "Deployment", f"{FULLNAME}-operator")
+    c = container(deployment)
+    assert c["image"] == "lora-operator/operator:0.1.0"
+    assert "command" not in c, "the image's entrypoint runs the operator"
+    assert c["args"] == [
+        "--standalone",
+        "--volume-root=/var/lib/lora/adapters",
+        "--admin-token-file=/var/run/lora/admin-token/token",
+        "--health-port=8080",
+        "--metrics-port=9090",
+        "--max-concurrent-stagings=4",
+        "--max-adapter-bytes=2147483648",
+        "--max-concurrent-loads=16",
+        "--resync-seconds=30",
+        "--load-timeout-seconds=120",
+    ]
+    assert {p["name"]: p["containerPort"] for p in c["ports"]} == {"health": 8080, "metrics": 9090}
+    for probe in ("livenessProbe", "readinessProbe"):
+        assert c[probe]["httpGet"] == {"path": "/healthz", "port": "health"}
+    sc = c["securityContext"]
+    assert sc["runAsNonRoot"] is True and sc["runAsUser"] == 65532
+    assert sc["readOnlyRootFilesystem"] is True and sc["allowPrivilegeEscalation"] is False
+    assert sc["capabilities"]["drop"] == ["ALL"]
+    assert c["resources"]["requests"] and c["resources"]["limits"]
+    mounts = {m["mountPath"]: m for m in c["volumeMounts"]}
+    assert not mounts["/var/lib/lora/adapters"].get("readOnly"), "the operator writes the volume"
+    assert "/tmp" in mounts
+    assert deployment["spec"]["strategy"] == {"type": "Recreate"}
+    assert deployment["spec"]["replicas"] == 1
+
+
+def test_operator_options_reach_its_arguments(helm: str) -> None:
+    docs = render(
+        helm,
+        "--set",
+        "operator.hfEndpoint=https://hub.internal",
+        "--set",
+        "operator.maxAdapterBytes=10737418240",
+        "--set",
+        "operator.watchNamespaces={team-a,team-b}",
+        "--set",
+        "volumeRoot=/data/lora",
+        "--set",
+        "operator.image.tag=dev",
+    )
+    args = operator_args(docs)
+    assert "--hf-endpoint=https://hub.internal" in args
+    assert "--max-adapter-bytes=10737418240" in args
+    assert "--volume-root=/data/lora" in args
+    assert args.count("--namespace=team-a") == 1 and "--namespace=team-b" in args
+    image = container(one(docs, "Deployment", f"{FULLNAME}-operator"))["image"]
+    assert image == "lora-operator/operator:dev"
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [[], ["--set", "operator.replicas=2", "--set", "operator.watchNamespaces={a,b}"]],
+    ids=["standalone", "peering-namespaced"],
+)
+def test_operator_arguments_parse_with_the_operator_parser(
+    helm: str, flags: list[str], tmp_path: Path
+) -> None:
+    config = pytest.importorskip("lora_operator.config")
+    if not hasattr(config, "parse_args"):
+        pytest.skip("lora_operator.config has no parse_args yet")
+    token = tmp_path / "token"
+    token.write_text("s3cret\n")
+    args = [
+        f"--admin-token-file={token}" if a.startswith("--admin-token-file=") else a
+        for a in operator_args(render(helm, "--set", "operator.hfEndpoint=https://hub", *flags))
+    ]
+    parsed = config.parse_args(args)
+    assert parsed.admin_token == "s3cret"
+    assert str(parsed.volume_root) == "/var/lib/lora/adapters"
+    assert parsed.hf_endpoint == "https://hub"
+    if flags:
+        assert (parsed.peering, parsed.namespaces) == (FULLNAME, ("a", "b"))
+    else:
+        assert parsed.standalone and parsed.namespaces == ()
+
+
+@pytest.mark.parametrize("replicas", [1, 2, 3])
+def test_peering_only_with_several_replicas(helm: str, replicas: int) -> None:
+    docs = render(helm, "--set", f"operator.replicas={replicas}")
+    args = operator_args(docs)
+    peering = of_kind(docs, "ClusterKopfPeering")
+    rules = one(docs, "ClusterRole", f"{FULLNAME}-operator-cluster")["rules"]
+    peering_rules = [r for r in rules if r["apiGroups"] == ["kopf.dev"]]
+    if replicas == 1:
+        assert "--standalone" in args and not any(a.startswith("--peering") for a in args)
+        assert peering == [] and of_kind(docs, "KopfPeering") == []
+        assert peering_rules == []
+    else:
+        assert f"--peering={FULLNAME}" in args and "--standalone" not in args
+        assert [p["metadata"]["name"] for p in peering] == [FULLNAME]
+        assert peering[0]["apiVersion"] == "kopf.dev/v1"
+        assert peering_rules == [
+            {
+                "apiGroups": ["kopf.dev"],
+                "resources": ["clusterkopfpeerings"],
+                "verbs": ["get", "list", "watch", "patch"],
+            }
+        ]
+        strategy = one(docs, "Deployment", f"{FULLNAME}-operator")["spec"].get("strategy")
+        assert strategy is None, "peers hand over during a rolling update"
+
+
+def test_namespaced_peering_uses_a_kopfpeering_per_namespace(helm: str) -> None:
+    docs = render(
+        helm, "--set", "operator.replicas=2", "--set", "operator.watchNamespaces={team-a,team-b}"
+    )
+    assert of_kind(docs, "ClusterKopfPeering") == []
+    peerings = of_kind(docs, "KopfPeering")
+    assert sorted(p["metadata"]["namespace"] for p in peerings) == ["team-a", "team-b"]
+    assert {p["metadata"]["name"] for p in peerings} == {FULLNAME}
+    for role in of_kind(docs, "Role"):
+        assert {
+            "apiGroups": ["kopf.dev"],
+            "resources": ["kopfpeerings"],
+            "verbs": ["get", "list", "watch", "patch"],
+        } in role["rules"]
+
+
+# ---- RBAC
+
+WORK_RULES = [
+    {
+        "apiGroups": ["lora.dev"],
+        "resources": ["loraadapters"],
+        "verbs": ["get", "list", "watch", "patch"],
+    },
+    {"apiGroups": ["lora.dev"], "resources": ["loraadapters/status"], "verbs": ["get", "patch"]},
+    {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
+    {"apiGroups": [""], "resources": ["secrets"], "verbs": ["get"]},
+    {"apiGroups": [""], "resources": ["events"], "verbs": ["create", "patch"]},
+    {"apiGroups": ["events.k8s.io"], "resources": ["events"], "verbs": ["create", "patch"]},
+]
+CRD_RULE = {
+    "apiGroups": ["apiextensions.k8s.io"],
+    "resources": ["customresourcedefinitions"],
+    "verbs": ["list", "watch"],
+}
+NAMESPACE_RULE = {"apiGroups": [""], "resources": ["namespaces"], "verbs": ["list", "watch"]}
+
+
+def test_rbac_all_namespaces_is_a_cluster_role(helm: str) -> None:
+    docs = render(helm)
+    assert of_kind(docs, "Role") == [] and of_kind(docs, "RoleBinding") == []
+    assert one(docs, "ClusterRole", f"{FULLNAME}-operator")["rules"] == WORK_RULES
+    assert one(docs, "ClusterRole", f"{FULLNAME}-operator-cluster")["rules"] == [CRD_RULE]
+    for name in (f"{FULLNAME}-operator", f"{FULLNAME}-operator-cluster"):
+        binding = one(docs, "ClusterRoleBinding", name)
+        assert binding["roleRef"]["name"] == name
+        assert binding["subjects"] == [
+            {"kind": "ServiceAccount", "name": f"{FULLNAME}-operator", "namespace": NAMESPACE}
+        ]
+
+
+def test_rbac_watched_namespaces_get_a_role_each(helm: str) -> None:
+    docs = render(helm, "--set", "operator.watchNamespaces={team-a,team-b}")
+    roles = of_kind(docs, "Role")
+    assert sorted(r["metadata"]["namespace"] for r in roles) == ["team-a", "team-b"]
+    for role in roles:
+        assert role["rules"] == WORK_RULES
+    bindings = of_kind(docs, "RoleBinding")
+    assert sorted(b["metadata"]["namespace"] for b in bindings) == ["team-a", "team-b"]
+    for binding in bindings:
+        assert binding["subjects"][0]["namespace"] == NAMESPACE
+    # Only the cluster-scoped reads kopf needs stay cluster-wide.
+    assert [c["metadata"]["name"] for c in of_kind(docs, "ClusterRole")] == [
+        f"{FULLNAME}-operator-cluster"
+    ]
+    cluster_rules = one(docs, "ClusterRole", f"{FULLNAME}-operator-cluster")["rules"]
+    assert cluster_rules == [CRD_RULE, NAMESPACE_RULE]
+
+
+@pytest.mark.parametrize("values", CI_VALUES, ids=lambda p: p.name)
+def test_rbac_has_no_wildcards_and_no_writes_to_pods_or_secrets(helm: str, values: Path) -> None:
+    docs = render(helm, "-f", str(values))
+    for role in of_kind(docs, "ClusterRole") + of_kind(docs, "Role"):
+        for rule in role["rules"]:
+            assert "*" not in rule["verbs"] + rule["resources"] + rule["apiGroups"], rule
+            if {"pods", "secrets"} & set(rule["resources"]):
+                assert set(rule["verbs"]) <= {"get", "list", "watch"}, rule
+            if "secrets" in rule["resources"]:
+                assert rule["verbs"] == ["get"], "the operator must not enumerate Secrets"
+
+
+def test_rbac_comments_say_why() -> None:
+    text = (CHART / "templates" / "rbac.yaml").read_text() + (
+        CHART / "templates" / "_helpers.tpl"
+    ).read_text()
+    lines = text.splitlines()
+    for i, line in enumerate(lines):
+        if line.strip().startswith("- apiGroups:"):
+            above = lines[i - 1].strip()
+            assert above.startswith("#"), f"RBAC rule without a comment: {line.strip()}"
+
+
+def test_rbac_disabled(helm: str) -> None:
+    docs = render(helm, "--set", "rbac.create=false")
+    assert not [d for d in docs if d["apiVersion"].startswith("rbac.authorization.k8s.io")]
+
+
+# ---- volumes, token, inference
+
+
+def test_created_claim_is_shared_read_write_by_operator_read_only_by_inference(helm: str) -> None:
+    docs = render(helm)
+    claim = one(docs, "PersistentVolumeClaim", f"{FULLNAME}-adapters")
+    assert claim["spec"]["accessModes"] == ["ReadWriteMany"]
+    assert claim["spec"]["resources"]["requests"]["storage"] == "50Gi"
+    assert "storageClassName" not in claim["spec"], "empty means the cluster's default class"
+    for name, read_only in (("operator", False), ("inference", True)):
+        deployment = one(docs, "Deployment", f"{FULLNAME}-{name}")
+        volumes = {v["name"]: v for v in deployment["spec"]["template"]["spec"]["volumes"]}
+        assert volumes["adapters"]["persistentVolumeClaim"]["claimName"] == f"{FULLNAME}-adapters"
+        mount = next(m for m in container(deployment)["volumeMounts"] if m["name"] == "adapters")
+        assert mount["mountPath"] == "/var/lib/lora/adapters"
+        assert bool(mount.get("readOnly")) is read_only
+
+
+def test_storage_class_and_size(helm: str) -> None:
+    docs = render(
+        helm,
+        "--set",
+        "adapterVolume.storageClassName=nfs",
+        "--set",
+        "adapterVolume.size=1Ti",
+    )
+    claim = one(docs, "PersistentVolumeClaim", f"{FULLNAME}-adapters")
+    assert claim["spec"]["storageClassName"] == "nfs"
+    assert claim["spec"]["resources"]["requests"]["storage"] == "1Ti"
+
+
+def test_existing_claims_are_used_instead_of_created_ones(helm: str) -> None:
+    docs = render(helm, "-f", str(CHART / "ci" / "existing-claim-values.yaml"))
+    assert of_kind(docs, "PersistentVolumeClaim") == []
+    assert of_kind(docs, "Secret") == [], "the admin token comes from adminToken.existingSecret"
+    for name in ("operator", "inference"):
+        spec = one(docs, "Deployment", f"{FULLNAME}-{name}")["spec"]["template"]["spec"]
+        volumes = {v["name"]: v for v in spec["volumes"]}
+        assert volumes["adapters"]["persistentVolumeClaim"]["claimName"] == "shared-lora-adapters"
+        assert volumes["admin-token"]["secret"]["secretName"] == "lora-admin-token"
+    inference = one(docs, "Deployment", f"{FULLNAME}-inference")
+    volumes = {v["name"]: v for v in inference["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["model"]["persistentVolumeClaim"] == {"claimName": "models", "readOnly": True}
+    mounts = {m["name"]: m for m in container(inference)["volumeMounts"]}
+    assert mounts["model"] == {"name": "model", "mountPath": "/models", "readOnly": True}
+    assert "--model=/models/stable-diffusion-v1-5" in container(inference)["args"]
+
+
+def test_generated_admin_token_is_mounted_in_operator_and_inference(helm: str) -> None:
+    docs = render(helm)
+    secret = one(docs, "Secret", f"{FULLNAME}-admin-token")
+    token = base64.b64decode(secret["data"]["token"]).decode()
+    assert len(token) == 32 and token.isalnum()
+    for name in ("operator", "inference"):
+        deployment = one(docs, "Deployment", f"{FULLNAME}-{name}")
+        volumes = {v["name"]: v for v in deployment["spec"]["template"]["spec"]["volumes"]}
+        assert volumes["admin-token"]["secret"]["secretName"] == f"{FULLNAME}-admin-token"
+        c = container(deployment)
+        assert "--admin-token-file=/var/run/lora/admin-token/token" in c["args"]
+        mount = next(m for m in c["volumeMounts"] if m["name"] == "admin-token")
+        assert mount == {
+            "name": "admin-token",
+            "mountPath": "/var/run/lora/admin-token",
+            "readOnly": True,
+        }
+
+
+def test_admin_token_is_kept_across_upgrades_with_lookup() -> None:
+    # helm template cannot look up; the template must reuse the live Secret's token when it exists.
+    text = (CHART / "templates" / "secret-admin-token.yaml").read_text()
+    assert 'lookup "v1" "Secret" .Release.Namespace $name' in text
+    assert 'index $existing.data "token"' in text
+
+
+def test_inference_pod_contract(helm: str) -> None:
+    docs = render(helm)
+    deployment = one(docs, "Deployment", f"{FULLNAME}-inference")
+    template = deployment["spec"]["template"]
+    assert template["metadata"]["labels"]["lora.dev/inference"] == "true"
+    assert template["metadata"]["annotations"]["lora.dev/port"] == "8000"
+    assert template["metadata"]["annotations"]["lora.dev/adapter-root"] == "/var/lib/lora/adapters"
+    c = container(deployment)
+    assert c["image"] == "lora-operator/inference:0.1.0"
+    assert "command" not in c, "the image's entrypoint is lora-inference"
+    env = {e["name"]: e for e in c["env"]}
+    assert env["POD_NAMESPACE"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.namespace"
+    # Every flag is one the real server accepts.
+    args = [a.replace("$(POD_NAMESPACE)", "ns") for a in c["args"]]
+    parsed = inference_cli.build_parser().parse_args(args)
+    assert str(parsed.model) == "/models/sdxl-base"
+    assert parsed.served_model_name == "sdxl-base"
+    assert str(parsed.adapter_root) == "/var/lib/lora/adapters/ns"
+    assert str(parsed.admin_token_file) == "/var/run/lora/admin-token/token"
+    assert (parsed.max_loras, parsed.max_cpu_loras) == (4, 32)
+    assert (parsed.device, parsed.port) == ("cuda", 8000)
+    assert c["ports"] == [{"name": "http", "containerPort": 8000, "protocol": "TCP"}]
+    assert c["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http"}
+    assert c["livenessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert c["securityContext"]["runAsNonRoot"] is True
+    service = one(docs, "Service", f"{FULLNAME}-inference")
+    assert service["spec"]["type"] == "ClusterIP"
+    assert service["spec"]["ports"] == [
+        {"name": "http", "port": 80, "targetPort": "http", "protocol": "TCP"}
+    ]
+    assert service["spec"]["selector"] == deployment["spec"]["selector"]["matchLabels"]
+
+
+def test_inference_on_cpu_without_gpu(helm: str) -> None:
+    docs = render(
+        helm,
+        "--set",
+        "inference.device=cpu",
+        "--set",
+        "inference.gpu.enabled=false",
+        "--set",
+        "inference.replicas=3",
+        "--set",
+        "inference.acceptBaseModels={sdxl-1.0}",
+    )
+    deployment = one(docs, "Deployment", f"{FULLNAME}-inference")
+    c = container(deployment)
+    assert "resources" not in c
+    assert deployment["spec"]["replicas"] == 3
+    parsed = inference_cli.build_parser().parse_args(c["args"])
+    assert parsed.device == "cpu"
+    assert parsed.accepted_base_models == ["sdxl-1.0"]
+
+
+def test_no_inference_deployment_when_disabled(helm: str) -> None:
+    docs = render(helm, "-f", str(CHART / "ci" / "no-inference-values.yaml"))
+    names = {(d["kind"], d["metadata"]["name"]) for d in docs}
+    assert ("Deployment", f"{FULLNAME}-operator") in names
+    assert ("Deployment", f"{FULLNAME}-inference") not in names
+    assert ("Service", f"{FULLNAME}-inference") not in names
+    test_pod = one(docs, "Pod", f"{FULLNAME}-test-health")
+    assert "-inference" not in test_pod["spec"]["containers"][0]["command"][2]
+
+
+def test_helm_test_pod_checks_ready_and_operator_health(helm: str) -> None:
+    pod = one(render(helm), "Pod", f"{FULLNAME}-test-health")
+    assert pod["metadata"]["annotations"]["helm.sh/hook"] == "test"
+    c = pod["spec"]["containers"][0]
+    assert c["image"] == "curlimages/curl:8.11.1"
+    script = c["command"][2]
+    assert f"http://{FULLNAME}-inference.{NAMESPACE}.svc:80/ready" in script
+    assert f"http://{FULLNAME}-operator.{NAMESPACE}.svc:8080/healthz" in script
+
+
+# ---- on a real API server
+
+
+@pytest.fixture(scope="module")
+def crds(devcluster: Harness, helm: str) -> Harness:
+    """The LoRAAdapter CRD (applied from crds/, as the operator tests do) and kopf's peering
+    CRDs, so that the chart's custom objects can be dry-run."""
+    h = devcluster
+    h.kubectl("apply", "-f", str(CRD_SOURCE))
+    peering = [
+        d
+        for d in render(helm, "--set", "operator.replicas=2")
+        if d["kind"] == "CustomResourceDefinition" and d["spec"]["group"] == "kopf.dev"
+    ]
+    h.apply(peering)
+    for name in ("loraadapters.lora.dev", "kopfpeerings.kopf.dev", "clusterkopfpeerings.kopf.dev"):
+        h.kubectl("wait", "--for=condition=Established", f"crd/{name}", "--timeout=60s")
+    return h
+
+
+def server_dry_run(h: Harness, namespace: str, rendered: str) -> str:
+    proc = subprocess.run(
+        ["kubectl", "apply", "--dry-run=server", "-n", namespace, "-f", "-"],
+        input=rendered,
+        capture_output=True,
+        text=True,
+        env=h.cluster.env(),
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout
+
+
+@pytest.mark.parametrize("values", CI_VALUES, ids=lambda p: p.name)
+def test_ci_scenarios_pass_server_side_dry_run(
+    crds: Harness, devcluster_namespace: str, helm: str, values: Path
+) -> None:
+    ns = devcluster_namespace
+    rendered = template_text(helm, "-f", str(values), namespace=ns)
+    out = server_dry_run(crds, ns, rendered)
+    expected = len([d for d in yaml.safe_load_all(rendered) if d])
+    assert out.count("(server dry run)") == expected, out
+
+
+def test_watched_namespaces_pass_server_side_dry_run(
+    crds: Harness, devcluster_namespace: str, helm: str
+) -> None:
+    ns = devcluster_namespace
+    rendered = template_text(
+        helm,
+        "--set",
+        f"operator.watchNamespaces={{{ns}}}",
+        "--set",
+        "operator.replicas=2",
+        namespace=ns,
+    )
+    out = server_dry_run(crds, ns, rendered)
+    assert f"kopfpeering.kopf.dev/{FULLNAME} created (server dry run)" in out
+    assert f"role.rbac.authorization.k8s.io/{FULLNAME}-operator created (server dry run)" in out
+
+
+def test_notes_show_the_next_commands(devcluster: Harness, devcluster_namespace: str) -> None:
+    # NOTES.txt renders only on install; a client-side dry run still asks the cluster's version.
+    # The session's CRD was applied by kubectl, not helm: helm would refuse to adopt it.
+    ns = devcluster_namespace
+    argv = ["helm", "install", RELEASE, str(CHART), "-n", ns, "--dry-run=client"]
+    out = devcluster.run([*argv, "--set", "crds.enabled=false"])
+    notes = out.split("NOTES:", 1)[1]
+    assert f"kubectl -n {ns} apply -f -" in notes
+    assert f"kubectl -n {ns} get lora" in notes
+    assert '"model": "pixel-art"' in notes and "/v1/images/generations" in notes
+    assert f"helm test {RELEASE} -n {ns}" in notes
