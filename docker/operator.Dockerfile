@@ -1,0 +1,31 @@
+# The operator image: `python -m lora_operator` with the [operator] extra only (kopf, aiohttp,
+# huggingface_hub, boto3). No torch: the safetensors checks it shares with the server import none.
+#
+#   docker build -f docker/operator.Dockerfile -t lora-operator/operator:0.1.0 .
+#
+# The chart runs it as uid 65532 with a read-only root filesystem and a /tmp emptyDir.
+
+FROM python:3.11-slim AS build
+ENV PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1
+RUN python -m venv /opt/venv
+ENV PATH=/opt/venv/bin:$PATH
+WORKDIR /src
+# setuptools finds the packages under inference/, operator/ and devcluster/ (pyproject.toml);
+# the operator imports lora_inference's file checks, which need no torch.
+COPY pyproject.toml README.md ./
+COPY inference/ inference/
+COPY operator/ operator/
+COPY devcluster/ devcluster/
+RUN pip install ".[operator]" \
+    && ! pip show torch >/dev/null 2>&1
+
+FROM python:3.11-slim
+COPY --from=build /opt/venv /opt/venv
+ENV PATH=/opt/venv/bin:$PATH \
+    PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    HOME=/tmp
+USER 65532:65532
+EXPOSE 8080 9090
+ENTRYPOINT ["python", "-m", "lora_operator"]

@@ -1,0 +1,115 @@
+"""The Dockerfiles, read rather than built (no Docker here): each image installs the extra that
+pyproject.toml defines for it, runs as a non-root user, and has the entrypoint the chart and the
+local cluster's image map assume."""
+
+from __future__ import annotations
+
+import json
+import re
+import tomllib
+from pathlib import Path
+
+import pytest
+from lora_devcluster import cluster as cluster_mod
+
+ROOT = Path(__file__).resolve().parents[2]
+DOCKER = ROOT / "docker"
+
+
+def instructions(dockerfile: Path) -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) pairs, with continuation lines joined and comments dropped."""
+    text = re.sub(r"\\\n", " ", dockerfile.read_text())
+    result = []
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        word, _, rest = line.partition(" ")
+        result.append((word.upper(), rest.strip()))
+    return result
+
+
+def final_stage(dockerfile: Path) -> list[tuple[str, str]]:
+    steps = instructions(dockerfile)
+    last_from = max(i for i, (word, _) in enumerate(steps) if word == "FROM")
+    return steps[last_from:]
+
+
+def pyproject() -> dict[str, object]:
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())
+
+
+@pytest.mark.parametrize(("image", "extra"), [("operator", "operator"), ("inference", "inference")])
+def test_image_installs_its_extra_from_pyproject(image: str, extra: str) -> None:
+    extras = pyproject()["project"]["optional-dependencies"]  # type: ignore[index]
+    assert extra in extras
+    runs = " ".join(
+        arg for word, arg in instructions(DOCKER / f"{image}.Dockerfile") if word == "RUN"
+    )
+    installed = re.findall(r"""pip install ["']?\.\[([a-z,]+)\]""", runs)
+    assert installed == [extra], (
+        f"{image}.Dockerfile should pip install .[{extra}], got {installed}"
+    )
+
+
+def test_operator_image_has_no_torch() -> None:
+    text = (DOCKER / "operator.Dockerfile").read_text()
+    extras = pyproject()["project"]["optional-dependencies"]  # type: ignore[index]
+    assert not any(dep.startswith("torch") for dep in extras["operator"])
+    install_lines = [
+        arg for word, arg in instructions(DOCKER / "operator.Dockerfile") if word == "RUN"
+    ]
+    assert not any("torch==" in line or "install torch" in line for line in install_lines)
+    assert "! pip show torch" in text, "the build fails if torch sneaks in through a dependency"
+
+
+def test_inference_image_pins_the_torch_of_pyproject() -> None:
+    extras = pyproject()["project"]["optional-dependencies"]  # type: ignore[index]
+    pinned = next(dep for dep in extras["inference"] if dep.startswith("torch=="))
+    runs = [arg for word, arg in instructions(DOCKER / "inference.Dockerfile") if word == "RUN"]
+    assert any(f'"{pinned}"' in run or f" {pinned}" in run for run in runs), pinned
+
+
+@pytest.mark.parametrize("image", ["operator", "inference"])
+def test_image_runs_as_non_root(image: str) -> None:
+    users = [arg for word, arg in final_stage(DOCKER / f"{image}.Dockerfile") if word == "USER"]
+    assert users, f"{image}.Dockerfile's final stage sets no USER"
+    uid, _, gid = users[-1].partition(":")
+    # Numeric, so Kubernetes' runAsNonRoot can verify it without reading /etc/passwd.
+    assert uid == "65532" and gid in ("", "65532"), users[-1]
+
+
+@pytest.mark.parametrize(
+    ("image", "entrypoint"),
+    [
+        ("operator", ["python", "-m", "lora_operator"]),
+        ("inference", ["lora-inference"]),
+    ],
+)
+def test_entrypoint_matches_the_local_cluster_image_map(image: str, entrypoint: list[str]) -> None:
+    steps = final_stage(DOCKER / f"{image}.Dockerfile")
+    declared = json.loads(next(arg for word, arg in steps if word == "ENTRYPOINT"))
+    assert declared == entrypoint
+    # The process kubelet maps the image name to the same command from the venv, so the chart
+    # runs unchanged on the local cluster.
+    mapped = cluster_mod.default_image_map()[f"lora-operator/{image}:*"]
+    assert [Path(mapped[0]).name.removesuffix("3"), *mapped[1:]] == entrypoint
+
+
+def test_dockerignore_keeps_the_context_small_and_the_sources_in() -> None:
+    ignored = {
+        line.strip()
+        for line in (ROOT / ".dockerignore").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    }
+    for entry in (".venv", ".git", "demo-out", "tests", "bench", ".mypy_cache", ".pytest_cache"):
+        assert entry in ignored, entry
+    copied = {
+        source.rstrip("/")
+        for name in ("operator", "inference")
+        for word, arg in instructions(DOCKER / f"{name}.Dockerfile")
+        if word == "COPY" and not arg.startswith("--from")
+        for source in arg.split()[:-1]
+    }
+    assert copied == {"pyproject.toml", "README.md", "inference", "operator", "devcluster"}
+    assert not copied & ignored
