@@ -25,6 +25,9 @@ CHART = ROOT / "charts" / "lora-operator"
 CRD_SOURCE = ROOT / "crds" / "lora.dev_loraadapters.yaml"
 CRD_COPY = CHART / "crds-src" / "lora.dev_loraadapters.yaml"
 CI_VALUES = sorted((CHART / "ci").glob("*-values.yaml"))
+EXAMPLES = ROOT / "examples"
+EXAMPLE_ADAPTERS = sorted(EXAMPLES.glob("adapter*.yaml"))
+EXAMPLE_VALUES = sorted(EXAMPLES.glob("values-*.yaml"))
 RELEASE = "demo"
 NAMESPACE = "lora-system"
 FULLNAME = f"{RELEASE}-lora-operator"
@@ -148,7 +151,7 @@ def test_crds_disabled_renders_no_crd(helm: str) -> None:
 # ---- lint and schema
 
 
-@pytest.mark.parametrize("values", CI_VALUES, ids=lambda p: p.name)
+@pytest.mark.parametrize("values", CI_VALUES + EXAMPLE_VALUES, ids=lambda p: p.name)
 def test_helm_lint(helm: str, values: Path) -> None:
     proc = run_helm(helm, "lint", "--strict", str(CHART), "-f", str(values))
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -668,3 +671,51 @@ def test_notes_show_the_next_commands(devcluster: Harness, devcluster_namespace:
     assert f"kubectl -n {ns} get lora" in notes
     assert '"model": "pixel-art"' in notes and "/v1/images/generations" in notes
     assert f"helm test {RELEASE} -n {ns}" in notes
+
+
+# ---- examples/
+
+
+def test_examples_cover_every_source_kind() -> None:
+    uris = {
+        doc["spec"]["source"]["uri"].split("://")[0]
+        for path in EXAMPLE_ADAPTERS
+        for doc in yaml.safe_load_all(path.read_text())
+        if doc["kind"] == "LoRAAdapter"
+    }
+    assert {"hf", "https", "s3"} <= uris
+    assert (EXAMPLES / "adapter.yaml").exists(), "NOTES.txt and the README point at it"
+
+
+def test_s3_example_secret_has_the_keys_the_operator_reads() -> None:
+    docs = list(yaml.safe_load_all((EXAMPLES / "adapter-s3.yaml").read_text()))
+    secret = next(d for d in docs if d["kind"] == "Secret")
+    adapter = next(d for d in docs if d["kind"] == "LoRAAdapter")
+    assert adapter["spec"]["source"]["secretRef"]["name"] == secret["metadata"]["name"]
+    assert set(secret["stringData"]) == {
+        "AWS_ACCESS_KEY_ID",
+        "AWS_SECRET_ACCESS_KEY",
+        "AWS_ENDPOINT_URL",
+        "AWS_REGION",
+    }
+
+
+@pytest.mark.parametrize("path", EXAMPLE_ADAPTERS, ids=lambda p: p.name)
+def test_example_adapters_pass_server_side_validation(
+    crds: Harness, devcluster_namespace: str, path: Path
+) -> None:
+    out = server_dry_run(crds, devcluster_namespace, path.read_text())
+    assert "loraadapter.lora.dev/" in out and "created (server dry run)" in out
+
+
+@pytest.mark.parametrize("path", EXAMPLE_VALUES, ids=lambda p: p.name)
+def test_example_values_pass_server_side_dry_run(
+    crds: Harness, devcluster_namespace: str, helm: str, path: Path
+) -> None:
+    ns = devcluster_namespace
+    rendered = template_text(helm, "-f", str(path), namespace=ns)
+    server_dry_run(crds, ns, rendered)
+    inference = one(
+        [d for d in yaml.safe_load_all(rendered) if d], "Deployment", f"{FULLNAME}-inference"
+    )
+    assert container(inference)["resources"]["limits"]["nvidia.com/gpu"] == 1
