@@ -1,6 +1,7 @@
-"""Fixtures for the staging tests: LoRA-shaped safetensors bytes and a real HTTP origin.
+"""Fixtures: LoRA-shaped safetensors bytes, a real HTTP origin, and the CRD on the cluster.
 
-Staging tests bind 127.0.0.1 themselves and never use the devcluster fixture.
+Staging tests bind 127.0.0.1 themselves and never use the devcluster fixture; the CRD and
+operator tests do.
 """
 
 from __future__ import annotations
@@ -8,11 +9,26 @@ from __future__ import annotations
 import hashlib
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 import numpy as np
+import pytest
 import pytest_asyncio
 from aiohttp import web
 from safetensors.numpy import save
+
+CRD = Path(__file__).resolve().parents[2] / "crds" / "lora.dev_loraadapters.yaml"
+
+
+@pytest.fixture(scope="session")
+def crd(devcluster: Any) -> Any:
+    """The cluster with the LoRAAdapter CRD installed and established."""
+    devcluster.kubectl("apply", "-f", str(CRD))
+    devcluster.kubectl(
+        "wait", "--for=condition=Established", "crd/loraadapters.lora.dev", "--timeout=60s"
+    )
+    return devcluster
 
 
 def lora_bytes(seed: int = 0, rank: int = 4) -> bytes:

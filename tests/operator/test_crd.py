@@ -35,15 +35,6 @@ def with_source(**source: Any) -> dict[str, Any]:
     return manifest
 
 
-@pytest.fixture(scope="module")
-def crd(devcluster: Any) -> Any:
-    devcluster.kubectl("apply", "-f", str(CRD))
-    devcluster.kubectl(
-        "wait", "--for=condition=Established", "crd/loraadapters.lora.dev", "--timeout=60s"
-    )
-    return devcluster
-
-
 def dry_run(
     cluster: Any, namespace: str, manifest: dict[str, Any]
 ) -> subprocess.CompletedProcess[str]:

@@ -21,9 +21,12 @@ directly under the root is also resolved, so a volume filled by hand works too.
 from __future__ import annotations
 
 import re
-from pathlib import Path
+from pathlib import Path, PurePath
+from typing import TypeVar
 
 from lora_inference import errors
+
+_P = TypeVar("_P", bound=PurePath)
 
 CURRENT = "current"
 REVISIONS = "revisions"
@@ -50,7 +53,8 @@ def check_adapter_name(name: object, *, param: str = "lora_name") -> str:
     return name
 
 
-def revision_dir(root: Path, name: str, sha256: str) -> Path:
+def revision_dir(root: _P, name: str, sha256: str) -> _P:
+    """A published revision; `root` may be the operator's path or a pod's (a PurePosixPath)."""
     return root / name / REVISIONS / sha256
 
 

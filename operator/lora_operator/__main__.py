@@ -1,0 +1,42 @@
+"""`python -m lora_operator`: run the operator (see `--help` and docs/operator.md)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+from collections.abc import Sequence
+
+import kopf
+
+from lora_operator.config import OperatorConfig, parse_args
+from lora_operator.controller import Controller
+from lora_operator.handlers import build_registry
+
+
+def run(config: OperatorConfig, *, stop_flag: asyncio.Event | None = None) -> None:
+    controller = Controller(config)
+    kopf.run(
+        registry=build_registry(controller),
+        standalone=config.standalone,
+        peering_name=config.peering,
+        clusterwide=not config.namespaces,
+        namespaces=config.namespaces,
+        liveness_endpoint=f"http://0.0.0.0:{config.health_port}/healthz",
+        stop_flag=stop_flag,
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    config = parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO,
+        stream=sys.stdout,
+        format="%(asctime)s %(levelname)s %(name)s %(message)s",
+    )
+    run(config)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,104 @@
+"""The operator's settings: one frozen value built from the command line (or by a test)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from lora_operator import staging
+from lora_operator.model import DEFAULT_POD_VOLUME_ROOT
+
+
+@dataclass(frozen=True)
+class OperatorConfig:
+    volume_root: Path = Path(DEFAULT_POD_VOLUME_ROOT)
+    admin_token: str | None = None
+    namespaces: tuple[str, ...] = ()  # empty: every namespace
+    standalone: bool = True
+    peering: str | None = None
+    health_port: int = 8080
+    metrics_port: int = 9090
+    max_concurrent_stagings: int = staging.DEFAULT_MAX_CONCURRENT
+    max_adapter_bytes: int = staging.DEFAULT_MAX_BYTES
+    max_concurrent_loads: int = 16
+    resync_s: float = 30.0
+    load_timeout_s: float = 120.0
+    # Transient failures (staging or a pod's load) before the adapter is marked Degraded; the
+    # retries go on, with a backoff capped at `max_backoff_s`.
+    retry_bound: int = 4
+    max_backoff_s: float = 60.0
+    # How long deletion waits for pods to unload before it lets the adapter go anyway.
+    unload_grace_s: float = 60.0
+    hf_endpoint: str | None = None
+
+
+def parse_args(argv: Sequence[str] | None = None) -> OperatorConfig:
+    p = argparse.ArgumentParser(
+        prog="python -m lora_operator",
+        description="Stage LoRAAdapters onto the shared volume and load them on inference pods.",
+    )
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--standalone", action="store_true", help="no peering (one replica)")
+    mode.add_argument("--peering", metavar="NAME", help="kopf peering object (several replicas)")
+    p.add_argument(
+        "--namespace",
+        action="append",
+        default=[],
+        help="watch this namespace (repeatable); default: every namespace",
+    )
+    p.add_argument(
+        "--volume-root",
+        type=Path,
+        default=Path(os.environ.get("LORA_VOLUME_ROOT", DEFAULT_POD_VOLUME_ROOT)),
+        help="the shared adapter volume, mounted read-write (env LORA_VOLUME_ROOT)",
+    )
+    p.add_argument(
+        "--admin-token-file",
+        type=Path,
+        help="the inference pods' admin token; LORA_ADMIN_TOKEN is read when no file is given",
+    )
+    p.add_argument("--health-port", type=int, default=8080, help="liveness at /healthz")
+    p.add_argument("--metrics-port", type=int, default=9090, help="Prometheus at /metrics")
+    p.add_argument("--max-concurrent-stagings", type=int, default=staging.DEFAULT_MAX_CONCURRENT)
+    p.add_argument("--max-adapter-bytes", type=int, default=staging.DEFAULT_MAX_BYTES)
+    p.add_argument(
+        "--max-concurrent-loads", type=int, default=16, help="calls to pods in flight at once"
+    )
+    p.add_argument(
+        "--resync-seconds", type=float, default=30.0, help="how often each pod is re-checked"
+    )
+    p.add_argument("--load-timeout-seconds", type=float, default=120.0)
+    p.add_argument("--hf-endpoint", help="a Hugging Face Hub mirror for hf:// sources")
+    a = p.parse_args(argv)
+    token: str | None
+    if a.admin_token_file is not None:
+        token = a.admin_token_file.read_text().strip()
+    else:
+        token = os.environ.get("LORA_ADMIN_TOKEN") or None
+    for flag, value in (
+        ("--max-concurrent-stagings", a.max_concurrent_stagings),
+        ("--max-concurrent-loads", a.max_concurrent_loads),
+        ("--max-adapter-bytes", a.max_adapter_bytes),
+    ):
+        if value < 1:
+            p.error(f"{flag} must be at least 1")
+    if a.resync_seconds <= 0 or a.load_timeout_seconds <= 0:
+        p.error("--resync-seconds and --load-timeout-seconds must be positive")
+    return OperatorConfig(
+        volume_root=a.volume_root,
+        admin_token=token,
+        namespaces=tuple(a.namespace),
+        standalone=a.peering is None,
+        peering=a.peering,
+        health_port=a.health_port,
+        metrics_port=a.metrics_port,
+        max_concurrent_stagings=a.max_concurrent_stagings,
+        max_adapter_bytes=a.max_adapter_bytes,
+        max_concurrent_loads=a.max_concurrent_loads,
+        resync_s=a.resync_seconds,
+        load_timeout_s=a.load_timeout_seconds,
+        hf_endpoint=a.hf_endpoint,
+    )

@@ -1,0 +1,205 @@
+"""What the operator knows about pods and adapters, read from Kubernetes objects (pure).
+
+Inference pods are found by one well-known label; two annotations say how to reach them:
+
+    labels["lora.dev/inference"]           any value: the pod runs an inference server
+    annotations["lora.dev/port"]           its HTTP port (default 8000)
+    annotations["lora.dev/adapter-root"]   where the adapter volume is mounted inside the pod
+                                           (default /var/lib/lora/adapters); the pod's
+                                           `--adapter-root` is that plus its namespace
+
+`PodInfo` and `AdapterInfo` are the values kopf's indices hold: small, frozen, comparable, so the
+controller can tell whether an event changed anything it acts on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import PurePosixPath
+from typing import Any
+
+INFERENCE_LABEL = "lora.dev/inference"
+PORT_ANNOTATION = "lora.dev/port"
+ADAPTER_ROOT_ANNOTATION = "lora.dev/adapter-root"
+DEFAULT_PORT = 8000
+DEFAULT_POD_VOLUME_ROOT = "/var/lib/lora/adapters"
+
+GROUP = "lora.dev"
+VERSION = "v1alpha1"
+PLURAL = "loraadapters"
+KIND = "LoRAAdapter"
+
+
+@dataclass(frozen=True)
+class Requirement:
+    """One `matchExpressions` entry of a LabelSelector."""
+
+    key: str
+    operator: str  # In, NotIn, Exists, DoesNotExist (the CRD allows nothing else)
+    values: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Selector:
+    """A Kubernetes LabelSelector; the empty selector matches every pod."""
+
+    match_labels: tuple[tuple[str, str], ...] = ()
+    expressions: tuple[Requirement, ...] = ()
+
+    def matches(self, labels: Mapping[str, str]) -> bool:
+        if any(labels.get(k) != v for k, v in self.match_labels):
+            return False
+        return all(_satisfies(r, labels) for r in self.expressions)
+
+
+def _satisfies(r: Requirement, labels: Mapping[str, str]) -> bool:
+    present = r.key in labels
+    if r.operator == "In":
+        return present and labels[r.key] in r.values
+    if r.operator == "NotIn":
+        return not present or labels[r.key] not in r.values
+    if r.operator == "Exists":
+        return present
+    if r.operator == "DoesNotExist":
+        return not present
+    raise ValueError(f"unknown label selector operator {r.operator!r}")
+
+
+def parse_selector(raw: Mapping[str, Any] | None) -> Selector:
+    raw = raw or {}
+    labels = tuple(sorted((str(k), str(v)) for k, v in (raw.get("matchLabels") or {}).items()))
+    expressions = tuple(
+        Requirement(
+            key=str(e["key"]),
+            operator=str(e["operator"]),
+            values=tuple(str(v) for v in e.get("values") or ()),
+        )
+        for e in raw.get("matchExpressions") or ()
+    )
+    return Selector(match_labels=labels, expressions=expressions)
+
+
+@dataclass(frozen=True)
+class PodInfo:
+    namespace: str
+    name: str
+    uid: str
+    ip: str | None
+    ready: bool
+    restarts: int  # the sum of the containers' restart counts: a restart empties the server
+    port: int
+    volume_root: PurePosixPath  # where the adapter volume is mounted inside the pod
+    deleting: bool
+    labels: tuple[tuple[str, str], ...] = field(default=())
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return (self.namespace, self.name)
+
+    @property
+    def adapter_root(self) -> PurePosixPath:
+        """The pod's `--adapter-root`: its namespace's folder on the volume."""
+        return self.volume_root / self.namespace
+
+    @property
+    def reachable(self) -> bool:
+        return self.ready and self.ip is not None and not self.deleting
+
+    def url(self, path: str) -> str:
+        return f"http://{self.ip}:{self.port}{path}"
+
+
+def pod_info(body: Mapping[str, Any]) -> PodInfo:
+    meta = body.get("metadata") or {}
+    status = body.get("status") or {}
+    annotations = meta.get("annotations") or {}
+    conditions = status.get("conditions") or ()
+    ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
+    restarts = sum(int(c.get("restartCount") or 0) for c in status.get("containerStatuses") or ())
+    try:
+        port = int(annotations.get(PORT_ANNOTATION, DEFAULT_PORT))
+    except ValueError:
+        port = DEFAULT_PORT
+    return PodInfo(
+        namespace=str(meta.get("namespace", "")),
+        name=str(meta.get("name", "")),
+        uid=str(meta.get("uid", "")),
+        ip=status.get("podIP") or None,
+        ready=ready,
+        restarts=restarts,
+        port=port,
+        volume_root=PurePosixPath(
+            annotations.get(ADAPTER_ROOT_ANNOTATION, DEFAULT_POD_VOLUME_ROOT)
+        ),
+        deleting=meta.get("deletionTimestamp") is not None,
+        labels=tuple(sorted((meta.get("labels") or {}).items())),
+    )
+
+
+@dataclass(frozen=True)
+class StagedRef:
+    """The revision `status.staged` records: what pods should load."""
+
+    sha256: str
+    size: int
+
+
+@dataclass(frozen=True)
+class AdapterInfo:
+    namespace: str
+    name: str
+    uid: str
+    generation: int
+    base_model: str
+    selector: Selector
+    scale: float
+    pinned: bool
+    deleting: bool
+    staged: StagedRef | None  # from status: pods load only what the operator published
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return (self.namespace, self.name)
+
+    def targets(self, pod: PodInfo, pod_base_model: str | None) -> bool:
+        """Whether this adapter belongs on `pod` (a Ready pod whose base model is known)."""
+        return (
+            pod.namespace == self.namespace
+            and pod_base_model == self.base_model
+            and self.selector.matches(dict(pod.labels))
+        )
+
+
+def adapter_info(body: Mapping[str, Any]) -> AdapterInfo:
+    meta = body.get("metadata") or {}
+    spec = body.get("spec") or {}
+    staged = (body.get("status") or {}).get("staged") or {}
+    sha = staged.get("sha256")
+    return AdapterInfo(
+        namespace=str(meta.get("namespace", "")),
+        name=str(meta.get("name", "")),
+        uid=str(meta.get("uid", "")),
+        generation=int(meta.get("generation") or 0),
+        base_model=str(spec.get("baseModel", "")),
+        selector=parse_selector(spec.get("selector")),
+        scale=float(spec.get("scale", 1.0)),
+        pinned=bool(spec.get("pinned", False)),
+        deleting=meta.get("deletionTimestamp") is not None,
+        staged=StagedRef(sha256=str(sha), size=int(staged.get("sizeBytes") or 0)) if sha else None,
+    )
+
+
+def object_ref(info: AdapterInfo) -> dict[str, str]:
+    """The involvedObject/regarding reference of an Event about this adapter."""
+    return {
+        "apiVersion": f"{GROUP}/{VERSION}",
+        "kind": KIND,
+        "namespace": info.namespace,
+        "name": info.name,
+        "uid": info.uid,
+    }
+
+
+def names(items: Sequence[Any]) -> str:
+    return ", ".join(sorted(str(getattr(i, "name", i)) for i in items))

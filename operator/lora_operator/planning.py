@@ -1,0 +1,137 @@
+"""What one pod should hold versus what it reports, and the calls that close the gap (pure).
+
+A pod reports its adapters in `GET /v1/models`. An adapter the operator loaded has its card's
+`root` inside the adapter volume's layout, `.../<name>/revisions/<sha256>`: that is how the
+operator recognises its own adapters after a restart without keeping any state, and how it leaves
+static (`--lora`) and hand-loaded adapters alone.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import PurePosixPath
+from typing import Any
+
+from lora_inference.adapters import layout
+
+_REVISION_ROOT = re.compile(r"/([^/]+)/" + layout.REVISIONS + r"/([0-9a-f]{64})/?$")
+
+
+@dataclass(frozen=True)
+class Want:
+    """An adapter a pod should hold: at this revision, with this default scale and pin."""
+
+    name: str
+    sha256: str
+    scale: float
+    pinned: bool
+
+
+@dataclass(frozen=True)
+class Card:
+    name: str
+    revision: str | None  # the sha256 of its revision directory; None: not one of ours
+    scale: float | None  # None when the server does not report it (vLLM)
+    pinned: bool | None
+
+    @property
+    def managed(self) -> bool:
+        return self.revision is not None
+
+
+@dataclass(frozen=True)
+class PodReport:
+    base_model: str | None
+    cards: Mapping[str, Card]
+
+    def managed(self) -> dict[str, str]:
+        """Adapter name -> revision, for the adapters the operator put on this pod."""
+        return {n: c.revision for n, c in self.cards.items() if c.revision is not None}
+
+
+def parse_models(payload: Any) -> PodReport:
+    """Read a `/v1/models` answer; raise ValueError when it is not one."""
+    if not isinstance(payload, dict) or not isinstance(payload.get("data"), list):
+        raise ValueError("GET /v1/models did not return {'data': [...]}")
+    base: str | None = None
+    cards: dict[str, Card] = {}
+    for raw in payload["data"]:
+        if not isinstance(raw, dict) or not isinstance(raw.get("id"), str):
+            raise ValueError(f"GET /v1/models returned a card without an id: {raw!r}")
+        if raw.get("parent") is None:
+            base = base or raw["id"]
+            continue
+        name = raw["id"]
+        match = _REVISION_ROOT.search(str(raw.get("root") or ""))
+        revision = match.group(2) if match and match.group(1) == name else None
+        scale = raw.get("scale")
+        pinned = raw.get("pinned")
+        cards[name] = Card(
+            name=name,
+            revision=revision,
+            scale=float(scale) if isinstance(scale, int | float) else None,
+            pinned=pinned if isinstance(pinned, bool) else None,
+        )
+    return PodReport(base_model=base, cards=cards)
+
+
+@dataclass(frozen=True)
+class Load:
+    want: Want
+    inplace: bool  # replace a loaded adapter atomically (new revision, scale or pin)
+
+    @property
+    def name(self) -> str:
+        return self.want.name
+
+
+@dataclass(frozen=True)
+class Unload:
+    name: str
+
+
+@dataclass(frozen=True)
+class Conflict:
+    """The pod already serves an adapter of this name that the operator did not load."""
+
+    name: str
+
+
+Action = Load | Unload | Conflict
+
+
+def plan_pod(wants: Mapping[str, Want], report: PodReport) -> list[Action]:
+    """The calls that make the pod hold exactly `wants` among the adapters the operator owns.
+
+    Unloads come first: they free GPU slots a pinned newcomer may need.
+    """
+    actions: list[Action] = [
+        Unload(name)
+        for name, card in sorted(report.cards.items())
+        if card.managed and name not in wants
+    ]
+    for name, want in sorted(wants.items()):
+        card = report.cards.get(name)
+        if card is None:
+            actions.append(Load(want, inplace=False))
+        elif not card.managed:
+            actions.append(Conflict(name))
+        elif not satisfied(want, card):
+            actions.append(Load(want, inplace=True))
+    return actions
+
+
+def satisfied(want: Want, card: Card) -> bool:
+    """The card shows the wanted revision (and scale and pin, where the server reports them)."""
+    return (
+        card.revision == want.sha256
+        and (card.scale is None or card.scale == want.scale)
+        and (card.pinned is None or card.pinned == want.pinned)
+    )
+
+
+def load_path(adapter_root: PurePosixPath, want: Want) -> str:
+    """The revision directory as the pod sees it, what its load call names."""
+    return str(layout.revision_dir(adapter_root, want.name, want.sha256))

@@ -1,0 +1,121 @@
+"""HTTP calls to one inference pod's adapter API (vLLM's shapes; see docs/inference-server.md).
+
+Every failure becomes a `PodError` that says whether retrying can help: a refusal of the adapter
+itself (422, 415, a path outside the pod's roots, a bad token) is permanent until the spec or the
+deployment changes; timeouts, connection errors, 429 and 5xx are transient.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import aiohttp
+
+from lora_operator import planning
+from lora_operator.model import PodInfo
+
+# 404 on load: the pod does not see the revision yet (a lagging shared file system) - retry.
+_PERMANENT = {400, 401, 403, 413, 415, 422}
+
+
+class PodError(Exception):
+    def __init__(self, message: str, *, permanent: bool, status: int | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.permanent = permanent
+        self.status = status
+
+
+class PodClient:
+    def __init__(self, *, admin_token: str | None, timeout_s: float, models_timeout_s: float = 10):
+        self._headers = {"Authorization": f"Bearer {admin_token}"} if admin_token else {}
+        self._timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self._models_timeout = aiohttp.ClientTimeout(total=models_timeout_s)
+        self._session: aiohttp.ClientSession | None = None
+
+    async def __aenter__(self) -> PodClient:
+        self._session = aiohttp.ClientSession()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            self._session = aiohttp.ClientSession()
+        return self._session
+
+    async def models(self, pod: PodInfo) -> planning.PodReport:
+        payload = await self._call(pod, "GET", "/v1/models", None, self._models_timeout)
+        try:
+            return planning.parse_models(payload)
+        except ValueError as e:
+            raise PodError(f"{pod.name}: {e}", permanent=False) from e
+
+    async def load(self, pod: PodInfo, want: planning.Want, *, inplace: bool) -> None:
+        body = {
+            "lora_name": want.name,
+            "lora_path": planning.load_path(pod.adapter_root, want),
+            "load_inplace": inplace,
+            "pinned": want.pinned,
+            "scale": want.scale,
+        }
+        await self._call(pod, "POST", "/v1/load_lora_adapter", body, self._timeout)
+
+    async def unload(self, pod: PodInfo, name: str) -> None:
+        """Unload `name`; a pod that no longer has it is fine."""
+        try:
+            await self._call(
+                pod, "POST", "/v1/unload_lora_adapter", {"lora_name": name}, self._timeout
+            )
+        except PodError as e:
+            if e.status != 404:
+                raise
+
+    async def _call(
+        self,
+        pod: PodInfo,
+        method: str,
+        path: str,
+        body: dict[str, Any] | None,
+        timeout: aiohttp.ClientTimeout,
+    ) -> Any:
+        if pod.ip is None:
+            raise PodError(f"pod {pod.name} has no IP yet", permanent=False)
+        try:
+            async with self.session.request(
+                method, pod.url(path), json=body, headers=self._headers, timeout=timeout
+            ) as resp:
+                text = await resp.text()
+                if resp.status >= 400:
+                    raise PodError(
+                        f"{method} {path} answered {resp.status}: {_error_message(text)}",
+                        permanent=resp.status in _PERMANENT,
+                        status=resp.status,
+                    )
+                if resp.content_type == "application/json":
+                    return await resp.json()
+                return text
+        except (TimeoutError, aiohttp.ClientError, OSError) as e:
+            raise PodError(
+                f"{method} {path} failed: {type(e).__name__}: {e}".rstrip(": "), permanent=False
+            ) from e
+
+
+def _error_message(text: str) -> str:
+    """The server's `error.message` when it sent vLLM's error shape, else the text itself."""
+    try:
+        payload = json.loads(text)
+        message = payload["error"]["message"]
+        if isinstance(message, str):
+            return message
+    except (ValueError, KeyError, TypeError):
+        pass
+    return text.strip()[:500]

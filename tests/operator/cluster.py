@@ -1,0 +1,328 @@
+"""Support for the operator's tests on the local cluster: the operator as a real process, real
+inference pods (the tiny SD 1.5 model, run by the process kubelet), adapters, and a TLS origin.
+
+The pytest process has joined the cluster's network namespace (the `devcluster` fixture), so the
+operator it starts, the origin server it runs and the pods all reach each other by IP.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from aiohttp import web
+from lora_devcluster.harness import Harness
+from PIL import Image
+
+Obj = dict[str, Any]
+TOKEN = "test-admin-token"
+POD_VOLUME = "/var/lib/lora/adapters"
+MODEL_NAME = "tiny-sd15"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Operator:
+    """`python -m lora_operator` as a child process: killed for real, restarted for real."""
+
+    volume: Path
+    namespaces: list[str]
+    log_path: Path
+    extra: list[str] = field(default_factory=list)
+    proc: subprocess.Popen[bytes] | None = None
+    metrics_port: int = 0
+
+    def start(self) -> Operator:
+        self.metrics_port = free_port()
+        args = [sys.executable, "-m", "lora_operator", "--standalone"]
+        for ns in self.namespaces:
+            args += ["--namespace", ns]
+        args += [
+            "--volume-root",
+            str(self.volume),
+            "--health-port",
+            str(free_port()),
+            "--metrics-port",
+            str(self.metrics_port),
+            "--resync-seconds",
+            "5",
+            *self.extra,
+        ]
+        env = {**os.environ, "LORA_ADMIN_TOKEN": TOKEN}
+        log = self.log_path.open("ab")
+        self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env)
+        return self
+
+    def kill(self) -> None:
+        """SIGKILL: nothing gets a chance to clean up."""
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def metrics(self) -> str:
+        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
+        with urllib.request.urlopen(url, timeout=5) as r:
+            return str(r.read().decode())
+
+
+def inference_deployment(
+    name: str, replicas: int, model_dir: Path, volume: Path, labels: Obj | None = None
+) -> Obj:
+    pod_labels = {"app": name, "lora.dev/inference": "true", **(labels or {})}
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": name},
+        "spec": {
+            "replicas": replicas,
+            "selector": {"matchLabels": {"app": name}},
+            "template": {
+                "metadata": {
+                    "labels": pod_labels,
+                    "annotations": {
+                        "lora.dev/port": "8000",
+                        "lora.dev/adapter-root": POD_VOLUME,
+                    },
+                },
+                "spec": {
+                    "terminationGracePeriodSeconds": 2,
+                    "volumes": [
+                        {"name": "model", "hostPath": {"path": str(model_dir)}},
+                        {"name": "adapters", "hostPath": {"path": str(volume)}},
+                    ],
+                    "containers": [
+                        {
+                            "name": "server",
+                            "image": "lora-operator/inference:dev",
+                            "args": [
+                                "serve",
+                                "--model",
+                                f"/models/{MODEL_NAME}",
+                                "--adapter-root",
+                                f"{POD_VOLUME}/$(POD_NAMESPACE)",
+                                "--device",
+                                "cpu",
+                                "--port",
+                                "8000",
+                                "--max-loras",
+                                "2",
+                                "--max-batch-size",
+                                "1",
+                            ],
+                            "env": [
+                                {
+                                    "name": "POD_NAMESPACE",
+                                    "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}},
+                                },
+                                {"name": "LORA_ADMIN_TOKEN", "value": TOKEN},
+                            ],
+                            "volumeMounts": [
+                                {"name": "model", "mountPath": "/models", "readOnly": True},
+                                {"name": "adapters", "mountPath": POD_VOLUME, "readOnly": True},
+                            ],
+                            "readinessProbe": {
+                                "httpGet": {"path": "/ready", "port": 8000},
+                                "periodSeconds": 1,
+                            },
+                        }
+                    ],
+                },
+            },
+        },
+    }
+
+
+def adapter(name: str, uri: str, **spec: Any) -> Obj:
+    return {
+        "apiVersion": "lora.dev/v1alpha1",
+        "kind": "LoRAAdapter",
+        "metadata": {"name": name},
+        "spec": {"baseModel": MODEL_NAME, "source": {"uri": uri, **spec.pop("source", {})}, **spec},
+    }
+
+
+def get_adapter(h: Harness, ns: str, name: str) -> Obj | None:
+    return h.get_or_none(f"/apis/lora.dev/v1alpha1/namespaces/{ns}/loraadapters/{name}")
+
+
+def wait_phase(
+    h: Harness, ns: str, name: str, phase: str, ready: str | None = None, timeout: float = 120
+) -> Obj:
+    def check() -> Obj | None:
+        obj = get_adapter(h, ns, name)
+        st = (obj or {}).get("status") or {}
+        if st.get("phase") == phase and (ready is None or st.get("ready") == ready):
+            return obj
+        return None
+
+    try:
+        return h.wait_for(f"{ns}/{name} to be {phase} {ready or ''}", check, timeout=timeout)
+    except AssertionError as e:
+        obj = get_adapter(h, ns, name)
+        raise AssertionError(f"{e}; status: {json.dumps((obj or {}).get('status'))}") from None
+
+
+def ready_pods(h: Harness, ns: str, selector: str, n: int, timeout: float = 180) -> list[Obj]:
+    def check() -> list[Obj] | None:
+        pods = [
+            p
+            for p in h.pods(ns, selector)
+            if not p["metadata"].get("deletionTimestamp")
+            and any(
+                c["type"] == "Ready" and c["status"] == "True"
+                for c in p.get("status", {}).get("conditions", [])
+            )
+        ]
+        return pods if len(pods) == n else None
+
+    return h.wait_for(f"{n} ready pods {selector} in {ns}", check, timeout=timeout)
+
+
+def http_json(url: str, body: Obj | None = None, token: str | None = None) -> tuple[int, Any]:
+    data = None if body is None else json.dumps(body).encode()
+    headers = {"Content-Type": "application/json"}
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
+    req = urllib.request.Request(url, data=data, headers=headers)
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, _decode(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, _decode(e.read())
+
+
+def _decode(raw: bytes) -> Any:
+    """JSON when it is JSON (the load endpoint answers vLLM's plain text)."""
+    try:
+        return json.loads(raw or b"null")
+    except ValueError:
+        return raw.decode(errors="replace")
+
+
+def models(ip: str) -> dict[str, Obj]:
+    status, body = http_json(f"http://{ip}:8000/v1/models")
+    assert status == 200, body
+    return {c["id"]: c for c in body["data"]}
+
+
+GENERATION = {"prompt": "a lighthouse", "size": "32x32", "num_inference_steps": 2, "seed": 7}
+
+
+def generate(base_url: str, model: str) -> np.ndarray:
+    status, body = http_json(f"{base_url}/v1/images/generations", {**GENERATION, "model": model})
+    assert status == 200, body
+    png = base64.b64decode(body["data"][0]["b64_json"])
+    return np.asarray(Image.open(io.BytesIO(png)).convert("RGB"))
+
+
+class Origin:
+    """An HTTPS server in a thread of the test process (inside the cluster's network)."""
+
+    def __init__(self, cert: Path, key: Path) -> None:
+        self.routes: dict[str, Callable[[web.Request], Any]] = {}
+        self.hits: dict[str, int] = {}
+        self._cert, self._key = cert, key
+        self._loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        self.port = free_port()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        self._ready.wait(10)
+
+    def url(self, path: str) -> str:
+        return f"https://127.0.0.1:{self.port}{path}"
+
+    def serve(self, path: str, data: bytes) -> str:
+        async def handler(_: web.Request) -> web.StreamResponse:
+            return web.Response(body=data, content_type="application/octet-stream")
+
+        self.routes[path] = handler
+        return self.url(path)
+
+    def _run(self) -> None:
+        import ssl
+
+        asyncio.set_event_loop(self._loop)
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        context.load_cert_chain(str(self._cert), str(self._key))
+
+        async def dispatch(request: web.Request) -> web.StreamResponse:
+            self.hits[request.path] = self.hits.get(request.path, 0) + 1
+            handler = self.routes.get(request.path)
+            if handler is None:
+                raise web.HTTPNotFound()
+            response: web.StreamResponse = await handler(request)
+            return response
+
+        async def start() -> None:
+            app = web.Application()
+            app.router.add_route("GET", "/{tail:.*}", dispatch)
+            runner = web.AppRunner(app)
+            await runner.setup()
+            await web.TCPSite(runner, "127.0.0.1", self.port, ssl_context=context).start()
+            self._ready.set()
+
+        self._loop.run_until_complete(start())
+        self._loop.run_forever()
+
+    def close(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(5)
+
+
+def revisions(volume: Path, ns: str, name: str) -> list[str]:
+    d = volume / ns / name / "revisions"
+    return sorted(p.name for p in d.iterdir()) if d.exists() else []
+
+
+def wait_until(what: str, fn: Callable[[], Any], timeout: float = 60) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = fn()
+        if value:
+            return value
+        time.sleep(0.2)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+def events(h: Harness, ns: str, name: str) -> list[Obj]:
+    items = h.get(f"/api/v1/namespaces/{ns}/events")["items"]
+    return [e for e in items if e["involvedObject"].get("name") == name]
+
+
+def iter_reasons(h: Harness, ns: str, name: str) -> Iterator[str]:
+    for e in events(h, ns, name):
+        yield str(e["reason"])

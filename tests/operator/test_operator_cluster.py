@@ -1,0 +1,212 @@
+"""The operator on the local cluster: a real API server, real inference pods (tiny SD 1.5 run by
+the process kubelet), the operator as a real process, the adapter volume as a host directory the
+pods mount. Nothing here touches a LoRAAdapter except to apply, update or delete it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+from diffusers import DiffusionPipeline
+from lora_devcluster.harness import Harness
+from lora_inference.tools.random_adapters import write_random_adapter
+from lora_inference.tools.tiny_models import write_tiny_model
+
+from tests.operator import cluster
+from tests.operator.cluster import MODEL_NAME, TOKEN, Operator
+
+
+@dataclass(frozen=True)
+class Models:
+    root: Path  # mounted at /models in the pods
+    pipe: object
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> Models:
+    root = tmp_path_factory.mktemp("models")
+    write_tiny_model(root / MODEL_NAME, "sd15")
+    pipe = DiffusionPipeline.from_pretrained(str(root / MODEL_NAME))
+    return Models(root=root, pipe=pipe)
+
+
+@pytest.fixture
+def volume(tmp_path: Path) -> Path:
+    v = tmp_path / "volume"
+    v.mkdir()
+    return v
+
+
+@pytest.fixture
+def operator(
+    crd: None, devcluster: Harness, devcluster_namespace: str, volume: Path, tmp_path: Path
+) -> Iterator[Operator]:
+    op = Operator(volume=volume, namespaces=[devcluster_namespace], log_path=tmp_path / "op.log")
+    op.start()
+    try:
+        yield op
+    finally:
+        op.stop()
+        print("---- operator log\n" + op.log()[-20000:])
+
+
+def write_adapter(models: Models, directory: Path, seed: int) -> tuple[Path, str]:
+    path = write_random_adapter(directory, models.pipe, base_model=MODEL_NAME, seed=seed)
+    weights = path / "pytorch_lora_weights.safetensors"
+    return path, hashlib.sha256(weights.read_bytes()).hexdigest()
+
+
+def pod_ips(h: Harness, ns: str, n: int) -> dict[str, str]:
+    return {
+        p["metadata"]["name"]: p["status"]["podIP"]
+        for p in cluster.ready_pods(h, ns, "app=inference", n)
+    }
+
+
+def holds(ip: str, name: str, sha: str) -> bool:
+    card = cluster.models(ip).get(name)
+    return card is not None and card["root"].endswith(f"/{name}/revisions/{sha}")
+
+
+def test_adapter_follows_replicas_restarts_updates_and_deletion(
+    devcluster: Harness, devcluster_namespace: str, operator: Operator, volume: Path, models: Models
+) -> None:
+    h, ns = devcluster, devcluster_namespace
+    src_a, sha_a = write_adapter(models, volume / ns / "src" / "a", seed=1)
+    src_b, sha_b = write_adapter(models, volume / ns / "src" / "b", seed=2)
+    h.apply(cluster.inference_deployment("inference", 2, models.root, volume), ns)
+    h.apply(cluster.adapter("pixel", str(src_a), scale=1.0), ns)
+
+    # apply -> Staged -> Ready 2/2, and every pod serves exactly the staged file.
+    obj = cluster.wait_phase(h, ns, "pixel", "Ready", "2/2", timeout=240)
+    st = obj["status"]
+    assert st["staged"]["sha256"] == sha_a
+    assert {c["type"]: c["status"] for c in st["conditions"]} == {
+        "Staged": "True",
+        "Ready": "True",
+        "Degraded": "False",
+    }
+    assert sorted(p["state"] for p in st["pods"]) == ["Loaded", "Loaded"]
+    assert {p["revision"] for p in st["pods"]} == {sha_a}
+    assert st["observedGeneration"] == obj["metadata"]["generation"]
+    assert os.readlink(volume / ns / "pixel" / "current") == f"revisions/{sha_a}"
+    ips = pod_ips(h, ns, 2)
+    first_ip = next(iter(ips.values()))
+    # The reference: the same file loaded directly by path, on a server of the same model.
+    status, body = cluster.http_json(
+        f"http://{first_ip}:8000/v1/load_lora_adapter",
+        {"lora_name": "direct", "lora_path": f"{cluster.POD_VOLUME}/{ns}/src/a"},
+        token=TOKEN,
+    )
+    assert status == 200, body
+    reference = cluster.generate(f"http://{first_ip}:8000", "direct")
+    base = cluster.generate(f"http://{first_ip}:8000", MODEL_NAME)
+    assert not np.array_equal(reference, base)
+    for ip in ips.values():
+        assert np.array_equal(cluster.generate(f"http://{ip}:8000", "pixel"), reference)
+    reasons = set(cluster.iter_reasons(h, ns, "pixel"))
+    assert {"Staging", "Staged", "Loaded", "Ready"} <= reasons
+
+    # Scale 2 -> 3: the new pod gets the adapter.
+    h.kubectl("scale", "-n", ns, "deployment/inference", "--replicas=3")
+    cluster.wait_phase(h, ns, "pixel", "Ready", "3/3", timeout=240)
+    ips = pod_ips(h, ns, 3)
+    assert all(holds(ip, "pixel", sha_a) for ip in ips.values())
+
+    # Kill one server process: the container restarts empty and gets the adapter back.
+    victim = cluster.ready_pods(h, ns, "app=inference", 3)[0]
+    (pid,) = h.container_pids(victim["metadata"]["uid"], "server")
+    os.kill(pid, signal.SIGKILL)
+    h.wait_for(
+        "the killed container to restart and get the adapter back",
+        lambda: any(
+            p["metadata"]["uid"] == victim["metadata"]["uid"]
+            and p["status"]["containerStatuses"][0]["restartCount"] >= 1
+            and holds(p["status"]["podIP"], "pixel", sha_a)
+            for p in cluster.ready_pods(h, ns, "app=inference", 3)
+        ),
+        timeout=180,
+    )
+
+    # Delete a pod: its replacement has the adapter.
+    gone = cluster.ready_pods(h, ns, "app=inference", 3)[1]["metadata"]["name"]
+    h.kubectl("delete", "pod", "-n", ns, gone, "--wait=false")
+    h.wait_for(
+        "the replacement pod to hold the adapter",
+        lambda: (
+            all(holds(ip, "pixel", sha_a) for name, ip in pod_ips(h, ns, 3).items() if name != gone)
+            and gone not in pod_ips(h, ns, 3)
+        ),
+        timeout=240,
+    )
+    cluster.wait_phase(h, ns, "pixel", "Ready", "3/3", timeout=120)
+
+    # Update the source: every pod moves to the new revision while requests keep succeeding.
+    ips = pod_ips(h, ns, 3)
+    failures: list[str] = []
+    served = [0]
+    stop = threading.Event()
+
+    def hammer() -> None:
+        while not stop.is_set():
+            for ip in ips.values():
+                status, body = cluster.http_json(
+                    f"http://{ip}:8000/v1/images/generations",
+                    {**cluster.GENERATION, "model": "pixel"},
+                )
+                if status != 200:
+                    failures.append(f"{ip}: {status} {body}")
+                served[0] += 1
+
+    thread = threading.Thread(target=hammer, daemon=True)
+    thread.start()
+    try:
+        h.wait_for("requests before the update", lambda: served[0] >= len(ips), timeout=60)
+        h.kubectl(
+            "patch", "loraadapter", "pixel", "-n", ns, "--type=merge",
+            "-p", f'{{"spec": {{"source": {{"uri": "{src_b}"}}}}}}',
+        )  # fmt: skip
+        h.wait_for(
+            "every pod to serve the new revision",
+            lambda: all(holds(ip, "pixel", sha_b) for ip in ips.values()),
+            timeout=180,
+        )
+        obj = cluster.wait_phase(h, ns, "pixel", "Ready", "3/3", timeout=60)
+        after = served[0]
+        h.wait_for("requests after the update", lambda: served[0] >= after + len(ips), 60)
+    finally:
+        stop.set()
+        thread.join(120)
+    assert failures == [], failures[:3]
+    assert obj["status"]["staged"]["sha256"] == sha_b
+    h.wait_for(
+        "the old revision to be collected",
+        lambda: cluster.revisions(volume, ns, "pixel") == [sha_b],
+        timeout=60,
+    )
+
+    # Delete: unloaded everywhere, files gone, finalizer released.
+    h.kubectl("delete", "loraadapter", "pixel", "-n", ns, "--wait=false")
+    h.wait_for(
+        "the adapter object to be gone", lambda: cluster.get_adapter(h, ns, "pixel") is None, 90
+    )
+    assert not any("pixel" in cluster.models(ip) for ip in ips.values())
+    assert all("direct" in cluster.models(ip) for ip in ips.values() if ip == first_ip)
+    h.wait_for(
+        "the adapter's files to be collected",
+        lambda: (
+            not (volume / ns / "pixel").exists()
+            and not any((volume / ".objects" / "sha256").glob(f"{sha_a}*"))
+        ),
+        timeout=30,
+    )
+    metrics = operator.metrics()
+    assert 'lora_operator_pod_loads_total{result="ok"}' in metrics
