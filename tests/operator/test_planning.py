@@ -1,0 +1,103 @@
+"""Pure decisions of the reconciler: reading /v1/models, and the calls that fix a pod."""
+
+from __future__ import annotations
+
+from pathlib import PurePosixPath
+
+import pytest
+from lora_operator import planning
+from lora_operator.planning import Card, Conflict, Load, PodReport, Unload, Want
+
+SHA1, SHA2 = "1" * 64, "2" * 64
+
+
+def card(
+    name: str, sha: str | None, scale: float | None = 1.0, pinned: bool | None = False
+) -> Card:
+    return Card(name=name, revision=sha, scale=scale, pinned=pinned)
+
+
+def report(*cards: Card) -> PodReport:
+    return PodReport(base_model="base", cards={c.name: c for c in cards})
+
+
+def want(name: str, sha: str = SHA1, scale: float = 1.0, pinned: bool = False) -> Want:
+    return Want(name=name, sha256=sha, scale=scale, pinned=pinned)
+
+
+def test_parse_models_tells_managed_from_static_adapters() -> None:
+    payload = {
+        "data": [
+            {"id": "base", "root": "/models/base", "parent": None},
+            {
+                "id": "ours",
+                "root": f"/var/lib/lora/adapters/ns/ours/revisions/{SHA1}",
+                "parent": "base",
+                "scale": -0.5,
+                "pinned": True,
+            },
+            {"id": "static", "root": "/opt/loras/static", "parent": "base"},
+            # Someone else's revision directory under another name is not ours to manage.
+            {"id": "alias", "root": f"/v/ns/ours/revisions/{SHA1}", "parent": "base"},
+        ]
+    }
+    r = planning.parse_models(payload)
+    assert r.base_model == "base"
+    assert r.cards["ours"] == Card("ours", SHA1, -0.5, True)
+    assert r.cards["static"].managed is False
+    assert r.cards["alias"].managed is False
+    assert r.managed() == {"ours": SHA1}
+
+
+def test_parse_models_accepts_vllm_cards_without_our_fields() -> None:
+    r = planning.parse_models(
+        {
+            "data": [
+                {"id": "b", "parent": None},
+                {"id": "x", "root": f"/a/x/revisions/{SHA2}", "parent": "b"},
+            ]
+        }
+    )
+    assert r.cards["x"] == Card("x", SHA2, None, None)
+    assert planning.satisfied(want("x", SHA2, scale=3.0, pinned=True), r.cards["x"])
+
+
+@pytest.mark.parametrize("payload", [None, [], {"data": 1}, {"data": [{"root": "/x"}]}])
+def test_parse_models_refuses_what_is_not_a_models_list(payload: object) -> None:
+    with pytest.raises(ValueError):
+        planning.parse_models(payload)
+
+
+def test_missing_adapters_are_loaded_and_present_ones_left_alone() -> None:
+    actions = planning.plan_pod({"a": want("a"), "b": want("b")}, report(card("a", SHA1)))
+    assert actions == [Load(want("b"), inplace=False)]
+
+
+def test_a_new_revision_scale_or_pin_is_swapped_in_place() -> None:
+    r = report(card("a", SHA1), card("b", SHA1), card("c", SHA1))
+    wants = {"a": want("a", SHA2), "b": want("b", scale=0.5), "c": want("c", pinned=True)}
+    assert planning.plan_pod(wants, r) == [
+        Load(wants["a"], inplace=True),
+        Load(wants["b"], inplace=True),
+        Load(wants["c"], inplace=True),
+    ]
+
+
+def test_unwanted_managed_adapters_are_unloaded_first_and_static_ones_never() -> None:
+    r = report(card("old", SHA1), card("static", None))
+    assert planning.plan_pod({"new": want("new")}, r) == [
+        Unload("old"),
+        Load(want("new"), inplace=False),
+    ]
+
+
+def test_a_static_adapter_with_the_wanted_name_is_a_conflict_not_a_replacement() -> None:
+    assert planning.plan_pod({"s": want("s")}, report(card("s", None))) == [Conflict("s")]
+
+
+def test_load_path_is_the_revision_directory_as_the_pod_sees_it() -> None:
+    root = PurePosixPath("/var/lib/lora/adapters/team-a")
+    assert (
+        planning.load_path(root, want("a", SHA1))
+        == f"/var/lib/lora/adapters/team-a/a/revisions/{SHA1}"
+    )

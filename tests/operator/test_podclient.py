@@ -1,0 +1,113 @@
+"""The operator's calls to an inference pod, over real HTTP on 127.0.0.1: what is retried."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import pytest_asyncio
+from aiohttp import web
+from lora_operator import config, model, planning
+from lora_operator.podclient import PodClient, PodError
+
+SHA = "c" * 64
+
+
+@pytest_asyncio.fixture
+async def pod() -> AsyncIterator[tuple[model.PodInfo, dict[str, Any]]]:
+    seen: dict[str, Any] = {"status": 200}
+
+    async def load(request: web.Request) -> web.Response:
+        seen["body"] = await request.json()
+        seen["auth"] = request.headers.get("Authorization")
+        if seen["status"] != 200:
+            return web.json_response({"error": {"message": "wrong shapes"}}, status=seen["status"])
+        return web.Response(text="Success: LoRA adapter 'a' added successfully.")
+
+    async def unload(_: web.Request) -> web.Response:
+        return web.json_response({"error": {"message": "not loaded"}}, status=404)
+
+    async def models(_: web.Request) -> web.Response:
+        return web.json_response({"data": [{"id": "b", "parent": None}]})
+
+    app = web.Application()
+    app.router.add_post("/v1/load_lora_adapter", load)
+    app.router.add_post("/v1/unload_lora_adapter", unload)
+    app.router.add_get(
+        "/v1/models", lambda _: web.json_response({"data": [{"id": "b", "parent": None}]})
+    )
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    info = model.pod_info(
+        {
+            "metadata": {
+                "namespace": "ns",
+                "name": "p",
+                "annotations": {"lora.dev/port": str(port)},
+            },
+            "status": {"podIP": "127.0.0.1"},
+        }
+    )
+    yield info, seen
+    await runner.cleanup()
+
+
+async def test_load_sends_the_pods_path_token_scale_and_pin(pod: Any) -> None:
+    info, seen = pod
+    async with PodClient(admin_token="s3cret", timeout_s=5) as client:
+        await client.load(info, planning.Want("a", SHA, -1.5, True), inplace=True)
+        assert (await client.models(info)).base_model == "b"
+        await client.unload(info, "gone")  # 404: already gone is fine
+    assert seen["auth"] == "Bearer s3cret"
+    assert seen["body"] == {
+        "lora_name": "a",
+        "lora_path": f"/var/lib/lora/adapters/ns/a/revisions/{SHA}",
+        "load_inplace": True,
+        "pinned": True,
+        "scale": -1.5,
+    }
+
+
+@pytest.mark.parametrize(
+    ("status", "permanent"), [(422, True), (401, True), (503, False), (429, False)]
+)
+async def test_refusals_are_permanent_and_overload_transient(
+    pod: Any, status: int, permanent: bool
+) -> None:
+    info, seen = pod
+    seen["status"] = status
+    async with PodClient(admin_token=None, timeout_s=5) as client:
+        with pytest.raises(PodError) as e:
+            await client.load(info, planning.Want("a", SHA, 1.0, False), inplace=False)
+    assert e.value.permanent is permanent
+    assert "wrong shapes" in e.value.message
+
+
+async def test_an_unreachable_pod_is_transient() -> None:
+    info = model.pod_info(
+        {
+            "metadata": {"name": "p", "annotations": {"lora.dev/port": "1"}},
+            "status": {"podIP": "127.0.0.1"},
+        }
+    )
+    async with PodClient(admin_token=None, timeout_s=2) as client:
+        with pytest.raises(PodError) as e:
+            await client.models(info)
+    assert e.value.permanent is False
+
+
+def test_config_reads_the_token_file_and_refuses_nonsense(tmp_path: Path) -> None:
+    token = tmp_path / "token"
+    token.write_text("abc\n")
+    c = config.parse_args(
+        ["--namespace", "a", "--namespace", "b", "--admin-token-file", str(token)]
+    )
+    assert (c.namespaces, c.admin_token, c.standalone) == (("a", "b"), "abc", True)
+    assert config.parse_args(["--peering", "lora"]).standalone is False
+    with pytest.raises(SystemExit):
+        config.parse_args(["--max-concurrent-loads", "0"])
