@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import sys
 from typing import Any
 
-from lora_devcluster import ns
+from lora_devcluster import ns, podlogic
 
 
 def run(spec: dict[str, Any]) -> None:
@@ -23,19 +24,45 @@ def run(spec: dict[str, Any]) -> None:
     utsns = spec.get("utsns")
     if utsns:
         ns.setns(utsns, ns.CLONE_NEWUTS)
-    mounts = spec.get("mounts") or []
+    mounts = podlogic.order_mounts(
+        [podlogic.Mount(m["source"], m["target"], bool(m["readonly"])) for m in spec["mounts"]]
+    )
     if mounts:
         ns.unshare(ns.CLONE_NEWNS)
         ns.make_mounts_private()
-        for m in mounts:
-            # The kubelet created missing mount points beforehand (and removes them later).
-            ns.bind_mount(m["source"], m["target"], readonly=bool(m.get("readonly")))
+        mount_all(mounts)
     workdir = spec.get("workdir")
     if workdir:
         os.chdir(workdir)
     argv: list[str] = spec["argv"]
     env: dict[str, str] = spec["env"]
     os.execvpe(argv[0], argv, env)
+
+
+def mount_all(mounts: list[podlogic.Mount]) -> None:
+    """Bind-mount every volume, parents before children.
+
+    Every source is opened (O_PATH) before the first mount and bound from /proc/self/fd/N: a
+    volume at /tmp would otherwise hide the sources of later mounts that live under /tmp on the
+    host (the cluster's directory, where the kubelet keeps pod volumes and the service-account
+    token, is under /tmp in the tests). A mount point below an earlier mount (/tmp/conf inside
+    the /tmp volume) does not exist there yet: it is created inside that volume, as a container
+    runtime creates mount points in the container's filesystem; the kubelet created every other
+    missing mount point on the host beforehand (and removes them later).
+    """
+    fds = [os.open(m.source, os.O_PATH | os.O_CLOEXEC) for m in mounts]
+    try:
+        for m, fd in zip(mounts, fds, strict=True):
+            if not os.path.lexists(m.target):
+                if stat.S_ISDIR(os.fstat(fd).st_mode):
+                    os.makedirs(m.target, exist_ok=True)
+                else:
+                    os.makedirs(os.path.dirname(m.target), exist_ok=True)
+                    open(m.target, "a").close()
+            ns.bind_mount(f"/proc/self/fd/{fd}", m.target, readonly=m.readonly)
+    finally:
+        for fd in fds:
+            os.close(fd)
 
 
 def main() -> None:

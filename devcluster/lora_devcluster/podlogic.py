@@ -13,7 +13,8 @@ import base64
 import dataclasses
 import fnmatch
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from pathlib import PurePosixPath
 from typing import Any
 
 Obj = dict[str, Any]
@@ -250,6 +251,12 @@ def build_mounts(
             source = f"{source.rstrip('/')}/{sub}"
         mounts.append(Mount(source, vm["mountPath"], bool(vm.get("readOnly")) or name in read_only))
     return mounts
+
+
+def order_mounts(mounts: Sequence[Mount]) -> list[Mount]:
+    """Parents before children (by the depth of the mount point; stable otherwise), as container
+    runtimes order them: a volume at /tmp mounted after one at /tmp/conf would hide it."""
+    return sorted(mounts, key=lambda m: len(PurePosixPath(m.target).parts))
 
 
 def build_etc_hosts(hostname: str, pod_ip: str) -> str:

@@ -352,3 +352,21 @@ def test_failed_init_container_fails_the_pod_only_with_restart_policy_never() ->
     assert podlogic.init_restart_policy("Always") == "OnFailure"
     assert podlogic.init_restart_policy("OnFailure") == "OnFailure"
     assert podlogic.init_restart_policy("Never") == "Never"
+
+
+def test_mounts_are_ordered_parents_first_and_stable_otherwise() -> None:
+    m = podlogic.Mount
+    mounts = [
+        m("/h/conf", "/tmp/conf", True),
+        m("/h/hosts", "/etc/hosts", True),
+        m("/h/tmp", "/tmp/", False),
+        m("/h/sa", "/var/run/secrets/kubernetes.io/serviceaccount", True),
+        m("/h/data", "/data", False),
+    ]
+    assert [x.source for x in podlogic.order_mounts(mounts)] == [
+        "/h/tmp",
+        "/h/data",
+        "/h/conf",
+        "/h/hosts",
+        "/h/sa",
+    ]
