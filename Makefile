@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install binaries test lint typecheck unit demo bench clean
+.PHONY: install binaries test lint typecheck unit demo demo-inference images e2e-kind bench clean
 
 install: $(STAMP) binaries
 
@@ -34,8 +34,24 @@ unit: install
 
 test: install lint typecheck unit
 
+# The main job on the local cluster: the chart, the operator, two adapters, images in demo-out/.
 demo: install
+	$(PY) -m lora_devcluster.demo --out demo-out
+
+# The inference server alone (no cluster): tiny model, two adapters, images in demo-out/.
+demo-inference: install
 	$(PY) -m lora_inference.tools.demo --out demo-out
+
+# Container images for a real cluster; needs Docker (the local cluster needs none).
+IMAGE_TAG ?= $(shell sed -n 's/^appVersion: *"\{0,1\}\([^"]*\)"\{0,1\}/\1/p' charts/lora-operator/Chart.yaml)
+images:
+	@command -v docker >/dev/null || { echo "make images needs Docker (docker: command not found); the local cluster (make demo, make test) needs no images"; exit 1; }
+	docker build -f docker/operator.Dockerfile -t lora-operator/operator:$(IMAGE_TAG) .
+	docker build -f docker/inference.Dockerfile -t lora-operator/inference:$(IMAGE_TAG) .
+
+# The end-to-end suite against a kind cluster: needs Docker and kind (see docs/operations.md).
+e2e-kind: install images
+	hack/e2e-kind.sh $(IMAGE_TAG)
 
 bench: install
 	$(PY) bench/bench_inference.py

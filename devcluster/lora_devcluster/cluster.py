@@ -18,11 +18,11 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from lora_devcluster import controlplane, mountpoints, processes
+from lora_devcluster import controlplane, mountpoints, ns, processes
 
 MARKER = ".lora-devcluster"
 BINARIES = ("etcd", "kube-apiserver", "kube-controller-manager", "kubectl", "helm")
@@ -224,6 +224,37 @@ def up(
             raise ClusterError(f"the cluster was not ready after {timeout:.0f} s:\n{text}")
         time.sleep(0.1)
     return cluster
+
+
+@contextlib.contextmanager
+def joined(
+    root: Path,
+    *,
+    binaries: Path | None = None,
+    die_with_parent: bool = False,
+    progress: Callable[[str], None] | None = None,
+) -> Iterator[Cluster]:
+    """Start a cluster in `root`, move this thread into its network namespace (so this process,
+    the threads it starts later, kubectl and helm reach the API server and pod IPs), point
+    KUBECONFIG and PATH at it; on exit, however it exits, undo both and stop the cluster. The
+    pytest fixture and the demo use this."""
+    saved_env = {k: os.environ.get(k) for k in ("KUBECONFIG", "PATH")}
+    switch: ns.NetnsSwitch | None = None
+    try:
+        c = up(root, binaries=binaries, die_with_parent=die_with_parent, progress=progress)
+        switch = ns.NetnsSwitch(c.netns)
+        switch.enter()
+        os.environ.update({k: v for k, v in c.env().items() if k in saved_env})
+        yield c
+    finally:
+        if switch is not None:
+            switch.leave()
+        for k, v in saved_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        down(root)
 
 
 def _children(pid: int) -> list[int]:

@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 
 from lora_devcluster import cluster as cluster_mod
-from lora_devcluster import harness, ns
+from lora_devcluster import harness
 
 _NAMESPACE_KEY = pytest.StashKey[str]()
 _HARNESS_KEY = pytest.StashKey[harness.Harness]()
@@ -59,23 +59,10 @@ def running_cluster() -> Iterator[harness.Harness]:
     if missing:
         _unavailable(f"missing {', '.join(missing)} in {bins}: run `make binaries`")
     root = Path(tempfile.mkdtemp(prefix="lora-devcluster-")) / "cluster"
-    saved_env = {k: os.environ.get(k) for k in ("KUBECONFIG", "PATH")}
-    switch: ns.NetnsSwitch | None = None
     try:
-        c = cluster_mod.up(root, binaries=bins, die_with_parent=True)
-        switch = ns.NetnsSwitch(c.netns)
-        switch.enter()
-        os.environ.update({k: v for k, v in c.env().items() if k in saved_env})
-        yield harness.Harness(c)
+        with cluster_mod.joined(root, binaries=bins, die_with_parent=True) as c:
+            yield harness.Harness(c)
     finally:
-        if switch is not None:
-            switch.leave()
-        for k, v in saved_env.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        cluster_mod.down(root)
         shutil.rmtree(root.parent, ignore_errors=True)
 
 
