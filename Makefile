@@ -45,7 +45,7 @@ demo-inference: install
 # Container images for a real cluster; needs Docker (the local cluster needs none).
 IMAGE_TAG ?= $(shell sed -n 's/^appVersion: *"\{0,1\}\([^"]*\)"\{0,1\}/\1/p' charts/lora-operator/Chart.yaml)
 images:
-	@command -v docker >/dev/null || { echo "make images needs Docker (docker: command not found); the local cluster (make demo, make test) needs no images"; exit 1; }
+	@docker info >/dev/null 2>&1 || { echo "make images needs a running Docker daemon (docker info failed); the local cluster (make demo, make test) needs no images"; exit 1; }
 	docker build -f docker/operator.Dockerfile -t lora-operator/operator:$(IMAGE_TAG) .
 	docker build -f docker/inference.Dockerfile -t lora-operator/inference:$(IMAGE_TAG) .
 

@@ -416,7 +416,8 @@ def build_pod_status(
         "podIP": pod_ip,
         "podIPs": [{"ip": pod_ip}],
         "startTime": start_time,
-        "qosClass": "BestEffort",
+        # Set by the API server from the resources at creation and immutable afterwards.
+        "qosClass": (pod.get("status") or {}).get("qosClass", "BestEffort"),
         "conditions": [
             _condition("PodScheduled", True, now, old),
             _condition("Initialized", initialized, now, old, "ContainersNotInitialized"),

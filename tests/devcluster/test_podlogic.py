@@ -221,6 +221,12 @@ def test_pod_status_running_and_ready() -> None:
     assert cs["ready"] and cs["started"] and cs["state"] == {"running": {"startedAt": "T0"}}
 
 
+def test_pod_status_keeps_the_qos_class_the_api_server_set() -> None:
+    views = [ContainerView("c", "img", running_since="T0", ready=True)]
+    assert _status(views, old={"qosClass": "Burstable"})["qosClass"] == "Burstable"
+    assert _status(views)["qosClass"] == "BestEffort"
+
+
 def test_pod_status_not_ready_until_every_container_is() -> None:
     s = _status(
         [
