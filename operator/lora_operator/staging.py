@@ -330,16 +330,18 @@ def clean_tmp(volume_root: Path) -> int:
 
 
 def _check_not_other_namespace(volume_root: Path, path: Path, namespace: str) -> None:
-    """Refuse a volume path into another namespace's staged revisions: namespaces stay isolated."""
+    """A volume path must lie in the adapter's own namespace folder or in `shared/`: a
+    namespace's folder is what its pods read, and no other namespace may copy from it."""
     try:
         parts = path.resolve().relative_to(volume_root.resolve()).parts
     except ValueError:
         return  # outside the volume: the fetcher refuses it with the allowed-roots message
-    if len(parts) >= 3 and parts[2] in (layout.REVISIONS, layout.CURRENT) and parts[0] != namespace:
-        raise errors.InvalidSource(
-            f"{path} belongs to an adapter of namespace {parts[0]!r}; an adapter may copy "
-            "only files of its own namespace or outside every namespace's adapters"
-        )
+    if len(parts) >= 2 and parts[0] in (namespace, layout.SHARED):
+        return
+    raise errors.InvalidSource(
+        f"{path} is outside this namespace's folder on the volume: put the file under "
+        f"{volume_root / namespace}/ or {volume_root / layout.SHARED}/"
+    )
 
 
 def _check_name(value: str, what: str) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import hashlib
 import io
 import json
 import os
@@ -28,6 +29,7 @@ from typing import Any
 import numpy as np
 from aiohttp import web
 from lora_devcluster.harness import Harness
+from lora_inference.tools.random_adapters import write_random_adapter
 from PIL import Image
 
 Obj = dict[str, Any]
@@ -50,6 +52,7 @@ class Operator:
     namespaces: list[str]
     log_path: Path
     extra: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
     proc: subprocess.Popen[bytes] | None = None
     metrics_port: int = 0
 
@@ -69,7 +72,7 @@ class Operator:
             "5",
             *self.extra,
         ]
-        env = {**os.environ, "LORA_ADMIN_TOKEN": TOKEN}
+        env = {**os.environ, "LORA_ADMIN_TOKEN": TOKEN, **self.env}
         log = self.log_path.open("ab")
         self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env)
         return self
@@ -272,6 +275,47 @@ class Origin:
         self.routes[path] = handler
         return self.url(path)
 
+    def serve_truncated(self, path: str, data: bytes) -> str:
+        """Announce the whole length, send half, drop the connection."""
+
+        async def handler(request: web.Request) -> web.StreamResponse:
+            resp = web.StreamResponse(headers={"Content-Length": str(len(data))})
+            await resp.prepare(request)
+            await resp.write(data[: len(data) // 2])
+            assert request.transport is not None
+            request.transport.close()
+            return resp
+
+        self.routes[path] = handler
+        return self.url(path)
+
+    def serve_slowly(self, path: str, data: bytes, seconds: float) -> str:
+        """Send `data` in 20 pieces spread over `seconds`."""
+
+        async def handler(request: web.Request) -> web.StreamResponse:
+            resp = web.StreamResponse(headers={"Content-Length": str(len(data))})
+            await resp.prepare(request)
+            step = max(1, len(data) // 20)
+            for i in range(0, len(data), step):
+                await resp.write(data[i : i + step])
+                await asyncio.sleep(seconds / 20)
+            return resp
+
+        self.routes[path] = handler
+        return self.url(path)
+
+    def fail_first(self, path: str, data: bytes, failures: int, status: int = 500) -> str:
+        count = [0]
+
+        async def handler(_: web.Request) -> web.StreamResponse:
+            count[0] += 1
+            if count[0] <= failures:
+                return web.Response(status=status, text="try again")
+            return web.Response(body=data, content_type="application/octet-stream")
+
+        self.routes[path] = handler
+        return self.url(path)
+
     def _run(self) -> None:
         import ssl
 
@@ -326,3 +370,26 @@ def events(h: Harness, ns: str, name: str) -> list[Obj]:
 def iter_reasons(h: Harness, ns: str, name: str) -> Iterator[str]:
     for e in events(h, ns, name):
         yield str(e["reason"])
+
+
+@dataclass(frozen=True)
+class Models:
+    root: Path  # mounted at /models in the pods
+    pipe: Any  # the same tiny pipeline, to write adapters that fit it
+
+
+def write_adapter(models: Models, directory: Path, seed: int) -> tuple[Path, str]:
+    path = write_random_adapter(directory, models.pipe, base_model=MODEL_NAME, seed=seed)
+    weights = path / "pytorch_lora_weights.safetensors"
+    return path, hashlib.sha256(weights.read_bytes()).hexdigest()
+
+
+def pod_ips(h: Harness, ns: str, n: int) -> dict[str, str]:
+    return {
+        p["metadata"]["name"]: p["status"]["podIP"] for p in ready_pods(h, ns, "app=inference", n)
+    }
+
+
+def holds(ip: str, name: str, sha: str) -> bool:
+    card = models(ip).get(name)
+    return card is not None and card["root"].endswith(f"/{name}/revisions/{sha}")

@@ -7,7 +7,7 @@ operator tests do.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -16,7 +16,12 @@ import numpy as np
 import pytest
 import pytest_asyncio
 from aiohttp import web
+from diffusers import DiffusionPipeline
+from lora_devcluster.harness import Harness
+from lora_inference.tools.tiny_models import write_tiny_model
 from safetensors.numpy import save
+
+from tests.operator.cluster import MODEL_NAME, Models, Operator
 
 CRD = Path(__file__).resolve().parents[2] / "crds" / "lora.dev_loraadapters.yaml"
 
@@ -97,3 +102,34 @@ async def origin() -> AsyncIterator[Origin]:
         yield state
     finally:
         await runner.cleanup()
+
+
+# ---- the operator on the local cluster (tests/operator/test_operator_*.py)
+
+
+@pytest.fixture(scope="session")
+def models(tmp_path_factory: pytest.TempPathFactory) -> Models:
+    root = tmp_path_factory.mktemp("models")
+    write_tiny_model(root / MODEL_NAME, "sd15")
+    pipe = DiffusionPipeline.from_pretrained(str(root / MODEL_NAME))
+    return Models(root=root, pipe=pipe)
+
+
+@pytest.fixture
+def volume(tmp_path: Path) -> Path:
+    v = tmp_path / "volume"
+    v.mkdir()
+    return v
+
+
+@pytest.fixture
+def operator(
+    crd: None, devcluster: Harness, devcluster_namespace: str, volume: Path, tmp_path: Path
+) -> Iterator[Operator]:
+    op = Operator(volume=volume, namespaces=[devcluster_namespace], log_path=tmp_path / "op.log")
+    op.start()
+    try:
+        yield op
+    finally:
+        op.stop()
+        print("---- operator log\n" + op.log()[-20000:])

@@ -5,83 +5,24 @@ pods mount. Nothing here touches a LoRAAdapter except to apply, update or delete
 
 from __future__ import annotations
 
-import hashlib
 import os
 import signal
 import threading
-from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import pytest
-from diffusers import DiffusionPipeline
 from lora_devcluster.harness import Harness
-from lora_inference.tools.random_adapters import write_random_adapter
-from lora_inference.tools.tiny_models import write_tiny_model
 
 from tests.operator import cluster
-from tests.operator.cluster import MODEL_NAME, TOKEN, Operator
-
-
-@dataclass(frozen=True)
-class Models:
-    root: Path  # mounted at /models in the pods
-    pipe: object
-
-
-@pytest.fixture(scope="module")
-def models(tmp_path_factory: pytest.TempPathFactory) -> Models:
-    root = tmp_path_factory.mktemp("models")
-    write_tiny_model(root / MODEL_NAME, "sd15")
-    pipe = DiffusionPipeline.from_pretrained(str(root / MODEL_NAME))
-    return Models(root=root, pipe=pipe)
-
-
-@pytest.fixture
-def volume(tmp_path: Path) -> Path:
-    v = tmp_path / "volume"
-    v.mkdir()
-    return v
-
-
-@pytest.fixture
-def operator(
-    crd: None, devcluster: Harness, devcluster_namespace: str, volume: Path, tmp_path: Path
-) -> Iterator[Operator]:
-    op = Operator(volume=volume, namespaces=[devcluster_namespace], log_path=tmp_path / "op.log")
-    op.start()
-    try:
-        yield op
-    finally:
-        op.stop()
-        print("---- operator log\n" + op.log()[-20000:])
-
-
-def write_adapter(models: Models, directory: Path, seed: int) -> tuple[Path, str]:
-    path = write_random_adapter(directory, models.pipe, base_model=MODEL_NAME, seed=seed)
-    weights = path / "pytorch_lora_weights.safetensors"
-    return path, hashlib.sha256(weights.read_bytes()).hexdigest()
-
-
-def pod_ips(h: Harness, ns: str, n: int) -> dict[str, str]:
-    return {
-        p["metadata"]["name"]: p["status"]["podIP"]
-        for p in cluster.ready_pods(h, ns, "app=inference", n)
-    }
-
-
-def holds(ip: str, name: str, sha: str) -> bool:
-    card = cluster.models(ip).get(name)
-    return card is not None and card["root"].endswith(f"/{name}/revisions/{sha}")
+from tests.operator.cluster import MODEL_NAME, TOKEN, Models, Operator
 
 
 def test_adapter_follows_replicas_restarts_updates_and_deletion(
     devcluster: Harness, devcluster_namespace: str, operator: Operator, volume: Path, models: Models
 ) -> None:
     h, ns = devcluster, devcluster_namespace
-    src_a, sha_a = write_adapter(models, volume / ns / "src" / "a", seed=1)
-    src_b, sha_b = write_adapter(models, volume / ns / "src" / "b", seed=2)
+    src_a, sha_a = cluster.write_adapter(models, volume / ns / "src" / "a", seed=1)
+    src_b, sha_b = cluster.write_adapter(models, volume / ns / "src" / "b", seed=2)
     h.apply(cluster.inference_deployment("inference", 2, models.root, volume), ns)
     h.apply(cluster.adapter("pixel", str(src_a), scale=1.0), ns)
 
@@ -98,7 +39,7 @@ def test_adapter_follows_replicas_restarts_updates_and_deletion(
     assert {p["revision"] for p in st["pods"]} == {sha_a}
     assert st["observedGeneration"] == obj["metadata"]["generation"]
     assert os.readlink(volume / ns / "pixel" / "current") == f"revisions/{sha_a}"
-    ips = pod_ips(h, ns, 2)
+    ips = cluster.pod_ips(h, ns, 2)
     first_ip = next(iter(ips.values()))
     # The reference: the same file loaded directly by path, on a server of the same model.
     status, body = cluster.http_json(
@@ -118,8 +59,8 @@ def test_adapter_follows_replicas_restarts_updates_and_deletion(
     # Scale 2 -> 3: the new pod gets the adapter.
     h.kubectl("scale", "-n", ns, "deployment/inference", "--replicas=3")
     cluster.wait_phase(h, ns, "pixel", "Ready", "3/3", timeout=240)
-    ips = pod_ips(h, ns, 3)
-    assert all(holds(ip, "pixel", sha_a) for ip in ips.values())
+    ips = cluster.pod_ips(h, ns, 3)
+    assert all(cluster.holds(ip, "pixel", sha_a) for ip in ips.values())
 
     # Kill one server process: the container restarts empty and gets the adapter back.
     victim = cluster.ready_pods(h, ns, "app=inference", 3)[0]
@@ -130,7 +71,7 @@ def test_adapter_follows_replicas_restarts_updates_and_deletion(
         lambda: any(
             p["metadata"]["uid"] == victim["metadata"]["uid"]
             and p["status"]["containerStatuses"][0]["restartCount"] >= 1
-            and holds(p["status"]["podIP"], "pixel", sha_a)
+            and cluster.holds(p["status"]["podIP"], "pixel", sha_a)
             for p in cluster.ready_pods(h, ns, "app=inference", 3)
         ),
         timeout=180,
@@ -142,15 +83,19 @@ def test_adapter_follows_replicas_restarts_updates_and_deletion(
     h.wait_for(
         "the replacement pod to hold the adapter",
         lambda: (
-            all(holds(ip, "pixel", sha_a) for name, ip in pod_ips(h, ns, 3).items() if name != gone)
-            and gone not in pod_ips(h, ns, 3)
+            all(
+                cluster.holds(ip, "pixel", sha_a)
+                for name, ip in cluster.pod_ips(h, ns, 3).items()
+                if name != gone
+            )
+            and gone not in cluster.pod_ips(h, ns, 3)
         ),
         timeout=240,
     )
     cluster.wait_phase(h, ns, "pixel", "Ready", "3/3", timeout=120)
 
     # Update the source: every pod moves to the new revision while requests keep succeeding.
-    ips = pod_ips(h, ns, 3)
+    ips = cluster.pod_ips(h, ns, 3)
     failures: list[str] = []
     served = [0]
     stop = threading.Event()
@@ -176,7 +121,7 @@ def test_adapter_follows_replicas_restarts_updates_and_deletion(
         )  # fmt: skip
         h.wait_for(
             "every pod to serve the new revision",
-            lambda: all(holds(ip, "pixel", sha_b) for ip in ips.values()),
+            lambda: all(cluster.holds(ip, "pixel", sha_b) for ip in ips.values()),
             timeout=180,
         )
         obj = cluster.wait_phase(h, ns, "pixel", "Ready", "3/3", timeout=60)

@@ -32,9 +32,6 @@ async def pod() -> AsyncIterator[tuple[model.PodInfo, dict[str, Any]]]:
     async def models(_: web.Request) -> web.Response:
         return web.json_response({"data": [{"id": "b", "parent": None}]})
 
-    async def models(_: web.Request) -> web.Response:
-        return web.json_response({"data": [{"id": "b", "parent": None}]})
-
     app = web.Application()
     app.router.add_post("/v1/load_lora_adapter", load)
     app.router.add_post("/v1/unload_lora_adapter", unload)

@@ -15,9 +15,16 @@ from tests.operator.conftest import lora_bytes, sha
 from tests.operator.test_staging_https import NS, tmp_entries, visible
 
 
+def shared(volume: Path) -> Path:
+    """The volume's folder every namespace may copy from (an admin's drop folder)."""
+    folder = volume / layout.SHARED
+    folder.mkdir(exist_ok=True)
+    return folder
+
+
 async def test_copy_from_a_file_on_the_volume(tmp_path: Path) -> None:
     data = lora_bytes(20)
-    incoming = tmp_path / "incoming"
+    incoming = shared(tmp_path) / "incoming"
     incoming.mkdir()
     (incoming / "pixel.safetensors").write_bytes(data)
     staged = await staging.Store(tmp_path).stage(
@@ -31,7 +38,7 @@ async def test_copy_from_a_file_on_the_volume(tmp_path: Path) -> None:
 
 async def test_copy_from_an_adapter_directory(tmp_path: Path) -> None:
     data = lora_bytes(21)
-    adapter = tmp_path / "incoming" / "peft"
+    adapter = shared(tmp_path) / "incoming" / "peft"
     adapter.mkdir(parents=True)
     (adapter / "adapter_model.safetensors").write_bytes(data)
     (adapter / "adapter_config.json").write_text("{}")
@@ -56,17 +63,17 @@ async def test_path_outside_the_volume_refused(tmp_path: Path) -> None:
 async def test_missing_path_and_store_internals(tmp_path: Path) -> None:
     store = staging.Store(tmp_path)
     with pytest.raises(errors.SourceNotFound, match="does not exist"):
-        await store.stage(NS, "x", sources.VolumeSource(tmp_path / "nope.safetensors"))
+        await store.stage(NS, "x", sources.VolumeSource(shared(tmp_path) / "nope.safetensors"))
     data = lora_bytes(23)
-    (tmp_path / "w.safetensors").write_bytes(data)
-    await store.stage(NS, "x", sources.VolumeSource(tmp_path / "w.safetensors"))
-    with pytest.raises(errors.InvalidSource, match="operator's own store"):
+    (shared(tmp_path) / "w.safetensors").write_bytes(data)
+    await store.stage(NS, "x", sources.VolumeSource(shared(tmp_path) / "w.safetensors"))
+    with pytest.raises(errors.InvalidSource, match="outside this namespace's folder"):
         await store.stage(NS, "y", sources.VolumeSource(layout.object_path(tmp_path, sha(data))))
 
 
 def test_a_killed_staging_leaves_only_a_temp_file(tmp_path: Path) -> None:
     data = lora_bytes(24, rank=256)
-    (tmp_path / "w.safetensors").write_bytes(data)
+    (shared(tmp_path) / "w.safetensors").write_bytes(data)
     script = textwrap.dedent(
         f"""
         import asyncio, os
@@ -77,14 +84,14 @@ def test_a_killed_staging_leaves_only_a_temp_file(tmp_path: Path) -> None:
             os._exit(9)  # no cleanup, no finally: as if the pod were killed
 
         asyncio.run(staging.Store(Path({str(tmp_path)!r})).stage(
-            {NS!r}, "x", sources.VolumeSource(Path({str(tmp_path / "w.safetensors")!r})),
+            {NS!r}, "x", sources.VolumeSource(Path({str(shared(tmp_path) / "w.safetensors")!r})),
             progress=die,
         ))
         """
     )
     proc = subprocess.run([sys.executable, "-c", script], timeout=60, capture_output=True)
     assert proc.returncode == 9, proc.stderr.decode()
-    assert visible(tmp_path) == ["w.safetensors"]
+    assert visible(tmp_path) == ["shared", "shared/w.safetensors"]
     assert len(tmp_entries(tmp_path)) == 1
     assert staging.clean_tmp(tmp_path) == 1
     assert tmp_entries(tmp_path) == []
@@ -92,13 +99,13 @@ def test_a_killed_staging_leaves_only_a_temp_file(tmp_path: Path) -> None:
 
 async def test_restart_after_a_kill_completes(tmp_path: Path) -> None:
     data = lora_bytes(25)
-    (tmp_path / "w.safetensors").write_bytes(data)
+    (shared(tmp_path) / "w.safetensors").write_bytes(data)
     layout.tmp_dir(tmp_path).mkdir()
     (layout.tmp_dir(tmp_path) / "download-left.part").write_bytes(data[:10])
     (layout.tmp_dir(tmp_path) / "revision-left").mkdir()
     assert staging.clean_tmp(tmp_path) == 2
     staged = await staging.Store(tmp_path).stage(
-        NS, "x", sources.VolumeSource(tmp_path / "w.safetensors")
+        NS, "x", sources.VolumeSource(shared(tmp_path) / "w.safetensors")
     )
     assert staging.current_revision(tmp_path, NS, "x") == staged.sha256
 
@@ -112,14 +119,21 @@ def test_a_full_volume_is_transient() -> None:
     assert not e.value.permanent
 
 
-async def test_another_namespaces_revisions_are_out_of_reach(tmp_path: Path) -> None:
+async def test_another_namespaces_folder_is_out_of_reach(tmp_path: Path) -> None:
     data = lora_bytes(26)
-    (tmp_path / "w.safetensors").write_bytes(data)
+    (shared(tmp_path) / "w.safetensors").write_bytes(data)
     store = staging.Store(tmp_path)
-    theirs = await store.stage("team-b", "secret", sources.VolumeSource(tmp_path / "w.safetensors"))
+    theirs = await store.stage(
+        "team-b", "secret", sources.VolumeSource(shared(tmp_path) / "w.safetensors")
+    )
     current = layout.current_link(tmp_path / "team-b", "secret")
-    for path in (current, theirs.path / layout.WEIGHTS_FILE):
-        with pytest.raises(errors.InvalidSource, match="namespace 'team-b'"):
+    dropped = tmp_path / "team-b" / "src" / "w.safetensors"  # a file team-b's pods can read
+    dropped.parent.mkdir(parents=True)
+    dropped.write_bytes(data)
+    loose = tmp_path / "loose.safetensors"  # top level: neither a namespace nor shared/
+    loose.write_bytes(data)
+    for path in (current, theirs.path / layout.WEIGHTS_FILE, dropped, loose):
+        with pytest.raises(errors.InvalidSource, match="outside this namespace's folder"):
             await store.stage("team-a", "copy", sources.VolumeSource(path))
     mine = await store.stage("team-b", "copy", sources.VolumeSource(current))
     assert mine.sha256 == theirs.sha256

@@ -1,0 +1,190 @@
+"""The operator on the local cluster when things go wrong: bad sources, a full volume, the
+operator killed mid-download, and two namespaces with the same adapter names.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from lora_devcluster.certs import write_pki
+from lora_devcluster.harness import Harness
+from lora_inference.tools.random_adapters import write_random_adapter
+from lora_inference.tools.tiny_models import build_tiny_pipeline
+
+from tests.operator import cluster
+from tests.operator.cluster import Models, Operator, Origin
+
+
+@pytest.fixture
+def origin(tmp_path: Path) -> Iterator[tuple[Origin, Path]]:
+    """An HTTPS origin with a certificate from a CA the operator is told to trust."""
+    pki = write_pki(tmp_path / "pki", ["127.0.0.1"], ["localhost"])
+    server = Origin(pki.server_cert, pki.server_key)
+    try:
+        yield server, pki.ca_cert
+    finally:
+        server.close()
+
+
+def condition(obj: dict, type_: str) -> dict:  # type: ignore[type-arg]
+    return next(c for c in obj["status"]["conditions"] if c["type"] == type_)
+
+
+def test_bad_sources_get_the_documented_phase_and_reason_and_harm_no_other_adapter(
+    crd: Harness,
+    devcluster_namespace: str,
+    volume: Path,
+    models: Models,
+    origin: tuple[Origin, Path],
+    tmp_path: Path,
+) -> None:
+    h, ns = crd, devcluster_namespace
+    server, ca = origin
+    op = Operator(
+        volume=volume,
+        namespaces=[ns],
+        log_path=tmp_path / "op.log",
+        env={"SSL_CERT_FILE": str(ca)},
+    ).start()
+    try:
+        good, good_sha = cluster.write_adapter(models, volume / ns / "src" / "good", seed=1)
+        weights = (good / "pytorch_lora_weights.safetensors").read_bytes()
+        sdxl = build_tiny_pipeline("sdxl")
+        wrong = write_random_adapter(tmp_path / "sdxl", sdxl, base_model="tiny-sdxl", seed=3)
+        h.apply(cluster.inference_deployment("inference", 1, models.root, volume), ns)
+        h.apply(cluster.adapter("good", str(good)), ns)
+        cluster.wait_phase(h, ns, "good", "Ready", "1/1", timeout=240)
+        (ip,) = cluster.pod_ips(h, ns, 1).values()
+        before = cluster.generate(f"http://{ip}:8000", "good")
+
+        flaky = server.fail_first("/flaky.safetensors", weights, failures=2)
+        h.apply(
+            [
+                cluster.adapter("missing", server.url("/nothing.safetensors")),
+                cluster.adapter("flaky", flaky),
+                cluster.adapter("truncated", server.serve_truncated("/t.safetensors", weights)),
+                cluster.adapter(
+                    "mismatch",
+                    server.serve("/m.safetensors", weights),
+                    source={"sha256": "0" * 64},
+                ),
+                cluster.adapter("pickle", server.url("/adapter.bin")),
+                cluster.adapter("wrong-shapes", server.serve("/w.safetensors", _weights_of(wrong))),
+                cluster.adapter("other-base", str(good), baseModel="another-model"),
+            ],
+            ns,
+        )
+        expectations = {
+            "missing": ("Failed", "Staged", "SourceNotFound"),
+            "mismatch": ("Failed", "Staged", "ChecksumMismatch"),
+            "pickle": ("Failed", "Staged", "PickleRefused"),
+            "wrong-shapes": ("Failed", "Ready", "LoadFailed"),
+            "other-base": ("Pending", "Ready", "NoPods"),
+        }
+        for name, (phase, ctype, reason) in expectations.items():
+            obj = cluster.wait_phase(h, ns, name, phase, timeout=120)
+            c = condition(obj, ctype)
+            assert (c["status"], c["reason"]) == ("False", reason), (name, c)
+            assert c["message"], name
+        assert "wrong-shapes" not in cluster.models(ip)
+        msg = condition(cluster.get_adapter(h, ns, "wrong-shapes") or {}, "Ready")["message"]
+        assert "422" in msg
+        cluster.wait_phase(h, ns, "flaky", "Ready", "1/1", timeout=120)
+        # Transient failures retry with backoff, then say Degraded; they never publish anything.
+        obj = cluster.wait_phase(h, ns, "truncated", "Degraded", timeout=120)
+        assert condition(obj, "Staged")["reason"] == "SourceUnavailable"
+        assert condition(obj, "Degraded")["status"] == "True"
+        assert not (volume / ns / "truncated").exists()
+        # Permanent failures are not retried: one download attempt each.
+        assert server.hits.get("/m.safetensors") == 1
+        assert "/adapter.bin" not in server.hits
+        warnings = {
+            e["reason"] for e in h.get(f"/api/v1/namespaces/{ns}/events")["items"]
+            if e["type"] == "Warning"
+        }  # fmt: skip
+        assert {"SourceNotFound", "ChecksumMismatch", "LoadFailed", "Failed"} <= warnings
+        # The adapter that was there all along is untouched.
+        cluster.wait_phase(h, ns, "good", "Ready", "1/1", timeout=30)
+        assert np.array_equal(cluster.generate(f"http://{ip}:8000", "good"), before)
+        assert cluster.holds(ip, "good", good_sha)
+        assert list((volume / ".tmp").iterdir()) == []
+    finally:
+        op.stop()
+        print("---- operator log\n" + op.log()[-30000:])
+
+
+def _weights_of(adapter_dir: Path) -> bytes:
+    return (adapter_dir / "pytorch_lora_weights.safetensors").read_bytes()
+
+
+def test_operator_killed_mid_download_shows_nothing_partial_and_finishes_after_restart(
+    crd: Harness,
+    devcluster_namespace: str,
+    volume: Path,
+    models: Models,
+    origin: tuple[Origin, Path],
+    tmp_path: Path,
+) -> None:
+    h, ns = crd, devcluster_namespace
+    server, ca = origin
+    path, sha = cluster.write_adapter(models, tmp_path / "src", seed=5)
+    url = server.serve_slowly("/slow.safetensors", _weights_of(path), seconds=6)
+    op = Operator(
+        volume=volume, namespaces=[ns], log_path=tmp_path / "op.log", env={"SSL_CERT_FILE": str(ca)}
+    ).start()
+    try:
+        h.apply(cluster.inference_deployment("inference", 1, models.root, volume), ns)
+        h.apply(cluster.adapter("slow", url), ns)
+        h.wait_for(
+            "a partial download in .tmp",
+            lambda: any(p.stat().st_size > 0 for p in (volume / ".tmp").glob("*")),
+            timeout=60,
+        )
+        op.kill()
+        assert not (volume / ns / "slow").exists()
+        assert not (volume / ".objects").exists() or not any(
+            (volume / ".objects").rglob("*.safetensors")
+        )
+        op.start()
+        obj = cluster.wait_phase(h, ns, "slow", "Ready", "1/1", timeout=240)
+        assert obj["status"]["staged"]["sha256"] == sha
+        assert list((volume / ".tmp").iterdir()) == []
+        assert server.hits["/slow.safetensors"] >= 2
+    finally:
+        op.stop()
+        print("---- operator log\n" + op.log()[-20000:])
+
+
+def test_same_named_adapters_in_two_namespaces_stay_isolated(
+    crd: Harness, devcluster_namespace: str, volume: Path, models: Models, tmp_path: Path
+) -> None:
+    h, ns1 = crd, devcluster_namespace
+    ns2 = f"{ns1[:50]}-two"
+    h.kubectl("create", "namespace", ns2)
+    op = Operator(volume=volume, namespaces=[ns1, ns2], log_path=tmp_path / "op.log").start()
+    try:
+        shas = {}
+        for ns, seed in ((ns1, 1), (ns2, 2)):
+            src, shas[ns] = cluster.write_adapter(models, volume / ns / "src" / "pixel", seed=seed)
+            h.apply(cluster.inference_deployment("inference", 1, models.root, volume), ns)
+            h.apply(cluster.adapter("pixel", str(src)), ns)
+        images = {}
+        for ns in (ns1, ns2):
+            cluster.wait_phase(h, ns, "pixel", "Ready", "1/1", timeout=240)
+            (ip,) = cluster.pod_ips(h, ns, 1).values()
+            card = cluster.models(ip)["pixel"]
+            assert card["root"].startswith(f"{cluster.POD_VOLUME}/{ns}/pixel/revisions/")
+            assert cluster.holds(ip, "pixel", shas[ns])
+            images[ns] = cluster.generate(f"http://{ip}:8000", "pixel")
+        assert not np.array_equal(images[ns1], images[ns2])
+        # A volume path into another namespace is refused, not loaded.
+        h.apply(cluster.adapter("thief", str(volume / ns2 / "src" / "pixel")), ns1)
+        obj = cluster.wait_phase(h, ns1, "thief", "Failed", timeout=60)
+        assert condition(obj, "Staged")["reason"] == "InvalidSource"
+    finally:
+        op.stop()
+        h.kubectl("delete", "namespace", ns2, "--wait=false", check=False)
+        print("---- operator log\n" + op.log()[-20000:])
