@@ -199,6 +199,8 @@ def wait_adapter_ready(
 ) -> Obj:
     def check() -> Obj | None:
         st = adapter_status(h, namespace, name)
+        if st.get("phase") == "Failed":
+            raise RuntimeError(f"{namespace}/{name} failed: {json.dumps(st.get('conditions'))}")
         return st if st.get("phase") == "Ready" and st.get("ready") == ready else None
 
     try:
@@ -385,7 +387,7 @@ def _example_adapter() -> Obj:
 def _second_adapter() -> Obj:
     doc = _example_adapter()
     doc["metadata"]["name"] = "watercolor"
-    doc["spec"]["source"]["uri"] = str(VOLUME_ROOT / "sources" / "watercolor")
+    doc["spec"]["source"]["uri"] = str(VOLUME_ROOT / "shared" / "watercolor")
     doc["spec"]["scale"] = 1.0
     return doc
 
