@@ -53,12 +53,13 @@ class Operator:
     log_path: Path
     extra: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
+    prefix: list[str] = field(default_factory=list)  # e.g. nsenter into the cluster's mounts
     proc: subprocess.Popen[bytes] | None = None
     metrics_port: int = 0
 
     def start(self) -> Operator:
         self.metrics_port = free_port()
-        args = [sys.executable, "-m", "lora_operator", "--standalone"]
+        args = [*self.prefix, sys.executable, "-m", "lora_operator", "--standalone"]
         for ns in self.namespaces:
             args += ["--namespace", ns]
         args += [

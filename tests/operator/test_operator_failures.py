@@ -4,6 +4,7 @@ operator killed mid-download, and two namespaces with the same adapter names.
 
 from __future__ import annotations
 
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -27,6 +28,20 @@ def origin(tmp_path: Path) -> Iterator[tuple[Origin, Path]]:
         yield server, pki.ca_cert
     finally:
         server.close()
+
+
+@pytest.fixture
+def small_volume(crd: Harness, tmp_path: Path) -> Iterator[tuple[Path, list[str]]]:
+    """A 1 MiB tmpfs as the adapter volume, mounted in the cluster's mount namespace (where
+    the kubelet makes the pods' mounts), and the command prefix that runs a process there."""
+    v = tmp_path / "small-volume"
+    v.mkdir()
+    enter = ["nsenter", f"--mount=/proc/{crd.cluster.unshare_pid}/ns/mnt", "--"]
+    subprocess.run([*enter, "mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(v)], check=True)
+    try:
+        yield v, enter
+    finally:
+        subprocess.run([*enter, "umount", "-l", str(v)], check=False)
 
 
 def condition(obj: dict, type_: str) -> dict:  # type: ignore[type-arg]
@@ -187,4 +202,48 @@ def test_same_named_adapters_in_two_namespaces_stay_isolated(
     finally:
         op.stop()
         h.kubectl("delete", "namespace", ns2, "--wait=false", check=False)
+        print("---- operator log\n" + op.log()[-20000:])
+
+
+def test_a_volume_filling_up_mid_download_is_transient_and_publishes_nothing(
+    crd: Harness,
+    devcluster_namespace: str,
+    small_volume: tuple[Path, list[str]],
+    models: Models,
+    origin: tuple[Origin, Path],
+    tmp_path: Path,
+) -> None:
+    h, ns = crd, devcluster_namespace
+    volume, enter = small_volume
+    server, ca = origin
+
+    def listing(path: Path) -> str:  # what the pods and the operator see, inside the cluster
+        out = subprocess.run([*enter, "find", str(path)], capture_output=True, text=True)
+        return out.stdout
+
+    op = Operator(
+        volume=volume,
+        namespaces=[ns],
+        log_path=tmp_path / "op.log",
+        env={"SSL_CERT_FILE": str(ca)},
+        prefix=enter,
+    ).start()
+    try:
+        path, sha = cluster.write_adapter(models, tmp_path / "src", seed=7)
+        h.apply(cluster.inference_deployment("inference", 1, models.root, volume), ns)
+        h.apply(cluster.adapter("small", server.serve("/s.safetensors", _weights_of(path))), ns)
+        cluster.wait_phase(h, ns, "small", "Ready", "1/1", timeout=240)
+        big = server.serve("/big.safetensors", b"\0" * (2 * 1024 * 1024))
+        h.apply(cluster.adapter("big", big), ns)
+        obj = cluster.wait_phase(h, ns, "big", "Degraded", timeout=120)
+        assert condition(obj, "Staged")["reason"] == "DiskFull"
+        assert "full" in condition(obj, "Staged")["message"]
+        files = listing(volume)
+        assert f"{ns}/big" not in files and ".part" not in files, files
+        assert f"{ns}/small/revisions/{sha}" in files
+        cluster.wait_phase(h, ns, "small", "Ready", "1/1", timeout=30)
+        (ip,) = cluster.pod_ips(h, ns, 1).values()
+        assert cluster.holds(ip, "small", sha)
+    finally:
+        op.stop()
         print("---- operator log\n" + op.log()[-20000:])
