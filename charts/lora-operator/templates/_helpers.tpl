@@ -156,13 +156,10 @@ namespace (templates/rbac.yaml). Each comment says why the operator needs the ru
 - apiGroups: [""]
   resources: [secrets]
   verbs: [get]
-# Events on the LoRAAdapters (staged, loaded, failed and why), so `kubectl describe lora` shows
-# them: kopf posts core/v1 events; patch lets a repeated event be counted instead of duplicated.
+# Events on the LoRAAdapters (Staged, Loaded, LoadFailed, Ready... and why), so
+# `kubectl describe lora` shows them. The operator creates one core/v1 Event per transition and
+# never reads, updates or deletes events.
 - apiGroups: [""]
   resources: [events]
-  verbs: [create, patch]
-# The same through the events.k8s.io API, which newer Kubernetes clients use for events.
-- apiGroups: [events.k8s.io]
-  resources: [events]
-  verbs: [create, patch]
+  verbs: [create]
 {{- end }}
