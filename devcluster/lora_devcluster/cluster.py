@@ -257,7 +257,7 @@ def joined(
         down(root)
 
 
-def _children(pid: int) -> list[int]:
+def children(pid: int) -> list[int]:
     try:
         text = Path(f"/proc/{pid}/task/{pid}/children").read_text()
     except OSError:
@@ -283,13 +283,13 @@ def down(root: Path, timeout: float = 60) -> bool:
     root = root.resolve()
     cluster = find(root)
     if cluster is not None:
-        supervisor = _children(cluster.unshare_pid)
+        supervisor = children(cluster.unshare_pid)
         for pid in supervisor:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGTERM)
         if not _wait_gone(cluster.unshare_pid, timeout):
             # Killing PID 1 of the cluster's PID namespace kills every process in it.
-            for pid in _children(cluster.unshare_pid):
+            for pid in children(cluster.unshare_pid):
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
             with contextlib.suppress(ProcessLookupError):

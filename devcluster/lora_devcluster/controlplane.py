@@ -64,6 +64,11 @@ class Layout:
         return self.root / "kcm.kubeconfig"
 
     @property
+    def apiserver_restarts(self) -> Path:
+        """How many times the supervisor restarted the API server (SIGUSR1), once healthy."""
+        return self.root / "apiserver-restarts"
+
+    @property
     def state(self) -> Path:
         return self.root / "state.json"
 
@@ -208,6 +213,22 @@ async def start(bin_dir: Path, layout: Layout) -> tuple[certs.PKI, list[processe
         await stop(started)
         raise
     return pki, started
+
+
+async def restart_apiserver(
+    bin_dir: Path, layout: Layout, pki: certs.PKI, started: list[processes.Proc]
+) -> None:
+    """Stop the API server and start it again, as an upgrade or a crash would: every client's
+    connections and watches break, and the data stays in etcd. Replaces it in `started`."""
+    index = next(i for i, p in enumerate(started) if p.name == "kube-apiserver")
+    await started[index].stop(grace=10)
+    api = await processes.start(
+        "kube-apiserver", build_apiserver_args(bin_dir, pki), layout.logs / "kube-apiserver.log"
+    )
+    started[index] = api
+    await wait_healthy(api, f"https://127.0.0.1:{API_PORT}/readyz", admin_ssl_context(pki), 120)
+    count = int(layout.apiserver_restarts.read_text()) if layout.apiserver_restarts.exists() else 0
+    layout.apiserver_restarts.write_text(str(count + 1))
 
 
 def _insecure() -> ssl.SSLContext:

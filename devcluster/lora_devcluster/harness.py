@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import signal
 import ssl
 import subprocess
 import tempfile
@@ -188,6 +189,18 @@ class Harness:
         except OSError as e:
             return f"(cannot read {path}: {e})"
         return "\n".join(text[-lines:])
+
+    def restart_apiserver(self, timeout: float = 120) -> None:
+        """Stop and start the API server (etcd keeps the data); returns once it is healthy."""
+        restarts = self.cluster.layout.apiserver_restarts
+        before = int(restarts.read_text()) if restarts.exists() else 0
+        (supervisor,) = cluster_mod.children(self.cluster.unshare_pid)
+        os.kill(supervisor, signal.SIGUSR1)
+        self.wait_for(
+            "the API server to restart",
+            lambda: restarts.exists() and int(restarts.read_text()) > before,
+            timeout=timeout,
+        )
 
     def container_pids(self, pod_uid: str, container: str | None = None) -> list[int]:
         """Host PIDs of the processes a container runs (found by the kubelet's env markers)."""

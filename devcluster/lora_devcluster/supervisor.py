@@ -3,7 +3,8 @@
 Runs as PID 1 of the cluster's own PID, network and mount namespaces (`cluster.up` starts it
 under `unshare`), so when it exits, however it exits, the kernel kills every process of the
 cluster. Owns: the pod bridge, the control plane's start and orderly stop, the kubelet, and
-the `ready` file that `up` waits for.
+the `ready` file that `up` waits for. SIGUSR1 restarts the API server (tests use it to show
+that clients recover their watches); any other control-plane exit stops the cluster.
 Must not: be started directly on the host (it would configure the host's network).
 """
 
@@ -44,6 +45,8 @@ async def serve(root: Path, bin_dir: Path, image_map: list[podlogic.ImageEntry])
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    restart = asyncio.Event()
+    loop.add_signal_handler(signal.SIGUSR1, restart.set)
     await setup_network()
     pki, started = await controlplane.start(bin_dir, layout)
     try:
@@ -76,10 +79,20 @@ async def serve(root: Path, bin_dir: Path, image_map: list[podlogic.ImageEntry])
             logging.info("cluster ready")
             run = asyncio.create_task(kl.run())
             waiter = asyncio.create_task(stop.wait())
-            done, _ = await asyncio.wait(
-                {run, waiter, *(asyncio.create_task(p.process.wait()) for p in started)},
-                return_when=asyncio.FIRST_COMPLETED,
-            )
+            while True:
+                exits = [asyncio.create_task(p.process.wait()) for p in started]
+                restarter = asyncio.create_task(restart.wait())
+                done, _ = await asyncio.wait(
+                    {run, waiter, restarter, *exits}, return_when=asyncio.FIRST_COMPLETED
+                )
+                for task in (*exits, restarter):
+                    task.cancel()
+                if done != {restarter}:
+                    break
+                restart.clear()
+                logging.info("restarting the API server (SIGUSR1)")
+                await controlplane.restart_apiserver(bin_dir, layout, pki, started)
+                logging.info("API server restarted")
             for p in started:
                 if not p.running:
                     logging.error(

@@ -854,3 +854,19 @@ def test_failing_init_container_with_restart_never_fails_the_pod(
     p = h.wait_for("the pod to fail", failed, timeout=30)
     assert p["status"]["initContainerStatuses"][0]["state"]["terminated"]["exitCode"] == 4
     assert p["status"]["containerStatuses"][0]["state"]["waiting"]["reason"] == "PodInitializing"
+
+
+def test_an_api_server_restart_keeps_pods_and_the_kubelet_working(
+    devcluster: Harness, devcluster_namespace: str
+) -> None:
+    h, ns = devcluster, devcluster_namespace
+    h.apply(echo_deployment("before", 1), ns)
+    (pod,) = ready_pods(h, ns, "app=before", 1)
+    h.restart_apiserver()
+    assert (
+        h.kubectl("get", "pods", "-n", ns, "-o", "name").strip() == f"pod/{pod['metadata']['name']}"
+    )
+    # The kubelet reconnected: it starts a pod created after the restart.
+    h.apply(echo_deployment("after", 1), ns)
+    (new,) = ready_pods(h, ns, "app=after", 1)
+    assert http_get(f"http://{new['status']['podIP']}:8080/healthz")[0] == 200

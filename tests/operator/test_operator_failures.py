@@ -247,3 +247,34 @@ def test_a_volume_filling_up_mid_download_is_transient_and_publishes_nothing(
     finally:
         op.stop()
         print("---- operator log\n" + op.log()[-20000:])
+
+
+def test_the_operator_recovers_its_watches_after_an_api_server_restart(
+    crd: Harness, devcluster_namespace: str, volume: Path, models: Models, tmp_path: Path
+) -> None:
+    h, ns = crd, devcluster_namespace
+    op = Operator(volume=volume, namespaces=[ns], log_path=tmp_path / "op.log").start()
+    try:
+        first, _ = cluster.write_adapter(models, volume / ns / "src" / "first", seed=1)
+        second, sha = cluster.write_adapter(models, volume / ns / "src" / "second", seed=2)
+        h.apply(cluster.inference_deployment("inference", 1, models.root, volume), ns)
+        h.apply(cluster.adapter("first", str(first)), ns)
+        cluster.wait_phase(h, ns, "first", "Ready", "1/1", timeout=240)
+        h.restart_apiserver()
+        # Only a re-established watch can see these: a new adapter, and a replaced pod.
+        h.apply(cluster.adapter("second", str(second)), ns)
+        cluster.wait_phase(h, ns, "second", "Ready", "1/1", timeout=120)
+        (old,) = cluster.pod_ips(h, ns, 1)
+        h.kubectl("delete", "pod", "-n", ns, old, "--wait=false")
+        h.wait_for(
+            "the replacement pod to hold both adapters",
+            lambda: any(
+                name != old and "first" in cluster.models(ip) and cluster.holds(ip, "second", sha)
+                for name, ip in cluster.pod_ips(h, ns, 1).items()
+            ),
+            timeout=180,
+        )
+        assert op.proc is not None and op.proc.poll() is None
+    finally:
+        op.stop()
+        print("---- operator log\n" + op.log()[-20000:])
