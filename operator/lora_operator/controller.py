@@ -550,7 +550,7 @@ class Controller:
             entry.revision = card.revision if card is not None else None
             if entry.state == "Failed" and entry.permanent:
                 continue
-            if entry.state == "Loading":
+            if entry.state != "Failed":  # e.g. Loaded before the container restarted empty
                 entry.state = "Pending"
             delay = backoff(entry.attempts + 1, self.config.max_backoff_s)
             retry = delay if retry is None else min(retry, delay)
