@@ -1,0 +1,500 @@
+"""Operator benchmark: apply -> Ready against the bare load calls, restart recovery, footprint.
+
+One run starts its own local cluster (lora-devcluster, in a temporary directory), installs the
+CRD, runs `python -m lora_operator` as a process and a Deployment of tiny SD 1.5 inference pods,
+and prints one table with, for each N pods and K adapters:
+
+  (a) apply -> Ready: from `kubectl apply -f` of K LoRAAdapters (one multi-document YAML) to all
+      K Ready N/N, against the limit: the bare POST /v1/load_lora_adapter calls for the same K
+      adapters on the same N pods with the operator's concurrency (one call at a time per pod,
+      the pods in parallel), from copies of the revision directories the operator staged;
+  (b) restart: SIGKILL one pod's server process and time it until the pod's /v1/models lists all
+      K again, against the pod's own restart-to-Ready time plus the bare load of K on one pod;
+  (c) at rest: the operator's RSS, and its requests to the API server over a quiet window after
+      everything is Ready, per adapter (target: none beyond watches).
+
+The operator authenticates as a ServiceAccount of its own, and FlowSchemas that match only that
+account (by verb class and resource) let the API server count its requests exactly
+(apiserver_flowcontrol_dispatched_requests_total), apart from the kubelet's and this script's.
+
+    .venv/bin/python bench/bench_operator.py            # N in 1,3,10; K in 1,50,200
+    .venv/bin/python bench/bench_operator.py --quick    # N in 1,3;    K in 1,50
+
+Needs root and the devcluster binaries (`make binaries`), like the cluster tests. Results go in
+docs/benchmarks.md together with the command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import os
+import platform
+import re
+import shutil
+import signal
+import statistics
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import psutil
+import yaml
+from aiohttp import ClientSession, ClientTimeout
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from diffusers import DiffusionPipeline  # noqa: E402
+from lora_devcluster.harness import Harness  # noqa: E402
+from lora_devcluster.pytest_plugin import running_cluster  # noqa: E402
+from lora_inference.tools.random_adapters import write_random_adapter  # noqa: E402
+from lora_inference.tools.tiny_models import write_tiny_model  # noqa: E402
+
+from tests.operator import cluster  # noqa: E402
+from tests.operator.cluster import MODEL_NAME, POD_VOLUME, TOKEN  # noqa: E402
+
+NS = "bench"
+SA = "lora-operator-bench"
+CRD = REPO / "crds" / "lora.dev_loraadapters.yaml"
+SELECTOR = "app=inference"
+FLOW_PREFIX = "bench-op-"
+VERBS = {
+    "watch": ["watch"],
+    "read": ["get", "list"],
+    "write": ["create", "update", "patch", "delete", "deletecollection"],
+}
+RESOURCES = {
+    "adapters": ["loraadapters", "loraadapters/status"],
+    "pods": ["pods", "pods/status"],
+    "events": ["events"],
+    "other": ["*"],
+}
+
+
+# -- the operator's identity, counted by the API server ----------------------------------------
+
+
+def flow_schemas() -> list[dict[str, Any]]:
+    """FlowSchemas matching only the operator's ServiceAccount, one per (verb class, resource):
+    the API server's dispatch counter per schema is then a per-verb count of its requests."""
+    subject = {"kind": "ServiceAccount", "serviceAccount": {"name": SA, "namespace": "default"}}
+    out = []
+    for i, (res, resources) in enumerate(RESOURCES.items()):
+        for j, (verb, verbs) in enumerate(VERBS.items()):
+            rule = {
+                "verbs": verbs,
+                "apiGroups": ["*"],
+                "resources": resources,
+                "clusterScope": True,
+                "namespaces": ["*"],
+            }
+            out.append(_flow_schema(f"{verb}-{res}", 10 + 3 * i + j, subject, resourceRules=[rule]))
+    rule = {"verbs": ["*"], "nonResourceURLs": ["*"]}
+    out.append(_flow_schema("nonresource", 40, subject, nonResourceRules=[rule]))
+    return out
+
+
+def _flow_schema(name: str, precedence: int, subject: Any, **rules: Any) -> dict[str, Any]:
+    return {
+        "apiVersion": "flowcontrol.apiserver.k8s.io/v1",
+        "kind": "FlowSchema",
+        "metadata": {"name": FLOW_PREFIX + name},
+        "spec": {
+            "priorityLevelConfiguration": {"name": "workload-high"},
+            "matchingPrecedence": precedence,
+            "distinguisherMethod": {"type": "ByUser"},
+            "rules": [{"subjects": [subject], **rules}],
+        },
+    }
+
+
+def operator_kubeconfig(h: Harness, path: Path) -> Path:
+    """A kubeconfig for a cluster-admin ServiceAccount used by the operator alone."""
+    h.apply(
+        [
+            {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": SA}},
+            {
+                "apiVersion": "rbac.authorization.k8s.io/v1",
+                "kind": "ClusterRoleBinding",
+                "metadata": {"name": SA},
+                "roleRef": {
+                    "apiGroup": "rbac.authorization.k8s.io",
+                    "kind": "ClusterRole",
+                    "name": "cluster-admin",
+                },
+                "subjects": [{"kind": "ServiceAccount", "name": SA, "namespace": "default"}],
+            },
+            *flow_schemas(),
+        ],
+        "default",
+    )
+    token = h.create(
+        f"/api/v1/namespaces/default/serviceaccounts/{SA}/token",
+        {
+            "apiVersion": "authentication.k8s.io/v1",
+            "kind": "TokenRequest",
+            "spec": {"expirationSeconds": 86400},
+        },
+    )["status"]["token"]
+    config = yaml.safe_load(h.cluster.kubeconfig.read_text())
+    config["users"][0]["user"] = {"token": token}
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def diff(after: dict[str, int], before: dict[str, int]) -> dict[str, int]:
+    return {key: after[key] - before.get(key, 0) for key in after}
+
+
+def operator_requests(h: Harness) -> dict[str, int]:
+    """The operator's requests so far, by FlowSchema (verb class and resource)."""
+    with urllib.request.urlopen(h.server + "/metrics", context=h.ssl_context, timeout=30) as r:
+        text = r.read().decode()
+    counts: dict[str, int] = {}
+    pattern = re.compile(
+        r'^apiserver_flowcontrol_dispatched_requests_total\{[^}]*flow_schema="'
+        + FLOW_PREFIX
+        + r'([^"]+)"[^}]*\} (\S+)$',
+        re.M,
+    )
+    for m in pattern.finditer(text):
+        counts[m.group(1)] = counts.get(m.group(1), 0) + int(float(m.group(2)))
+    return counts
+
+
+# -- the pods ------------------------------------------------------------------------------------
+
+
+def pods(h: Harness, n: int, timeout: float = 900) -> list[dict[str, Any]]:
+    return cluster.ready_pods(h, NS, SELECTOR, n, timeout=timeout)
+
+
+def names_on(ip: str) -> set[str]:
+    try:
+        return set(cluster.models(ip))
+    except (OSError, AssertionError):
+        return set()
+
+
+def gone(pid: int) -> bool:
+    try:
+        return bool(psutil.Process(pid).status() == psutil.STATUS_ZOMBIE)
+    except psutil.NoSuchProcess:
+        return True
+
+
+def http_ok(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as r:
+            return bool(r.status == 200)
+    except (OSError, urllib.error.HTTPError):
+        return False
+
+
+async def bare_loads(ips: list[str], names: list[str], root: str) -> tuple[float, list[float]]:
+    """The limit: POST /v1/load_lora_adapter for every adapter on every pod, one call at a time
+    per pod, the pods in parallel (as the operator calls them). Returns (wall, per-pod wall)."""
+    headers = {"Authorization": f"Bearer {TOKEN}"}
+
+    async def one_pod(session: ClientSession, ip: str) -> float:
+        started = time.perf_counter()
+        for name in names:
+            body = {"lora_name": f"bare-{name}", "lora_path": f"{root}/{name}"}
+            async with session.post(
+                f"http://{ip}:8000/v1/load_lora_adapter", json=body, headers=headers
+            ) as resp:
+                if resp.status != 200:
+                    raise RuntimeError(f"{ip}: load {name}: {resp.status} {await resp.text()}")
+        return time.perf_counter() - started
+
+    async with ClientSession(timeout=ClientTimeout(total=600)) as session:
+        started = time.perf_counter()
+        per_pod = await asyncio.gather(*(one_pod(session, ip) for ip in ips))
+        wall = time.perf_counter() - started
+        for ip in ips:  # untimed: leave the pods as they were
+            for name in names:
+                async with session.post(
+                    f"http://{ip}:8000/v1/unload_lora_adapter",
+                    json={"lora_name": f"bare-{name}"},
+                    headers=headers,
+                ) as resp:
+                    await resp.read()
+    return wall, list(per_pod)
+
+
+# -- one configuration ---------------------------------------------------------------------------
+
+
+@dataclass
+class Row:
+    n: int
+    k: int
+    apply_s: float = 0.0  # `kubectl apply` itself
+    held_s: float = 0.0  # apply -> every pod lists all K
+    ready_s: float = 0.0  # apply -> every LoRAAdapter Ready N/N
+    bare_s: float = 0.0  # the bare load calls, all pods
+    bare_pod_s: float = 0.0  # the bare load calls, median per pod
+    server_ready_s: float = 0.0  # kill -> the server's /ready answers 200
+    pod_ready_s: float = 0.0  # kill -> the pod is Ready again in the API
+    back_s: float = 0.0  # kill -> /v1/models lists all K again
+    rss_mib: float = 0.0
+    requests: dict[str, int] | None = None  # the operator's API requests over the quiet window
+    quiet_s: float = 0.0
+    delete_s: float = 0.0
+    apply_cpu_s: float = 0.0  # the operator's CPU time from apply to Ready
+    apply_requests: dict[str, int] | None = None  # its API requests from apply to Ready
+
+
+def adapter_docs(names: list[str], volume: Path) -> str:
+    return str(
+        yaml.safe_dump_all(
+            [cluster.adapter(name, str(volume / NS / "src" / name)) for name in names]
+        )
+    )
+
+
+def all_ready(h: Harness, n: int, k: int) -> bool:
+    items = h.get(f"/apis/lora.dev/v1alpha1/namespaces/{NS}/loraadapters")["items"]
+    done = [
+        i
+        for i in items
+        if (i.get("status") or {}).get("phase") == "Ready"
+        and (i.get("status") or {}).get("ready") == f"{n}/{n}"
+    ]
+    return len(items) == k and len(done) == k
+
+
+def measure(
+    h: Harness, op: cluster.Operator, volume: Path, n: int, k: int, args: argparse.Namespace
+) -> Row:
+    row = Row(n=n, k=k)
+    names = [f"a-{i:04d}" for i in range(k)]
+    ips = [p["status"]["podIP"] for p in pods(h, n)]
+    manifest = volume.parent / f"adapters-{k}.yaml"
+    manifest.write_text(adapter_docs(names, volume))
+    want = set(names)
+
+    # (a) apply -> every pod holds all K, and -> every LoRAAdapter says Ready N/N.
+    assert op.proc is not None
+    proc = psutil.Process(op.proc.pid)
+    cpu_before, requests_before = sum(proc.cpu_times()[:2]), operator_requests(h)
+    started = time.perf_counter()
+    h.run(["kubectl", "apply", "-n", NS, "-f", str(manifest)])
+    row.apply_s = time.perf_counter() - started
+    deadline = started + args.timeout
+    while not (row.held_s and row.ready_s):
+        if time.perf_counter() > deadline:
+            raise RuntimeError(
+                f"N={n} K={k}: not Ready after {args.timeout:.0f} s; see {op.log_path}"
+            )
+        if not row.held_s and all(want <= names_on(ip) for ip in ips):
+            row.held_s = time.perf_counter() - started
+        if not row.ready_s and all_ready(h, n, k):
+            row.ready_s = time.perf_counter() - started
+        time.sleep(0.2)
+
+    row.apply_cpu_s = sum(proc.cpu_times()[:2]) - cpu_before
+    row.apply_requests = diff(operator_requests(h), requests_before)
+
+    # (c) at rest: RSS and the operator's API requests over a quiet window.
+    time.sleep(args.settle)
+    before = operator_requests(h)
+    quiet_started = time.perf_counter()
+    time.sleep(args.quiet)
+    after = operator_requests(h)
+    row.quiet_s = time.perf_counter() - quiet_started
+    row.requests = diff(after, before)
+    row.rss_mib = proc.memory_info().rss / 2**20
+
+    # (b) SIGKILL one pod's server: until /ready, until Ready in the API, until all K are back.
+    victim = pods(h, n)[0]
+    uid, ip = victim["metadata"]["uid"], victim["status"]["podIP"]
+    restarts = victim["status"]["containerStatuses"][0]["restartCount"]
+    (pid,) = h.container_pids(uid, "server")
+    started = time.perf_counter()
+    os.kill(pid, signal.SIGKILL)
+    while gone(pid) is False:
+        time.sleep(0.01)
+    while not (row.server_ready_s and row.pod_ready_s and row.back_s):
+        now = time.perf_counter() - started
+        if now > args.timeout:
+            raise RuntimeError(f"N={n} K={k}: the restarted pod did not get its adapters back")
+        if not row.server_ready_s and http_ok(f"http://{ip}:8000/ready"):
+            row.server_ready_s = now
+        if not row.pod_ready_s:
+            p = h.get(f"/api/v1/namespaces/{NS}/pods/{victim['metadata']['name']}")
+            cs = p["status"]["containerStatuses"][0]
+            if cs["restartCount"] > restarts and cs.get("ready"):
+                row.pod_ready_s = now
+        if not row.back_s and row.server_ready_s and want <= names_on(ip):
+            row.back_s = now
+        time.sleep(0.1)
+    h.wait_for("every adapter Ready again", lambda: all_ready(h, n, k), timeout=args.timeout)
+
+    # The limit: copies of the staged revision directories, loaded without the operator.
+    bare = volume / NS / "bare"
+    shutil.rmtree(bare, ignore_errors=True)
+    bare.mkdir()
+    for name in names:
+        (revision,) = (volume / NS / name / "revisions").iterdir()
+        shutil.copytree(revision, bare / name, symlinks=False)
+    started = time.perf_counter()
+    h.run(["kubectl", "delete", "loraadapters", "--all", "-n", NS, "--wait=false"])
+    h.wait_for(
+        "the adapters to be unloaded everywhere and gone",
+        lambda: (
+            not h.get(f"/apis/lora.dev/v1alpha1/namespaces/{NS}/loraadapters")["items"]
+            and not any(names_on(ip) & want for ip in ips)
+        ),
+        timeout=args.timeout,
+    )
+    row.delete_s = time.perf_counter() - started
+    row.bare_s, per_pod = asyncio.run(bare_loads(ips, names, f"{POD_VOLUME}/{NS}/bare"))
+    row.bare_pod_s = statistics.median(per_pod)
+    shutil.rmtree(bare)
+    return row
+
+
+# -- the report ----------------------------------------------------------------------------------
+
+
+def print_table(rows: list[Row], args: argparse.Namespace) -> None:
+    print(
+        "\n(a) apply -> Ready against the bare load calls; (b) a killed server back to all K;"
+        f" (c) at rest over {args.quiet:.0f} s"
+    )
+    print(
+        f"{'N':>3}{'K':>5} |{'apply':>7}{'bare':>8}{'held':>8}{'Ready':>8}"
+        f"{'Ready/bare':>11}{'held/bare':>10} |{'pod Ready':>10}{'back':>8}{'limit':>8}"
+        f"{'back/limit':>11} |{'RSS MiB':>8}{'req/adapter':>12}{'watches':>8}"
+    )
+    for r in rows:
+        req = r.requests or {}
+        watches = sum(v for key, v in req.items() if key.startswith("watch-"))
+        other = sum(v for key, v in req.items() if not key.startswith("watch-"))
+        limit = r.pod_ready_s + r.bare_pod_s
+        print(
+            f"{r.n:3d}{r.k:5d} |{r.apply_s:7.2f}{r.bare_s:8.2f}{r.held_s:8.2f}{r.ready_s:8.2f}"
+            f"{r.ready_s / r.bare_s:11.1f}{r.held_s / r.bare_s:10.1f} |{r.pod_ready_s:10.2f}"
+            f"{r.back_s:8.2f}{limit:8.2f}{r.back_s / limit:11.2f} |{r.rss_mib:8.0f}"
+            f"{other / r.k:12.2f}{watches:8d}"
+        )
+    print(
+        "apply: `kubectl apply` itself; bare: the load calls alone, all pods (the limit for held"
+        " and Ready);\nheld: apply -> every pod lists all K; Ready: apply -> every LoRAAdapter"
+        " Ready N/N;\npod Ready: kill -> the pod Ready again; back: kill -> /v1/models lists"
+        " all K; limit: pod Ready + the bare loads of K on one pod;\nreq/adapter: the operator's"
+        " API requests other than watches over the quiet window, per adapter."
+    )
+    print("\nDetail")
+    for r in rows:
+        req = {key: v for key, v in sorted((r.requests or {}).items()) if v}
+        during = {key: v for key, v in sorted((r.apply_requests or {}).items()) if v}
+        writes = sum(v for key, v in during.items() if key.startswith("write-"))
+        print(
+            f"N={r.n} K={r.k}: apply -> Ready: operator CPU {r.apply_cpu_s:.2f} s"
+            f" ({r.apply_cpu_s / r.k * 1000:.0f} ms per adapter), {writes / r.k:.1f} API writes"
+            f" per adapter; requests {during}"
+        )
+        print(
+            f"N={r.n} K={r.k}: server /ready after kill {r.server_ready_s:.2f} s; bare per pod"
+            f" {r.bare_pod_s:.2f} s; delete -> unloaded everywhere {r.delete_s:.2f} s;"
+            f" requests in {r.quiet_s:.0f} s: {req or 'none'}"
+        )
+
+
+def parse_list(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--quick", action="store_true", help="N in 1,3 and K in 1,50")
+    parser.add_argument("--pods", type=parse_list, default=None, help="N values (1,3,10)")
+    parser.add_argument("--adapters", type=parse_list, default=None, help="K values (1,50,200)")
+    parser.add_argument("--quiet", type=float, default=35.0, help="quiet window, seconds")
+    parser.add_argument("--settle", type=float, default=5.0, help="wait before the window")
+    parser.add_argument("--timeout", type=float, default=900.0, help="per wait, seconds")
+    parser.add_argument("--log-dir", type=Path, default=None, help="keep the operator's log here")
+    args = parser.parse_args()
+    ns_values = args.pods or ([1, 3] if args.quick else [1, 3, 10])
+    ks = args.adapters or ([1, 50] if args.quick else [1, 50, 200])
+
+    with tempfile.TemporaryDirectory(prefix="lora-bench-operator-") as scratch:
+        work = Path(scratch)
+        started = time.perf_counter()
+        model = write_tiny_model(work / "models" / MODEL_NAME, "sd15")
+        pipe = DiffusionPipeline.from_pretrained(str(model))
+        volume = work / "volume"
+        for i in range(max(ks)):
+            write_random_adapter(
+                volume / NS / "src" / f"a-{i:04d}", pipe, base_model=MODEL_NAME, seed=i
+            )
+        del pipe
+        print(f"tiny model and {max(ks)} adapters written in {time.perf_counter() - started:.1f} s")
+        log_dir = args.log_dir or work
+        log_dir.mkdir(parents=True, exist_ok=True)
+        rows: list[Row] = []
+        with running_cluster() as h:
+            h.kubectl("apply", "-f", str(CRD))
+            h.kubectl(
+                "wait", "--for=condition=Established", "crd/loraadapters.lora.dev", "--timeout=60s"
+            )
+            h.create(
+                "/api/v1/namespaces",
+                {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NS}},
+            )
+            kubeconfig = operator_kubeconfig(h, work / "operator.kubeconfig")
+            admin_kubeconfig = os.environ["KUBECONFIG"]
+            os.environ["KUBECONFIG"] = str(kubeconfig)  # the operator's process only
+            op = cluster.Operator(
+                volume=volume,
+                namespaces=[NS],
+                log_path=log_dir / "operator.log",
+                extra=["--resync-seconds", "30"],  # the default; the tests' helper sets 5
+            )
+            op.start()
+            os.environ["KUBECONFIG"] = admin_kubeconfig
+            try:
+                h.apply(cluster.inference_deployment("inference", 0, work / "models", volume), NS)
+                for n in ns_values:
+                    h.kubectl("scale", "-n", NS, "deployment/inference", f"--replicas={n}")
+                    t0 = time.perf_counter()
+                    pods(h, n)
+                    print(f"N={n}: pods Ready in {time.perf_counter() - t0:.1f} s", flush=True)
+                    for k in ks:
+                        row = measure(h, op, volume, n, k, args)
+                        rows.append(row)
+                        print(
+                            f"  K={k}: held {row.held_s:.2f} s, Ready {row.ready_s:.2f} s, bare "
+                            f"{row.bare_s:.2f} s, back after kill {row.back_s:.2f} s",
+                            flush=True,
+                        )
+                totals = operator_requests(h)
+                if not totals:
+                    raise RuntimeError("the API server counted no request of the operator's")
+            finally:
+                op.stop()
+        cpus = os.cpu_count()
+        memory = psutil.virtual_memory().total / 2**30
+        print(
+            f"\nlora-operator on lora-devcluster, tiny sd15 inference pods on cpu; "
+            f"{platform.machine()}, {cpus} cores, {memory:.0f} GiB; "
+            f"{datetime.date.today().isoformat()}; operator --resync-seconds 30, "
+            "--max-concurrent-loads 16"
+        )
+        print_table(rows, args)
+        print(f"the operator's API requests over the whole run: {dict(sorted(totals.items()))}")
+
+
+if __name__ == "__main__":
+    main()
