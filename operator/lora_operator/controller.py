@@ -91,6 +91,11 @@ class Controller:
         self._pods_index: kopf.Index[str, PodInfo] | None = None
         self._adapters_index: kopf.Index[str, AdapterInfo] | None = None
         self._calls = asyncio.Semaphore(config.max_concurrent_loads)
+        # API writes in flight at once: status patches and Events (kube-apiserver's default
+        # client-side budget is small; a burst of hundreds must queue here, not time out).
+        self._status_slots = asyncio.Semaphore(8)
+        self._event_slots = asyncio.Semaphore(8)
+        self._status_locks: dict[Key, asyncio.Lock] = {}
         self.workers: dict[Key, PodWorker] = {}
         self.views: dict[Key, PodView] = {}
         self.staging: dict[Key, status_mod.StagingState] = {}
@@ -235,7 +240,7 @@ class Controller:
         started = time.monotonic()
         try:
             source = sources.parse_source(source_spec["uri"], source_spec.get("revision"))
-            await self._event(info, "Normal", "Staging", f"staging {sources.describe(source)}")
+            self._event(info, "Normal", "Staging", f"staging {sources.describe(source)}")
             credentials = await self._credentials(info, source_spec)
             staged = await self.store.stage(
                 info.namespace,
@@ -267,7 +272,7 @@ class Controller:
             staged.reused,
             seconds,
         )
-        await self._event(
+        self._event(
             info,
             "Normal",
             "Staged",
@@ -313,14 +318,14 @@ class Controller:
             state.permanent = True
             state.observed_generation = info.generation
             self.metrics.stagings.labels("permanent").inc()
-            await self._event(info, "Warning", e.reason, e.message)
+            self._event(info, "Warning", e.reason, e.message)
             await self._write_status(info.key)
             return kopf.PermanentError(e.message)
         state.attempts += 1
         state.degraded = state.attempts >= self.config.retry_bound
         delay = backoff(state.attempts, self.config.max_backoff_s)
         self.metrics.stagings.labels("transient").inc()
-        await self._event(info, "Warning", e.reason, f"{e.message} (retrying in {delay:.0f}s)")
+        self._event(info, "Warning", e.reason, f"{e.message} (retrying in {delay:.0f}s)")
         await self._write_status(info.key)
         return kopf.TemporaryError(e.message, delay=delay)
 
@@ -333,7 +338,7 @@ class Controller:
         deadline = time.monotonic() + self.config.unload_grace_s
         while holders := self._holders(info):
             if time.monotonic() > deadline:
-                await self._event(
+                self._event(
                     info,
                     "Warning",
                     "UnloadIncomplete",
@@ -344,7 +349,7 @@ class Controller:
             await asyncio.sleep(0.2)
         await self.store.unpublish(info.namespace, info.name)
         log.info("action=delete adapter=%s/%s", info.namespace, info.name)
-        await self._event(info, "Normal", "Deleted", "unloaded from every pod and unpublished")
+        self._event(info, "Normal", "Deleted", "unloaded from every pod and unpublished")
         self._forget_adapter(info.key)
         self._collect_event.set()
 
@@ -357,6 +362,7 @@ class Controller:
 
     def _forget_adapter(self, key: Key) -> None:
         tables: tuple[dict[Key, Any], ...] = (
+            self._status_locks,
             self.staging,
             self.entries,
             self._fingerprints,
@@ -477,7 +483,7 @@ class Controller:
         )
         info = self._adapter(pod.namespace, want.name)
         if info is not None:
-            await self._event(
+            self._event(
                 info,
                 "Normal",
                 "Loaded",
@@ -509,7 +515,7 @@ class Controller:
             entry.state = "Failed" if entry.attempts >= self.config.retry_bound else "Pending"
         info = self._adapter(pod.namespace, want.name)
         if info is not None and (e.permanent or entry.attempts == self.config.retry_bound):
-            self._spawn(self._event(info, "Warning", "LoadFailed", f"pod {pod.name}: {e.message}"))
+            self._event(info, "Warning", "LoadFailed", f"pod {pod.name}: {e.message}")
 
     async def _unload(self, pod: PodInfo, name: str) -> bool:
         try:
@@ -530,7 +536,7 @@ class Controller:
         self.entries.get((pod.namespace, name), {}).pop(pod.name, None)
         info = self._adapter(pod.namespace, name)
         if info is not None:
-            await self._event(info, "Normal", "Unloaded", f"unloaded from pod {pod.name}")
+            self._event(info, "Normal", "Unloaded", f"unloaded from pod {pod.name}")
         return True
 
     def _record_report(
@@ -583,12 +589,15 @@ class Controller:
             await asyncio.sleep(0.1)  # coalesce a burst of changes into one patch per adapter
             self._dirty_event.clear()
             keys, self._dirty = self._dirty, set()
-            for key in sorted(keys):
-                try:
-                    await self._write_status(key)
-                except Exception as e:  # the next change retries; never stop writing
-                    log.warning("writing the status of %s/%s failed: %s", *key, e)
-                    self._spawn(self._retry_mark(key))
+            await asyncio.gather(*(self._write_status_or_retry(key) for key in sorted(keys)))
+
+    async def _write_status_or_retry(self, key: Key) -> None:
+        async with self._status_slots:
+            try:
+                await self._write_status(key)
+            except Exception as e:  # the next change retries; never stop writing
+                log.warning("writing the status of %s/%s failed: %s", *key, e)
+                self._spawn(self._retry_mark(key))
 
     async def _retry_mark(self, key: Key) -> None:
         await asyncio.sleep(1.0)
@@ -605,6 +614,12 @@ class Controller:
         return out
 
     async def _write_status(self, key: Key) -> None:
+        # One write per adapter at a time, each computed inside the lock: the last patch to land
+        # is always built from the newest state (the writer and the stage handler both write).
+        async with self._status_locks.setdefault(key, asyncio.Lock()):
+            await self._write_status_locked(key)
+
+    async def _write_status_locked(self, key: Key) -> None:
         info = self._adapter(*key)
         state = self.staging.get(key)
         if info is None or state is None:
@@ -638,7 +653,7 @@ class Controller:
                 body["ready"],
                 summary.message,
             )
-            await self._event(info, kind, summary.phase, summary.message or summary.phase)
+            self._event(info, kind, summary.phase, summary.message or summary.phase)
 
     def _update_phase_gauge(self) -> None:
         counts: dict[str, int] = {}
@@ -699,10 +714,17 @@ class Controller:
             if worker is not None:
                 worker.wake.set()
 
-    async def _event(self, info: AdapterInfo, type_: str, reason: str, message: str) -> None:
-        await self._logged_in.wait()
-        assert self.kube is not None
-        await self.kube.post_event(object_ref(info), type_, reason, message)
+    def _event(self, info: AdapterInfo, type_: str, reason: str, message: str) -> None:
+        """Post an Event in the background: a pod's loads must not wait for the API server."""
+        self._spawn(self._post_event(object_ref(info), type_, reason, message))
+
+    async def _post_event(
+        self, regarding: dict[str, str], type_: str, reason: str, message: str
+    ) -> None:
+        async with self._event_slots:
+            await self._logged_in.wait()
+            assert self.kube is not None
+            await self.kube.post_event(regarding, type_, reason, message)
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.create_task(coro)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import hashlib
 import io
 import json
@@ -77,6 +78,16 @@ class Operator:
         log = self.log_path.open("ab")
         self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env)
         return self
+
+    @contextlib.contextmanager
+    def running(self) -> Iterator[Operator]:
+        """Start it; stop it afterwards and print its log (pytest shows it for failed tests)."""
+        self.start()
+        try:
+            yield self
+        finally:
+            self.stop()
+            print("---- operator log\n" + self.log()[-30000:])
 
     def kill(self) -> None:
         """SIGKILL: nothing gets a chance to clean up."""

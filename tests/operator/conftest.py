@@ -127,9 +127,5 @@ def operator(
     crd: None, devcluster: Harness, devcluster_namespace: str, volume: Path, tmp_path: Path
 ) -> Iterator[Operator]:
     op = Operator(volume=volume, namespaces=[devcluster_namespace], log_path=tmp_path / "op.log")
-    op.start()
-    try:
+    with op.running():
         yield op
-    finally:
-        op.stop()
-        print("---- operator log\n" + op.log()[-20000:])

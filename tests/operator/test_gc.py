@@ -65,7 +65,7 @@ def test_empty_plan_is_falsy() -> None:
 async def _stage(
     store: staging.Store, root: Path, ns: str, name: str, data: bytes
 ) -> staging.StagedRevision:
-    path = root / "incoming" / f"{sha(data)}.safetensors"
+    path = root / layout.SHARED / f"{sha(data)}.safetensors"
     path.parent.mkdir(exist_ok=True)
     path.write_bytes(data)
     return await store.stage(ns, name, sources.VolumeSource(path))
@@ -121,14 +121,15 @@ async def test_collect_racing_stagings_never_breaks_a_current(tmp_path: Path) ->
     store = staging.Store(tmp_path, max_concurrent=4)
     blobs = [lora_bytes(50 + i) for i in range(4)]
     for blob in blobs:
-        (tmp_path / f"{sha(blob)}.safetensors").write_bytes(blob)
+        (tmp_path / layout.SHARED).mkdir(exist_ok=True)
+        (tmp_path / layout.SHARED / f"{sha(blob)}.safetensors").write_bytes(blob)
 
     async def stage(i: int) -> staging.StagedRevision:
         blob = blobs[i % len(blobs)]
         return await store.stage(
             "ns",
             f"a{i % 3}",
-            sources.VolumeSource(tmp_path / f"{sha(blob)}.safetensors"),
+            sources.VolumeSource(tmp_path / layout.SHARED / f"{sha(blob)}.safetensors"),
             sha256=sha(blob) if i % 2 else None,
         )
 

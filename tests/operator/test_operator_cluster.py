@@ -138,13 +138,20 @@ def test_adapter_follows_replicas_restarts_updates_and_deletion(
         timeout=60,
     )
 
-    # Delete: unloaded everywhere, files gone, finalizer released.
+    # Delete: unloaded everywhere, files gone, finalizer released; a hand-loaded adapter stays.
+    some_ip = next(iter(ips.values()))
+    status, body = cluster.http_json(
+        f"http://{some_ip}:8000/v1/load_lora_adapter",
+        {"lora_name": "manual", "lora_path": f"{cluster.POD_VOLUME}/{ns}/src/b"},
+        token=TOKEN,
+    )
+    assert status == 200, body
     h.kubectl("delete", "loraadapter", "pixel", "-n", ns, "--wait=false")
     h.wait_for(
         "the adapter object to be gone", lambda: cluster.get_adapter(h, ns, "pixel") is None, 90
     )
     assert not any("pixel" in cluster.models(ip) for ip in ips.values())
-    assert all("direct" in cluster.models(ip) for ip in ips.values() if ip == first_ip)
+    assert "manual" in cluster.models(some_ip)
     h.wait_for(
         "the adapter's files to be collected",
         lambda: (

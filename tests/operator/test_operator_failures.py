@@ -58,13 +58,12 @@ def test_bad_sources_get_the_documented_phase_and_reason_and_harm_no_other_adapt
 ) -> None:
     h, ns = crd, devcluster_namespace
     server, ca = origin
-    op = Operator(
+    with Operator(
         volume=volume,
         namespaces=[ns],
         log_path=tmp_path / "op.log",
         env={"SSL_CERT_FILE": str(ca)},
-    ).start()
-    try:
+    ).running():
         good, good_sha = cluster.write_adapter(models, volume / ns / "src" / "good", seed=1)
         weights = (good / "pytorch_lora_weights.safetensors").read_bytes()
         sdxl = build_tiny_pipeline("sdxl")
@@ -126,9 +125,6 @@ def test_bad_sources_get_the_documented_phase_and_reason_and_harm_no_other_adapt
         assert np.array_equal(cluster.generate(f"http://{ip}:8000", "good"), before)
         assert cluster.holds(ip, "good", good_sha)
         assert list((volume / ".tmp").iterdir()) == []
-    finally:
-        op.stop()
-        print("---- operator log\n" + op.log()[-30000:])
 
 
 def _weights_of(adapter_dir: Path) -> bytes:
@@ -147,10 +143,9 @@ def test_operator_killed_mid_download_shows_nothing_partial_and_finishes_after_r
     server, ca = origin
     path, sha = cluster.write_adapter(models, tmp_path / "src", seed=5)
     url = server.serve_slowly("/slow.safetensors", _weights_of(path), seconds=6)
-    op = Operator(
+    with Operator(
         volume=volume, namespaces=[ns], log_path=tmp_path / "op.log", env={"SSL_CERT_FILE": str(ca)}
-    ).start()
-    try:
+    ).running() as op:
         h.apply(cluster.inference_deployment("inference", 1, models.root, volume), ns)
         h.apply(cluster.adapter("slow", url), ns)
         h.wait_for(
@@ -168,19 +163,28 @@ def test_operator_killed_mid_download_shows_nothing_partial_and_finishes_after_r
         assert obj["status"]["staged"]["sha256"] == sha
         assert list((volume / ".tmp").iterdir()) == []
         assert server.hits["/slow.safetensors"] >= 2
+
+
+@pytest.fixture
+def second_namespace(crd: Harness, devcluster_namespace: str) -> Iterator[str]:
+    ns = f"{devcluster_namespace[:50]}-two"
+    crd.kubectl("create", "namespace", ns)
+    try:
+        yield ns
     finally:
-        op.stop()
-        print("---- operator log\n" + op.log()[-20000:])
+        crd.kubectl("delete", "namespace", ns, "--wait=false", check=False)
 
 
 def test_same_named_adapters_in_two_namespaces_stay_isolated(
-    crd: Harness, devcluster_namespace: str, volume: Path, models: Models, tmp_path: Path
+    crd: Harness,
+    devcluster_namespace: str,
+    second_namespace: str,
+    volume: Path,
+    models: Models,
+    tmp_path: Path,
 ) -> None:
-    h, ns1 = crd, devcluster_namespace
-    ns2 = f"{ns1[:50]}-two"
-    h.kubectl("create", "namespace", ns2)
-    op = Operator(volume=volume, namespaces=[ns1, ns2], log_path=tmp_path / "op.log").start()
-    try:
+    h, ns1, ns2 = crd, devcluster_namespace, second_namespace
+    with Operator(volume=volume, namespaces=[ns1, ns2], log_path=tmp_path / "op.log").running():
         shas = {}
         for ns, seed in ((ns1, 1), (ns2, 2)):
             src, shas[ns] = cluster.write_adapter(models, volume / ns / "src" / "pixel", seed=seed)
@@ -199,10 +203,6 @@ def test_same_named_adapters_in_two_namespaces_stay_isolated(
         h.apply(cluster.adapter("thief", str(volume / ns2 / "src" / "pixel")), ns1)
         obj = cluster.wait_phase(h, ns1, "thief", "Failed", timeout=60)
         assert condition(obj, "Staged")["reason"] == "InvalidSource"
-    finally:
-        op.stop()
-        h.kubectl("delete", "namespace", ns2, "--wait=false", check=False)
-        print("---- operator log\n" + op.log()[-20000:])
 
 
 def test_a_volume_filling_up_mid_download_is_transient_and_publishes_nothing(
@@ -221,14 +221,13 @@ def test_a_volume_filling_up_mid_download_is_transient_and_publishes_nothing(
         out = subprocess.run([*enter, "find", str(path)], capture_output=True, text=True)
         return out.stdout
 
-    op = Operator(
+    with Operator(
         volume=volume,
         namespaces=[ns],
         log_path=tmp_path / "op.log",
         env={"SSL_CERT_FILE": str(ca)},
         prefix=enter,
-    ).start()
-    try:
+    ).running():
         path, sha = cluster.write_adapter(models, tmp_path / "src", seed=7)
         h.apply(cluster.inference_deployment("inference", 1, models.root, volume), ns)
         h.apply(cluster.adapter("small", server.serve("/s.safetensors", _weights_of(path))), ns)
@@ -244,17 +243,13 @@ def test_a_volume_filling_up_mid_download_is_transient_and_publishes_nothing(
         cluster.wait_phase(h, ns, "small", "Ready", "1/1", timeout=30)
         (ip,) = cluster.pod_ips(h, ns, 1).values()
         assert cluster.holds(ip, "small", sha)
-    finally:
-        op.stop()
-        print("---- operator log\n" + op.log()[-20000:])
 
 
 def test_the_operator_recovers_its_watches_after_an_api_server_restart(
     crd: Harness, devcluster_namespace: str, volume: Path, models: Models, tmp_path: Path
 ) -> None:
     h, ns = crd, devcluster_namespace
-    op = Operator(volume=volume, namespaces=[ns], log_path=tmp_path / "op.log").start()
-    try:
+    with Operator(volume=volume, namespaces=[ns], log_path=tmp_path / "op.log").running() as op:
         first, _ = cluster.write_adapter(models, volume / ns / "src" / "first", seed=1)
         second, sha = cluster.write_adapter(models, volume / ns / "src" / "second", seed=2)
         h.apply(cluster.inference_deployment("inference", 1, models.root, volume), ns)
@@ -275,6 +270,3 @@ def test_the_operator_recovers_its_watches_after_an_api_server_restart(
             timeout=180,
         )
         assert op.proc is not None and op.proc.poll() is None
-    finally:
-        op.stop()
-        print("---- operator log\n" + op.log()[-20000:])
