@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install binaries test lint typecheck unit demo demo-inference images e2e-kind bench clean
+.PHONY: install binaries test lint typecheck unit demo demo-inference images e2e-kind bench bench-operator clean
 
 install: $(STAMP) binaries
 
@@ -55,6 +55,9 @@ e2e-kind: install images
 
 bench: install
 	$(PY) bench/bench_inference.py
+
+bench-operator: install
+	$(PY) bench/bench_operator.py
 
 clean:
 	rm -rf $(VENV) demo-out .mypy_cache .ruff_cache .pytest_cache
