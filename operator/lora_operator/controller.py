@@ -171,13 +171,24 @@ class Controller:
         """After a restart: what the status says was staged (staging checks the volume)."""
         st = dict(body.get("status") or {})
         staged = st.get("staged") or {}
-        self.staging[key] = status_mod.StagingState(
+        state = self.staging[key] = status_mod.StagingState(
             staged=info.staged,
             path=staged.get("path"),
             staged_at=staged.get("stagedAt"),
             observed_generation=st.get("observedGeneration"),
         )
-        self._conditions[key] = list(st.get("conditions") or [])
+        conditions = list(st.get("conditions") or [])
+        self._conditions[key] = conditions
+        # observedGeneration moves only on success or a permanent failure: a Staged=False
+        # condition of this generation is a permanent failure, not to be retried on resume.
+        failed = next((c for c in conditions if c.get("type") == "Staged"), None)
+        if (
+            failed is not None
+            and failed.get("status") == "False"
+            and state.observed_generation == info.generation
+        ):
+            state.permanent = True
+            state.error_reason, state.error_message = failed.get("reason"), failed.get("message")
 
     def pod_changed(self, info: PodInfo, deleted: bool = False) -> None:
         key = info.key
@@ -194,23 +205,8 @@ class Controller:
             worker.task = asyncio.create_task(self._pod_loop(worker), name=f"pod {info.name}")
             worker.wake.set()
             return
-        before = worker.info
-        worker.info = info
-        if (
-            before.uid,
-            before.ip,
-            before.ready,
-            before.restarts,
-            before.labels,
-            before.deleting,
-        ) != (
-            info.uid,
-            info.ip,
-            info.ready,
-            info.restarts,
-            info.labels,
-            info.deleting,
-        ):
+        before, worker.info = worker.info, info
+        if before != info:  # new IP, readiness, restart, labels, annotations...
             if before.uid != info.uid or before.restarts != info.restarts:
                 self.views.pop(key, None)  # a new process: what it held is gone
             worker.wake.set()
