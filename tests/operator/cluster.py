@@ -316,6 +316,17 @@ class Origin:
         self.routes[path] = handler
         return self.url(path)
 
+    def serve_guarded(self, path: str, data: bytes, authorization: str) -> str:
+        """401 unless the request carries exactly this Authorization header."""
+
+        async def handler(request: web.Request) -> web.StreamResponse:
+            if request.headers.get("Authorization") != authorization:
+                return web.Response(status=401, text="who are you?")
+            return web.Response(body=data, content_type="application/octet-stream")
+
+        self.routes[path] = handler
+        return self.url(path)
+
     def fail_first(self, path: str, data: bytes, failures: int, status: int = 500) -> str:
         count = [0]
 

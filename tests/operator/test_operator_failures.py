@@ -44,6 +44,10 @@ def small_volume(crd: Harness, tmp_path: Path) -> Iterator[tuple[Path, list[str]
         subprocess.run([*enter, "umount", "-l", str(v)], check=False)
 
 
+SECRET_TOKEN = "s3cret-t0ken-value"
+SECRET_HEADER = f"Bearer {SECRET_TOKEN}"
+
+
 def condition(obj: dict, type_: str) -> dict:  # type: ignore[type-arg]
     return next(c for c in obj["status"]["conditions"] if c["type"] == type_)
 
@@ -63,7 +67,7 @@ def test_bad_sources_get_the_documented_phase_and_reason_and_harm_no_other_adapt
         namespaces=[ns],
         log_path=tmp_path / "op.log",
         env={"SSL_CERT_FILE": str(ca)},
-    ).running():
+    ).running() as op:
         good, good_sha = cluster.write_adapter(models, volume / ns / "src" / "good", seed=1)
         weights = (good / "pytorch_lora_weights.safetensors").read_bytes()
         sdxl = build_tiny_pipeline("sdxl")
@@ -75,6 +79,16 @@ def test_bad_sources_get_the_documented_phase_and_reason_and_harm_no_other_adapt
         before = cluster.generate(f"http://{ip}:8000", "good")
 
         flaky = server.fail_first("/flaky.safetensors", weights, failures=2)
+        guarded = server.serve_guarded("/guarded.safetensors", weights, SECRET_HEADER)
+        h.apply(
+            {
+                "apiVersion": "v1",
+                "kind": "Secret",
+                "metadata": {"name": "origin-creds"},
+                "stringData": {"AUTHORIZATION": SECRET_HEADER},
+            },
+            ns,
+        )
         h.apply(
             [
                 cluster.adapter("missing", server.url("/nothing.safetensors")),
@@ -88,6 +102,8 @@ def test_bad_sources_get_the_documented_phase_and_reason_and_harm_no_other_adapt
                 cluster.adapter("pickle", server.url("/adapter.bin")),
                 cluster.adapter("wrong-shapes", server.serve("/w.safetensors", _weights_of(wrong))),
                 cluster.adapter("other-base", str(good), baseModel="another-model"),
+                cluster.adapter("guarded", guarded, source={"secretRef": {"name": "origin-creds"}}),
+                cluster.adapter("no-secret", guarded, source={"secretRef": {"name": "absent"}}),
             ],
             ns,
         )
@@ -107,6 +123,13 @@ def test_bad_sources_get_the_documented_phase_and_reason_and_harm_no_other_adapt
         msg = condition(cluster.get_adapter(h, ns, "wrong-shapes") or {}, "Ready")["message"]
         assert "422" in msg
         cluster.wait_phase(h, ns, "flaky", "Ready", "1/1", timeout=120)
+        # Credentials come from the Secret, and never show in status, Events or the log.
+        guarded_obj = cluster.wait_phase(h, ns, "guarded", "Ready", "1/1", timeout=120)
+        missing = cluster.wait_phase(h, ns, "no-secret", "Degraded", timeout=120)
+        assert "Secret 'absent'" in condition(missing, "Staged")["message"]
+        every_event = str(h.get(f"/api/v1/namespaces/{ns}/events"))
+        for text in (str(guarded_obj), every_event, op.log()):
+            assert SECRET_TOKEN not in text
         # Transient failures retry with backoff, then say Degraded; they never publish anything.
         obj = cluster.wait_phase(h, ns, "truncated", "Degraded", timeout=120)
         assert condition(obj, "Staged")["reason"] == "SourceUnavailable"
@@ -153,6 +176,15 @@ def test_operator_killed_mid_download_shows_nothing_partial_and_finishes_after_r
             lambda: any(p.stat().st_size > 0 for p in (volume / ".tmp").glob("*")),
             timeout=60,
         )
+        staging = h.wait_for(  # progress shows in the status while it downloads
+            "the status to show the bytes staged so far",
+            lambda: (
+                (cluster.get_adapter(h, ns, "slow") or {}).get("status", {}).get("stagingBytes")
+            ),
+            timeout=30,
+        )
+        assert 0 < staging < len(_weights_of(path))
+        assert cluster.get_adapter(h, ns, "slow")["status"]["phase"] == "Staging"  # type: ignore[index]
         op.kill()
         assert not (volume / ns / "slow").exists()
         assert not (volume / ".objects").exists() or not any(
