@@ -12,6 +12,7 @@ import json
 import os
 import stat
 import sys
+from pathlib import Path
 from typing import Any
 
 from lora_devcluster import ns, podlogic
@@ -30,13 +31,21 @@ def run(spec: dict[str, Any]) -> None:
     if mounts:
         ns.unshare(ns.CLONE_NEWNS)
         ns.make_mounts_private()
-        mount_all(mounts)
+        image = podlogic.hidden_by_mounts(mounts, image_paths())
+        mount_all([*mounts, *(podlogic.Mount(p, p, True) for p in image)])
     workdir = spec.get("workdir")
     if workdir:
         os.chdir(workdir)
     argv: list[str] = spec["argv"]
     env: dict[str, str] = spec["env"]
     os.execvpe(argv[0], argv, env)
+
+
+def image_paths() -> list[str]:
+    """What stands for the container image: this interpreter's environment and the project's
+    source tree (an editable install), which the mapped commands need."""
+    repo = Path(__file__).resolve().parents[2]
+    return sorted({str(repo), sys.prefix, sys.base_prefix})
 
 
 def mount_all(mounts: list[podlogic.Mount]) -> None:

@@ -259,6 +259,24 @@ def order_mounts(mounts: Sequence[Mount]) -> list[Mount]:
     return sorted(mounts, key=lambda m: len(PurePosixPath(m.target).parts))
 
 
+def hidden_by_mounts(mounts: Sequence[Mount], paths: Sequence[str]) -> list[str]:
+    """The `paths` that a mount at them or at one of their parents would hide.
+
+    Here the "image" is the host's own filesystem: the project's virtual environment and source
+    tree are what a real image would carry, and a volume at /tmp (or /work...) must not hide
+    them when the repository lives below it. The launcher binds those paths back on top.
+    """
+    hidden = []
+    for path in paths:
+        target = PurePosixPath(path)
+        if any(
+            target == PurePosixPath(m.target) or PurePosixPath(m.target) in target.parents
+            for m in mounts
+        ):
+            hidden.append(path)
+    return hidden
+
+
 def build_etc_hosts(hostname: str, pod_ip: str) -> str:
     return (
         "# Kubernetes-managed hosts file (lora-devcluster).\n"

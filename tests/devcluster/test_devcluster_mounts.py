@@ -6,6 +6,7 @@ a mount below /tmp must land on top of the /tmp volume, not under it, as on a re
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -72,3 +73,45 @@ def test_an_emptydir_at_tmp_hides_no_later_mount(
     assert log.splitlines() == [ns, "from the host", "v", "v", "tmp: conf", "done"], log
     # The emptyDir took the write; the host's /tmp did not.
     assert not Path("/tmp/written").exists()
+
+
+def test_a_volume_over_the_repository_does_not_hide_the_image(
+    devcluster: Harness, devcluster_namespace: str
+) -> None:
+    """The chart's /tmp emptyDir over a checkout in /tmp (as CI clones it): the mapped image's
+    command still runs from the project's virtual environment."""
+    h, ns = devcluster, devcluster_namespace
+    repo = Path(__file__).resolve().parents[2]
+    h.apply(
+        {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": "covered"},
+            "spec": {
+                "restartPolicy": "Never",
+                "volumes": [{"name": "scratch", "emptyDir": {}}],
+                "containers": [
+                    {
+                        "name": "c",
+                        "image": "lora-devcluster/echo:dev",
+                        "command": [
+                            sys.executable,
+                            "-c",
+                            "import lora_devcluster, os; print('ok', os.listdir('.'))",
+                        ],
+                        "volumeMounts": [{"name": "scratch", "mountPath": str(repo.parent)}],
+                    }
+                ],
+            },
+        },
+        ns,
+    )
+
+    def finished() -> dict | None:  # type: ignore[type-arg]
+        pod = h.get(f"/api/v1/namespaces/{ns}/pods/covered")
+        statuses = pod.get("status", {}).get("containerStatuses") or [{}]
+        return statuses[0].get("state", {}).get("terminated")
+
+    terminated = h.wait_for("the container to finish", finished, timeout=60)
+    assert terminated["exitCode"] == 0, h.container_logs(ns)
+    assert "ok" in h.container_logs(ns)

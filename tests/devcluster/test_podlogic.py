@@ -376,3 +376,9 @@ def test_mounts_are_ordered_parents_first_and_stable_otherwise() -> None:
         "/h/hosts",
         "/h/sa",
     ]
+
+
+def test_volumes_at_or_above_the_image_paths_hide_them() -> None:
+    mounts = [podlogic.Mount("/host/a", "/tmp", False), podlogic.Mount("/host/b", "/data", True)]
+    paths = ["/tmp/ci/.venv", "/tmp", "/usr/lib/python3", "/datastore"]
+    assert podlogic.hidden_by_mounts(mounts, paths) == ["/tmp/ci/.venv", "/tmp"]
