@@ -14,7 +14,7 @@ controller can tell whether an event changed anything it acts on.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import PurePosixPath
 from typing import Any
@@ -199,7 +199,3 @@ def object_ref(info: AdapterInfo) -> dict[str, str]:
         "name": info.name,
         "uid": info.uid,
     }
-
-
-def names(items: Sequence[Any]) -> str:
-    return ", ".join(sorted(str(getattr(i, "name", i)) for i in items))

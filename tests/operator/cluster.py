@@ -19,7 +19,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -375,24 +374,10 @@ def revisions(volume: Path, ns: str, name: str) -> list[str]:
     return sorted(p.name for p in d.iterdir()) if d.exists() else []
 
 
-def wait_until(what: str, fn: Callable[[], Any], timeout: float = 60) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = fn()
-        if value:
-            return value
-        time.sleep(0.2)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
-
-
-def events(h: Harness, ns: str, name: str) -> list[Obj]:
+def event_reasons(h: Harness, ns: str, name: str) -> set[str]:
+    """The reasons of the Events about the object `name` in `ns`."""
     items = h.get(f"/api/v1/namespaces/{ns}/events")["items"]
-    return [e for e in items if e["involvedObject"].get("name") == name]
-
-
-def iter_reasons(h: Harness, ns: str, name: str) -> Iterator[str]:
-    for e in events(h, ns, name):
-        yield str(e["reason"])
+    return {str(e["reason"]) for e in items if e["involvedObject"].get("name") == name}
 
 
 @dataclass(frozen=True)

@@ -53,7 +53,7 @@ def test_adapter_follows_replicas_restarts_updates_and_deletion(
     assert not np.array_equal(reference, base)
     for ip in ips.values():
         assert np.array_equal(cluster.generate(f"http://{ip}:8000", "pixel"), reference)
-    reasons = set(cluster.iter_reasons(h, ns, "pixel"))
+    reasons = cluster.event_reasons(h, ns, "pixel")
     assert {"Staging", "Staged", "Loaded", "Ready"} <= reasons
 
     # Scale 2 -> 3: the new pod gets the adapter.
