@@ -115,6 +115,8 @@ def _pod(h, ns):
     h.wait_for("pod ready", lambda: any(c["type"] == "Ready" and c["status"] == "True"
                for c in h.get(f"/api/v1/namespaces/{ns}/pods/talker")
                    .get("status", {}).get("conditions", [])), timeout=60)
+    # Ready comes when the process starts, maybe before its echo: wait for the line itself.
+    h.wait_for("the pod's output", lambda: "hello-from-the-pod" in h.container_logs(ns), 30)
 
 def test_fails(devcluster, devcluster_namespace):
     _pod(devcluster, devcluster_namespace)
