@@ -76,6 +76,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--max-batch-size", type=int, default=4, help="images per pipeline call")
     serve.add_argument(
+        "--merge",
+        choices=("auto", "always", "never"),
+        default="auto",
+        help="merge a single-adapter batch's adapter into the weights where it pays (auto)",
+    )
+    serve.add_argument(
         "--max-queue", type=int, default=64, help="queued requests before answering 429"
     )
     serve.add_argument("--host", default="0.0.0.0")
@@ -122,6 +128,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         device=args.device or default_device(),
         dtype=args.dtype,
         max_batch_size=args.max_batch_size,
+        merge=args.merge,
         max_queue=args.max_queue,
         host=args.host,
         port=args.port,

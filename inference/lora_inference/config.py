@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from lora_inference.costs import MergePolicy
+
 
 @dataclass(frozen=True)
 class StaticLora:
@@ -33,6 +35,9 @@ class ServerConfig:
     max_batch_size: int = 4
     max_queue: int = 64
     max_skips: int = 4
+    # Single-adapter batches merge the adapter into the layers where the measured cost model
+    # says it pays (auto), into every layer (always) or none (never).
+    merge: MergePolicy = "auto"
     host: str = "0.0.0.0"
     port: int = 8000
 
@@ -62,6 +67,8 @@ class ServerConfig:
                 f"{len(self.static_loras)} --lora adapters are pinned but --max-loras is "
                 f"{self.max_loras}; raise --max-loras"
             )
+        if self.merge not in ("auto", "always", "never"):
+            raise ValueError(f"--merge must be auto, always or never, got {self.merge!r}")
         if self.max_batch_size < 1 or self.max_queue < 1:
             raise ValueError("--max-batch-size and --max-queue must be at least 1")
         names = [s.name for s in self.static_loras]

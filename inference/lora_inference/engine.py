@@ -10,6 +10,10 @@ Admin changes are ordered by versions, not by draining the queue: a request reso
 record when it is admitted and keeps it, so requests admitted before an in-place swap or an
 unload finish with the weights they asked for, and the old version leaves the pipeline once the
 last of them is done.
+
+The pipeline has a fixed set of `--max-loras` slots, named when the engine is made. An adapter
+that enters the pipeline is copied into a free slot or into the slot of the adapter it evicts;
+no adapter is ever loaded through diffusers while the server runs.
 """
 
 from __future__ import annotations
@@ -34,13 +38,13 @@ from lora_inference.adapters import cache, files, layout
 from lora_inference.adapters.registry import AdapterRecord, Origin, Registry, next_version
 from lora_inference.config import ServerConfig
 from lora_inference.metrics import Metrics
-from lora_inference.pipeline import DiffusionBackend, ImageJob, ParsedAdapter
+from lora_inference.pipeline import BatchOutcome, DiffusionBackend, ImageJob, ParsedAdapter
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-# Process-wide, like adapter versions: a slot name is never reused, even by another engine
-# around the same pipeline (tests run several).
-_slot_numbers = itertools.count(1)
+# Process-wide, like adapter versions: slot names differ between engines around the same
+# pipeline (tests run several), so one engine never writes into another's slots.
+_engine_numbers = itertools.count(1)
 
 
 @dataclass(frozen=True)
@@ -91,9 +95,10 @@ class Engine:
         self.gpu = cache.LRUTier("gpu", config.max_loras, label=self._label)
         self.cpu = cache.LRUTier("cpu", config.max_cpu_loras, label=self._label)
         self._parsed: dict[str, ParsedAdapter] = {}
-        # Resident adapter -> its slot: the peft adapter name of the layers holding it. A slot
-        # outlives its first adapter when later ones are swapped into it in place.
+        # Resident adapter -> its slot, the peft adapter name of the layers holding it.
         self._slots: dict[str, str] = {}
+        engine = next(_engine_numbers)
+        self._free_slots = [f"e{engine}_slot{i}" for i in reversed(range(config.max_loras))]
         self._refs: collections.Counter[str] = collections.Counter()
         self._retired: set[str] = set()  # keys replaced or unloaded, to drop when unreferenced
         self._queue: list[_Pending] = []
@@ -109,6 +114,8 @@ class Engine:
     # -- lifecycle ------------------------------------------------------------------------------
 
     async def start(self) -> None:
+        if self.config.merge == "auto":
+            await self._in_pipeline(self.backend.calibrate)
         self._worker = asyncio.create_task(self._run(), name="pipeline-worker")
         for static in self.config.static_loras:
             await self.register(static.name, static.path, pinned=True, origin="static")
@@ -125,7 +132,8 @@ class Engine:
         slots = list(self._slots.values())
         self._slots.clear()
         if slots:
-            await self._in_pipeline(self._remove_all, slots)
+            await self._in_pipeline(self._clear_slots, slots)
+            self._free_slots.extend(slots)
         self._pipeline_thread.shutdown(wait=True)
         self._parse_pool.shutdown(wait=True)
 
@@ -388,9 +396,11 @@ class Engine:
                     self.metrics.lookups.labels("hit" if record.key in self.gpu else "miss").inc()
                     await self._make_resident(record, wanted=wanted, protected=needed)
                 started = time.perf_counter()
-                images = await self._in_pipeline(self._activate_and_generate, batch)
+                outcome = await self._in_pipeline(self._generate_batch, batch)
                 self.metrics.generation_seconds.observe(time.perf_counter() - started)
-                self.metrics.batch_images.observe(len(images))
+                self.metrics.batch_images.observe(len(outcome.images))
+                self.metrics.batches.labels(outcome.path).inc()
+                images = outcome.images
         except Exception as e:
             failure = (
                 e
@@ -420,21 +430,22 @@ class Engine:
                 pending.future.set_result(out)
         self.metrics.requests.labels("ok").inc(len(batch))
 
-    def _activate_and_generate(self, batch: list[_Pending]) -> list[Image.Image]:
-        """Pipeline thread: set the batch's adapters and scales, then run one pipeline call."""
+    def _generate_batch(self, batch: list[_Pending]) -> BatchOutcome:
+        """Pipeline thread: one pipeline call, each request through its adapter's slot."""
+        slots = [self._slots[p.key.adapter] if p.key.adapter else None for p in batch]
         scales = {
             self._slots[p.key.adapter]: p.key.scale for p in batch if p.key.adapter is not None
         }
-        self.backend.activate(scales)
-        mixed = len({p.key.adapter for p in batch}) > 1
         shape = batch[0].key
-        return self.backend.generate(
+        return self.backend.run_batch(
             [p.job for p in batch],
+            slots,
+            scales,
             width=shape.width,
             height=shape.height,
             steps=shape.steps,
             guidance_scale=shape.guidance_scale,
-            routing=[self._slots.get(p.key.adapter or "") for p in batch] if mixed else None,
+            merge=self.config.merge,
         )
 
     def _release(self, pending: _Pending) -> None:
@@ -464,56 +475,39 @@ class Engine:
             self._cache_parsed(record.key, parsed)
         else:
             self.cpu.touch(record.key)
-        # Evicting an adapter whose layers the newcomer fits lets it be copied in place.
-        reusable = [k for k in self.gpu if self.backend.fits(self._slots[k], parsed)]
         evict = self.gpu.plan_admit(
             record.key,
             pinned=record.pinned,
             protected={record.key, *protected},
             prefer_keep=wanted,
-            prefer_evict=reusable,
         )
         started = time.perf_counter()
         freed = [self._slots.pop(old) for old in evict if old in self._slots]
+        slot = freed[0] if freed else self._free_slots.pop()
         try:
-            slot = await self._in_pipeline(self._place, freed, record.key, parsed)
-        except errors.InferenceError:
+            await self._in_pipeline(self._place, slot, parsed, freed[1:])
+        except Exception as e:
+            self._free_slots.extend(freed or [slot])  # emptied, or never filled
             self.metrics.loads.labels("gpu", "error").inc()
             for old in evict:
                 self.gpu.remove(old)
             self._drop_broken(record)
-            raise
+            if isinstance(e, errors.InferenceError):
+                raise
+            raise errors.InferenceError(f"copying adapter {record.name!r} failed: {e}") from e
         finally:
             self.metrics.evictions.labels("gpu").inc(len(evict))
         self._slots[record.key] = slot
+        self._free_slots.extend(freed[1:])
         self.gpu.admit(record.key, pinned=record.pinned, evicted=evict)
         self.metrics.loads.labels("gpu", "ok").inc()
-        if slot in freed:
-            self.metrics.inplace_swaps.inc()
         self.metrics.load_seconds.labels("gpu").observe(time.perf_counter() - started)
         self._update_tier_gauges()
 
-    def _place(self, freed: list[str], key: str, parsed: ParsedAdapter) -> str:
-        """Pipeline thread: put `parsed` into a freed slot in place if one fits, else load it anew.
-
-        Returns the slot (peft adapter name) now holding it; every other freed slot is removed.
-        """
-        placed: str | None = None
-        try:
-            for slot in freed:
-                if placed is None and self.backend.replace(slot, parsed):
-                    placed = slot
-                else:
-                    self.backend.remove_adapter(slot)
-        except Exception:
-            self._remove_all(freed)
-            raise
-        if placed is None:
-            # Never the record key: a slot named after an earlier adapter may still be resident
-            # holding another one.
-            placed = f"slot{next(_slot_numbers)}"
-            self.backend.add_adapter(placed, parsed)
-        return placed
+    def _place(self, slot: str, parsed: ParsedAdapter, stale: list[str]) -> None:
+        """Pipeline thread: copy `parsed` into `slot`; empty slots freed beside it."""
+        self._clear_slots(stale)
+        self.backend.place(slot, parsed)
 
     def _drop_broken(self, record: AdapterRecord) -> None:
         """An adapter the pipeline refused after all: unregister it so nobody asks again."""
@@ -541,7 +535,8 @@ class Engine:
         slots = [self._slots.pop(k) for k in keys if k in self._slots]
         if slots:
             async with self._pipeline_lock:
-                await self._in_pipeline(self._remove_all, slots)
+                await self._in_pipeline(self._clear_slots, slots)
+            self._free_slots.extend(slots)
         for key in keys:
             self.gpu.remove(key)
             self.cpu.remove(key)
@@ -550,9 +545,10 @@ class Engine:
             self._retired.discard(key)
         self._update_tier_gauges()
 
-    def _remove_all(self, slots: list[str]) -> None:
+    def _clear_slots(self, slots: list[str]) -> None:
+        """Pipeline thread: empty `slots` (the caller returns them to the free list)."""
         for slot in slots:
-            self.backend.remove_adapter(slot)
+            self.backend.clear(slot)
 
     # -- helpers --------------------------------------------------------------------------------
 

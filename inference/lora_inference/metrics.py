@@ -26,11 +26,6 @@ class Metrics:
             ["tier", "result"],
             registry=r,
         )
-        self.inplace_swaps = Counter(
-            "lora_adapter_inplace_swaps",
-            "GPU loads that copied weights into an evicted adapter's layers instead of new ones",
-            registry=r,
-        )
         self.evictions = Counter(
             "lora_adapter_evictions", "Adapters evicted, by tier", ["tier"], registry=r
         )
@@ -55,6 +50,12 @@ class Metrics:
         )
         self.queue_depth = Gauge(
             "lora_queue_depth", "Requests waiting for the pipeline", registry=r
+        )
+        self.batches = Counter(
+            "lora_batches",
+            "Pipeline calls by path: base, adapter (one, unmerged), merged, mixed (routed)",
+            ["path"],
+            registry=r,
         )
         self.batch_images = Histogram(
             "lora_batch_images", "Images per batch", buckets=(1, 2, 4, 8, 16, 32), registry=r

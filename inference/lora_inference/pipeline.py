@@ -1,47 +1,56 @@
 """The diffusers pipeline and everything that touches it: the only module that imports diffusers.
 
 Adapter state in a diffusers pipeline is global and not thread-safe, so a `DiffusionBackend` is
-driven by exactly one thread (the engine's pipeline worker). Its methods are blocking. Three rules
-from docs/architecture.md are enforced here:
+driven by exactly one thread (the engine's pipeline worker), apart from `parse_adapter`, which
+reads files and touches no pipeline state. Its methods are blocking. Rules from
+docs/architecture.md enforced here:
 
-- an adapter is checked against the model's layer shapes before `load_lora_weights` runs, and a
-  load that fails anyway is rolled back on every component;
-- before each batch the active adapter and its weight are set on every LoRA layer of every
-  component and read back (peft leaves a previous text-encoder adapter active otherwise);
-- scales are set with peft's `set_scale` per layer, never through `cross_attention_kwargs`, whose
-  in-place multiply/divide is stateful.
+- an adapter is read, converted and checked against the model's layer table before the pipeline
+  sees it (shapes, ranks); its per-layer setup (rank, alpha, rsLoRA) is worked out
+  then, with diffusers' and peft's own configuration code, so entering the pipeline is a copy
+  into a slot (`slots.Slots`), never a diffusers load;
+- before each batch exactly the batch's adapters are set on their layers, at their scales, and
+  read back; scales go through each layer's scaling, never `cross_attention_kwargs`, whose
+  in-place multiply/divide is stateful;
+- a merged call restores the merged weights from pristine copies, never by subtracting.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import inspect
+import json
 import logging
-from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+import math
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import safetensors.torch
 import torch
 from diffusers import DiffusionPipeline
+from diffusers.utils.peft_utils import get_peft_kwargs
 from diffusers.utils.state_dict_utils import (
     convert_state_dict_to_diffusers,
     convert_state_dict_to_peft,
     convert_unet_state_dict_to_peft,
 )
-from peft.tuners.lora import LoraLayer
-from peft.tuners.tuners_utils import BaseTunerLayer
+from peft import LoraConfig
+from peft.utils.other import get_pattern_key
 from PIL import Image
 
-from lora_inference import errors
+from lora_inference import costs, errors
 from lora_inference.adapters import files, validation
+from lora_inference.costs import MergePolicy
+from lora_inference.slots import Group, LayerKey, LayerWeights, Slots
 
 log = logging.getLogger(__name__)
 
 _DENOISERS = ("unet", "transformer")
-_BASE = "__base__"  # peft's name for "no adapter" in per-sample routing
 # Sampling defaults per family, as the model cards recommend; requests may override them.
 _SAMPLING_DEFAULTS = {
     "StableDiffusionPipeline": (30, 7.5),
@@ -50,26 +59,25 @@ _SAMPLING_DEFAULTS = {
     "FluxPipeline": (28, 3.5),
 }
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# diffusers derives a text encoder's ranks from these modules only (_load_lora_into_text_encoder).
+_TEXT_ENCODER_RANK_MODULES = (".q_proj", ".k_proj", ".v_proj", ".out_proj", ".fc1", ".fc2")
+_METADATA_KEY = "lora_adapter_metadata"  # diffusers' LoRA config in a safetensors header
+
+BatchPath = Literal["base", "adapter", "merged", "mixed"]
 
 
 @dataclass(frozen=True)
 class ParsedAdapter:
-    """An adapter read from disk and checked: what the CPU tier caches."""
+    """An adapter read from disk, checked and converted: what the CPU tier caches."""
 
-    tensors: dict[str, torch.Tensor]  # as in the file (diffusers converts them on each load)
     sha256: str
     size_bytes: int
     rank: int
     components: tuple[str, ...]  # the pipeline components it adapts
-    # diffusers' own LoRA metadata (alpha, rank pattern) lives in the file header and is lost
-    # when a state dict is passed in memory; such adapters are loaded from their file instead.
-    needs_file: bool
     weights_file: Path
-    # The same tensors under peft's names, by component: what an in-place swap copies.
-    peft_state: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
-    # Per layer (component, module) -> (rank, alpha, scaling, rslora) as peft set them up on the
-    # adapter's first fresh load; an in-place swap restores them. Empty until that load.
-    profile: dict[tuple[str, str], tuple[int, float, float, bool]] = field(default_factory=dict)
+    # Per targeted layer: the weights under peft's module names, with the setup peft would give
+    # them. Entering the pipeline copies these; they are never handed over themselves.
+    layers: Mapping[LayerKey, LayerWeights]
 
 
 @dataclass(frozen=True)
@@ -79,6 +87,21 @@ class ImageJob:
     prompt: str
     negative_prompt: str | None
     seeds: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class BatchOutcome:
+    images: list[Image.Image]
+    path: BatchPath
+    merged_layers: int
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """What `costs.plan_merge` needs about this pipeline on this device."""
+
+    rates: costs.Rates
+    rows: Mapping[LayerKey, costs.LayerRows]
 
 
 def resolve_dtype(name: str, device: str) -> torch.dtype:
@@ -94,7 +117,7 @@ def default_device() -> str:
 
 
 class DiffusionBackend:
-    """A loaded pipeline plus the shape table its adapters are checked against."""
+    """A loaded pipeline, its LoRA slots, and the layer table adapters are checked against."""
 
     def __init__(self, pipe: Any, *, device: str, dtype: torch.dtype) -> None:
         self.pipe = pipe
@@ -107,15 +130,15 @@ class DiffusionBackend:
             if getattr(pipe, c, None) is not None
         )
         self.shapes = _layer_shapes(pipe, self.components)
-        self._base_fingerprint = self._fingerprint()
-        self._resident: dict[str, ParsedAdapter] = {}  # pipeline adapter name -> what it holds
+        self.slots = Slots({c: getattr(pipe, c) for c in self.components})
+        self.calibration: Calibration | None = None
         self._call_params = set(inspect.signature(pipe.__call__).parameters)
-        vae_scale = int(getattr(pipe, "vae_scale_factor", 8))
+        self.vae_scale = int(getattr(pipe, "vae_scale_factor", 8))
         denoiser = self._denoiser()
         sample = getattr(denoiser.config, "sample_size", 64)
         sample = sample[0] if isinstance(sample, list | tuple) else sample
         # Flux and SD3 patchify latents; their sample_size is already in latent pixels.
-        self.default_size = int(sample) * vae_scale
+        self.default_size = int(sample) * self.vae_scale
         self.default_steps, self.default_guidance = _SAMPLING_DEFAULTS.get(self.family, (30, 7.0))
 
     @classmethod
@@ -133,7 +156,7 @@ class DiffusionBackend:
     # -- reading adapters (any thread: touches no pipeline state) ----------------------------
 
     def parse_adapter(self, path: Path, *, name: str, max_rank: int) -> ParsedAdapter:
-        """Read, hash and check an adapter without touching the pipeline.
+        """Read, hash, check and convert an adapter without touching the pipeline.
 
         Raises UnsupportedFormat (pickle), IncompatibleAdapter (corrupt file, not a LoRA, wrong
         shapes or rank for this model).
@@ -147,38 +170,51 @@ class DiffusionBackend:
             raise errors.IncompatibleAdapter(
                 f"{weights.name} cannot be read as safetensors: {e}", param="lora_path"
             ) from e
+        # safetensors returns the tensors in no fixed order, and diffusers breaks ties between
+        # equally common ranks and alphas by the order it meets them: sorted, a file always
+        # gets the same setup.
+        tensors = dict(sorted(tensors.items()))
         files.check_lora_keys(list(tensors), name=name)
         # Weights take the model's dtype; scalars (alphas) keep theirs, as diffusers reads them.
         tensors = {
             k: v.to(self.dtype) if v.is_floating_point() and v.dim() > 0 else v
             for k, v in tensors.items()
         }
-        peft_state = self._peft_state(tensors, name)
-        shapes = {c: {k: tuple(v.shape) for k, v in part.items()} for c, part in peft_state.items()}
+        parts, alphas = self._convert(tensors, name)
+        shapes = {c: {k: tuple(v.shape) for k, v in part.items()} for c, part in parts.items()}
         summary = validation.check_adapter_fits(shapes, self.shapes, max_rank=max_rank, name=name)
+        metadata = _adapter_metadata(header.metadata, name)
+        layers: dict[LayerKey, LayerWeights] = {}
+        for component, part in parts.items():
+            layers.update(self._layer_weights(component, part, alphas, metadata, name))
         return ParsedAdapter(
-            tensors=tensors,
             sha256=hashlib.sha256(data).hexdigest(),
             size_bytes=len(data),
             rank=summary.rank,
             components=summary.components,
-            needs_file="lora_adapter_metadata" in header.metadata,
             weights_file=weights,
-            peft_state=peft_state,
+            layers=layers,
         )
 
-    def _peft_state(
+    def _convert(
         self, tensors: dict[str, torch.Tensor], name: str
-    ) -> dict[str, dict[str, torch.Tensor]]:
-        """Convert keys the way diffusers will when loading, grouped by component."""
+    ) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, float]]:
+        """Convert keys the way diffusers does when loading: peft names grouped by component,
+        and the network alphas of kohya-style files."""
+        reader = type(self.pipe).lora_state_dict
+        kwargs: dict[str, Any] = {"return_lora_metadata": True}
+        if "return_alphas" in inspect.signature(reader).parameters:
+            kwargs["return_alphas"] = True  # Flux returns them only when asked
         try:
-            converted = type(self.pipe).lora_state_dict(dict(tensors))
+            converted = reader(dict(tensors), **kwargs)
         except Exception as e:  # diffusers' converters raise ValueError, KeyError, ...
             raise errors.IncompatibleAdapter(
                 f"adapter {name!r} is in a LoRA format {self.family} cannot read: {e}",
                 param="lora_path",
             ) from e
-        state = converted[0] if isinstance(converted, tuple) else converted
+        # (state, alphas, metadata) for SD 1.5, SDXL and Flux; (state, metadata) for SD3.
+        state = converted[0]
+        alphas = converted[1] if len(converted) == 3 else None
         by_component: dict[str, dict[str, torch.Tensor]] = {}
         for key, tensor in state.items():
             component, _, rest = key.partition(".")
@@ -187,199 +223,190 @@ class DiffusionBackend:
                     f"adapter {name!r}: key {key!r} names no pipeline component", param="lora_path"
                 )
             by_component.setdefault(component, {})[rest] = tensor
-        state_by_component: dict[str, dict[str, torch.Tensor]] = {}
+        parts: dict[str, dict[str, torch.Tensor]] = {}
         for component, part in by_component.items():
             if component in _DENOISERS:
                 if not any("lora_A" in k for k in part):
                     part = convert_unet_state_dict_to_peft(part)
             else:
                 part = convert_state_dict_to_peft(convert_state_dict_to_diffusers(part))
-            state_by_component[component] = part
-        return state_by_component
+                # Recent transformers flatten CLIPTextModel; older files still say text_model.
+                model = getattr(self.pipe, component, None)
+                if model is not None and not hasattr(model, "text_model"):
+                    part = {k.removeprefix("text_model."): v for k, v in part.items()}
+            parts[component] = part
+        return parts, {k: float(v) for k, v in (alphas or {}).items()}
 
-    # -- mutating the pipeline (pipeline thread only) ------------------------------------------
+    def _layer_weights(
+        self,
+        component: str,
+        part: dict[str, torch.Tensor],
+        alphas: Mapping[str, float],
+        metadata: Mapping[str, Any] | None,
+        name: str,
+    ) -> dict[LayerKey, LayerWeights]:
+        """Each layer's weights with the rank, alpha and rsLoRA a diffusers load would give it.
 
-    def add_adapter(self, key: str, adapter: ParsedAdapter) -> None:
-        """Load `adapter` under `key`; on any failure leave the pipeline exactly as it was."""
-        source: Any
-        if adapter.needs_file:
-            source = str(adapter.weights_file.parent)
-            kwargs = {"weight_name": adapter.weights_file.name}
+        The LoraConfig comes from diffusers' own `get_peft_kwargs` (or the file's metadata), fed
+        as diffusers' loaders feed it, and each layer's alpha from peft's own pattern matching,
+        so quirks included the result is what `load_lora_weights` sets up (a test compares them
+        for every family and format).
+        """
+        own = None
+        if metadata is not None:
+            prefix = f"{component}."
+            own = {k.removeprefix(prefix): v for k, v in metadata.items() if k.startswith(prefix)}
+        if component in _DENOISERS:
+            ranks = {f"^{k}": v.shape[1] for k, v in part.items() if "lora_B" in k and v.ndim > 1}
+            network = {
+                k.removeprefix(f"{component}."): v
+                for k, v in alphas.items()
+                if k.startswith(f"{component}.")
+            }
         else:
-            source = self._device_copy(adapter)
-            kwargs = {}
-        try:
-            with torch.no_grad():
-                self.pipe.load_lora_weights(
-                    source, adapter_name=key, low_cpu_mem_usage=True, **kwargs
-                )
-            self._check_landed(key, adapter)
-            self._check_base_unchanged()
-        except Exception as e:
-            self.remove_adapter(key)
-            if isinstance(e, errors.InferenceError):
-                raise
-            raise errors.IncompatibleAdapter(
-                f"the pipeline refused the adapter: {e}", param="lora_path"
-            ) from e
-        self._resident[key] = adapter
-        if not adapter.profile:
-            adapter.profile.update(self._profile(key))
-
-    def _profile(self, name: str) -> dict[tuple[str, str], tuple[int, float, float, bool]]:
-        profile = {}
-        for component in self.components:
-            for module_name, module in getattr(self.pipe, component).named_modules():
-                if isinstance(module, LoraLayer) and name in module.lora_A:
-                    profile[(component, module_name)] = (
-                        module.r[name],
-                        module.lora_alpha[name],
-                        module.scaling[name],
-                        bool(module.use_rslora.get(name, False)),
-                    )
-        return profile
-
-    def fits(self, name: str, adapter: ParsedAdapter) -> bool:
-        """Whether `adapter` targets exactly the layers resident adapter `name` holds."""
-        current = self._resident.get(name)
-        return (
-            current is not None
-            and bool(adapter.profile)
-            and adapter.profile.keys() == current.profile.keys()
-        )
-
-    def replace(self, name: str, adapter: ParsedAdapter) -> bool:
-        """Copy `adapter` into the layers of resident adapter `name`, in place; False if it can't.
-
-        Copying weights into layers that exist is several times cheaper than creating layers,
-        and the pipeline keeps the same layers. It applies when `adapter` has been loaded afresh
-        once (its per-layer rank and alpha, as peft set them up, are then known) and targets
-        exactly the layers `name` holds, with the same shapes. On False nothing changed.
-        """
-        if not self.fits(name, adapter):
-            return False
-        copies = []
-        for (component, module_name), setup in adapter.profile.items():
-            layer = getattr(self.pipe, component).get_submodule(module_name)
-            part = adapter.peft_state.get(component, {})
-            down = part.get(f"{module_name}.lora_A.weight")
-            up = part.get(f"{module_name}.lora_B.weight")
-            if down is None or up is None:
-                return False
-            if (
-                down.shape != layer.lora_A[name].weight.shape
-                or up.shape != layer.lora_B[name].weight.shape
-            ):
-                return False
-            copies.append((layer, down, up, setup))
-        with torch.no_grad():
-            for layer, down, up, (rank, alpha, scaling, rslora) in copies:
-                layer.lora_A[name].weight.copy_(down)
-                layer.lora_B[name].weight.copy_(up)
-                layer.r[name] = rank
-                layer.lora_alpha[name] = alpha
-                layer.scaling[name] = scaling
-                layer.use_rslora[name] = rslora
-        self._resident[name] = adapter
-        return True
-
-    def _device_copy(self, adapter: ParsedAdapter) -> dict[str, torch.Tensor]:
-        """Fresh tensors for the pipeline: with low_cpu_mem_usage peft adopts the tensors it is
-        given as parameters, and a later in-place swap writes into them, so the cached ones must
-        never be handed over."""
-        return {k: v.to(self.device, copy=True) for k, v in adapter.tensors.items()}
-
-    def _check_base_unchanged(self) -> None:
-        if self._fingerprint() != self._base_fingerprint:
-            raise errors.IncompatibleAdapter(
-                "loading it changed the shapes of the base model's layers (a LoRA wider than "
-                "the layer it targets); it was removed",
-                param="lora_path",
-            )
-
-    def _check_landed(self, key: str, adapter: ParsedAdapter) -> None:
-        """The adapter reached exactly the components it targets.
-
-        peft may inject zero-initialised layers for `key` into a component that already holds
-        other adapters even when this adapter has no weights for it; those are removed, so an
-        adapter's footprint is what its file says.
-        """
-        for component in self.components:
             model = getattr(self.pipe, component)
-            layers = [
-                m
-                for m in model.modules()
-                if isinstance(m, BaseTunerLayer) and key in getattr(m, "lora_A", {})
-            ]
-            if component in adapter.components and not layers:
+            ranks = {}
+            for module_name, _ in model.named_modules():
+                key = f"{module_name}.lora_B.weight"
+                if module_name.endswith(_TEXT_ENCODER_RANK_MODULES) and key in part:
+                    ranks[key] = part[key].shape[1]
+            network = {
+                k.removeprefix(f"{component}."): v
+                for k, v in alphas.items()
+                if k.split(".")[0] == component
+            }
+        try:
+            kwargs = own or get_peft_kwargs(
+                ranks, network or None, part, is_unet=component in _DENOISERS
+            )
+            config = LoraConfig(**kwargs)
+        except (TypeError, ValueError, IndexError) as e:
+            raise errors.IncompatibleAdapter(
+                f"adapter {name!r}: no LoRA configuration can be derived for {component}: {e}",
+                param="lora_path",
+            ) from e
+        rank_pattern = config.rank_pattern or {}
+        alpha_pattern = config.alpha_pattern or {}
+        layers: dict[LayerKey, LayerWeights] = {}
+        for key, down in part.items():
+            module, sep, _ = key.partition(".lora_A.")
+            if not sep:
+                continue
+            up = part[f"{module}.lora_B.weight"]
+            rank = rank_pattern.get(get_pattern_key(list(rank_pattern), module), config.r)
+            if rank != down.shape[0]:
                 raise errors.IncompatibleAdapter(
-                    f"the pipeline loaded no layers of the adapter into {component}",
+                    f"adapter {name!r}: its configuration gives '{component}.{module}' rank "
+                    f"{rank}, but its weights have rank {down.shape[0]}",
                     param="lora_path",
                 )
-            if component not in adapter.components:
-                for layer in layers:
-                    layer.delete_adapter(key)
-                peft_config = getattr(model, "peft_config", None)
-                if layers and isinstance(peft_config, dict):
-                    peft_config.pop(key, None)
+            alpha = alpha_pattern.get(
+                get_pattern_key(list(alpha_pattern), module), config.lora_alpha
+            )
+            layers[(component, module)] = LayerWeights(
+                down=down, up=up, alpha=float(alpha), rslora=bool(config.use_rslora)
+            )
+        return layers
 
-    def remove_adapter(self, key: str) -> None:
-        """Delete `key` from every component; a name a component lacks is fine."""
-        self._resident.pop(key, None)
-        for component in self.components:
-            model = getattr(self.pipe, component)
-            for module in model.modules():
-                if (
-                    isinstance(module, BaseTunerLayer)
-                    and key in module._all_available_adapter_names()
-                ):
-                    module.delete_adapter(key)
-            peft_config = getattr(model, "peft_config", None)
-            if isinstance(peft_config, dict):
-                peft_config.pop(key, None)
+    # -- the pipeline (pipeline thread only) ----------------------------------------------------
+
+    def place(self, slot: str, adapter: ParsedAdapter) -> None:
+        """Copy `adapter` into `slot` (see slots.Slots.place)."""
+        self.slots.place(slot, adapter.layers)
+
+    def clear(self, slot: str) -> None:
+        self.slots.clear(slot)
 
     def resident_keys(self) -> set[str]:
-        keys: set[str] = set()
-        for layer in self._lora_layers():
-            keys.update(layer.lora_A.keys())
-        return keys
+        return self.slots.held()
 
-    def activate(self, scales: Mapping[str, float]) -> None:
-        """Make exactly the adapters in `scales` active, each at its scale, and check it.
+    def run_batch(
+        self,
+        jobs: Sequence[ImageJob],
+        slots: Sequence[str | None],
+        scales: Mapping[str, float],
+        *,
+        width: int,
+        height: int,
+        steps: int,
+        guidance_scale: float,
+        merge: MergePolicy = "auto",
+    ) -> BatchOutcome:
+        """One pipeline call for `jobs`, each through its own slot (None: the base model).
 
-        Every LoRA layer of every component is set: enabled with the batch's adapters it holds, or
-        disabled when it holds none of them. An empty mapping means the base model.
+        Every image of a batch with one slot goes through it plainly, with the layers where the
+        cost model says so (`merge`) merged for the call; a batch that mixes slots, or a slot and
+        the base model, routes each image through its own slot.
         """
-        for layer in self._lora_layers():
-            present = [key for key in scales if key in layer.lora_A]
-            if present:
-                layer.enable_adapters(True)
-                layer.set_adapter(present, inference_mode=True)
-                for key in present:
-                    layer.set_scale(key, scales[key])
-            else:
-                layer.enable_adapters(False)
-        self._check_active(scales)
+        kinds = set(slots)
+        generate = functools.partial(
+            self._generate, width=width, height=height, steps=steps, guidance_scale=guidance_scale
+        )
+        if kinds == {None}:
+            self.slots.activate({})
+            return BatchOutcome(generate(jobs), "base", 0)
+        if len(kinds) == 1:
+            slot = next(s for s in kinds if s is not None)
+            call = costs.Call(
+                images=sum(len(job.seeds) for job in jobs),
+                steps=steps,
+                latent_area=(width / self.vae_scale) * (height / self.vae_scale),
+                guided=guidance_scale > 1.0,
+            )
+            keys = self.merge_plan(slot, call, merge)
+            self.slots.activate({slot: scales[slot]}, merged=keys)
+            with self.slots.merged(slot, keys):
+                images = generate(jobs)
+            return BatchOutcome(images, "merged" if keys else "adapter", len(keys))
+        # Images of one slot next to each other, so each layer takes a slot's rows as views.
+        order = sorted(range(len(jobs)), key=lambda i: (slots[i] is None, slots[i] or ""))
+        groups: list[Group] = []
+        cursor = 0
+        for i in order:
+            count = len(jobs[i].seeds)
+            owner = slots[i]
+            if owner is not None:
+                if groups and groups[-1].slot == owner and groups[-1].stop == cursor:
+                    groups[-1] = Group(owner, groups[-1].start, cursor + count)
+                else:
+                    groups.append(Group(owner, cursor, cursor + count))
+            cursor += count
+        self.slots.activate({s: scales[s] for s in kinds if s is not None}, routed=True)
+        with self.slots.routed(groups, cursor):
+            produced = generate([jobs[i] for i in order])
+        per_job: dict[int, list[Image.Image]] = {}
+        cursor = 0
+        for i in order:
+            per_job[i] = produced[cursor : cursor + len(jobs[i].seeds)]
+            cursor += len(jobs[i].seeds)
+        return BatchOutcome([image for i in range(len(jobs)) for image in per_job[i]], "mixed", 0)
 
-    def _check_active(self, scales: Mapping[str, float]) -> None:
-        seen: set[str] = set()
-        for layer in self._lora_layers():
-            present = [key for key in scales if key in layer.lora_A]
-            seen.update(present)
-            if not present:
-                ok = bool(layer.disable_adapters)
-            else:
-                ok = not layer.disable_adapters and list(layer.active_adapters) == present
-                for key in present:
-                    expected = scales[key] * layer.lora_alpha[key] / layer.r[key]
-                    ok = ok and abs(layer.scaling[key] - expected) <= 1e-9 * max(1.0, abs(expected))
-            if not ok:
-                raise RuntimeError(f"LoRA layer state did not take: wanted {dict(scales)}")
-        missing = set(scales) - seen
-        if missing:
-            raise RuntimeError(f"adapters {sorted(missing)} are not resident in the pipeline")
+    def merge_plan(self, slot: str, call: costs.Call, policy: MergePolicy) -> list[LayerKey]:
+        """The layers of `slot` to merge for `call` (pure given the calibration)."""
+        footprint = self.slots.footprint(slot)
+        if policy == "never":
+            return []
+        if policy == "always":
+            return list(footprint)
+        calibration = self.calibration
+        if calibration is None:
+            raise RuntimeError("merge policy auto needs calibrate() first")
+        keys = list(footprint)
+        loads = []
+        for component, module in keys:
+            shape = self.shapes[component][module]
+            loads.append(
+                costs.LayerLoad(
+                    fan_in=shape.in_features * math.prod(shape.kernel or (1,)),
+                    fan_out=shape.out_features,
+                    rank=footprint[(component, module)].rank,
+                    rows=calibration.rows.get((component, module)),
+                )
+            )
+        decisions = costs.plan_merge(loads, call, calibration.rates)
+        return [key for key, merge in zip(keys, decisions, strict=True) if merge]
 
-    def generate(
+    def _generate(
         self,
         jobs: Sequence[ImageJob],
         *,
@@ -387,14 +414,7 @@ class DiffusionBackend:
         height: int,
         steps: int,
         guidance_scale: float,
-        routing: Sequence[str | None] | None = None,
     ) -> list[Image.Image]:
-        """Run one pipeline call for `jobs`.
-
-        `routing` (one adapter key or None per job) sends each image through its own adapter
-        within one batch, using peft's per-sample adapter routing; without it every image uses the
-        active adapters.
-        """
         prompts = [job.prompt for job in jobs for _ in job.seeds]
         generators = [
             torch.Generator(device="cpu").manual_seed(seed) for job in jobs for seed in job.seeds
@@ -411,43 +431,172 @@ class DiffusionBackend:
         negatives = [job.negative_prompt or "" for job in jobs for _ in job.seeds]
         if any(negatives) and "negative_prompt" in self._call_params:
             kwargs["negative_prompt"] = negatives
-        per_image = None
-        if routing is not None:
-            per_image = [
-                key or _BASE for job, key in zip(jobs, routing, strict=True) for _ in job.seeds
-            ]
-        with torch.inference_mode(), self._routed(per_image):
+        with torch.inference_mode():
             result = self.pipe(**kwargs)
         return list(result.images)
 
-    @contextlib.contextmanager
-    def _routed(self, per_image: list[str] | None) -> Iterator[None]:
-        """Pass `adapter_names` to every LoRA layer for the duration of one call.
+    # -- calibration (pipeline thread, once, before any adapter) --------------------------------
 
-        Classifier-free guidance runs the denoiser on [unconditional, conditional] halves, so a
-        layer sees the batch repeated k times; the names are repeated to match.
+    def calibrate(self) -> Calibration:
+        """Measure what the merge decision needs; cached, so engines sharing a backend agree.
+
+        Rows per layer come from three calls of one image and one step with every Linear and
+        Conv2d of the adaptable components counting the rows it sees (guided at two sizes,
+        unguided at one); the device's rates from timing a LoRA branch and a merge on layers of
+        two sizes. A few tenths of a second on a CPU with a full-size model.
         """
-        if per_image is None:
-            yield
-            return
-        images = len(per_image)
+        if self.calibration is None:
+            started = time.perf_counter()
+            self.calibration = Calibration(rates=self._measure_rates(), rows=self._measure_rows())
+            log.info(
+                "calibrated the merge cost model in %.2f s: %s",
+                time.perf_counter() - started,
+                self.calibration.rates,
+            )
+        return self.calibration
 
-        def hook(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-            x = args[0] if args else next(iter(kwargs.values()))
-            rows = int(x.shape[0])
-            if rows % images:
-                raise RuntimeError(f"a LoRA layer saw {rows} rows for a batch of {images} images")
-            kwargs["adapter_names"] = per_image * (rows // images)
-            return args, kwargs
+    def _measure_rows(self) -> dict[LayerKey, costs.LayerRows]:
+        side = 8 * self.vae_scale  # 8 latent pixels: valid for every family's patching
+        runs = [(side, side, 5.0), (side, 2 * side, 5.0), (side, side, 1.0)]
+        seen: list[dict[str, tuple[int, int]]] = []
+        for height, width, guidance in runs:
+            counts: dict[str, tuple[int, int]] = {}
+            with self._counting_rows(counts):
+                self._generate_latents(height, width, guidance)
+            seen.append(counts)
+        area = (side / self.vae_scale) ** 2
+        per_step = {f"{c}.{m}": c in _DENOISERS for c in self.components for m in self.shapes[c]}
+        fitted = costs.fit_rows(*seen, areas=(area, 2 * area), per_step=per_step)
+        rows: dict[LayerKey, costs.LayerRows] = {}
+        for name, layer_rows in fitted.items():
+            component, _, module = name.partition(".")
+            rows[(component, module)] = layer_rows
+        return rows
 
-        handles = [
-            layer.register_forward_pre_hook(hook, with_kwargs=True) for layer in self._lora_layers()
-        ]
+    def _generate_latents(self, height: int, width: int, guidance: float) -> None:
+        with torch.inference_mode():
+            self.pipe(
+                prompt=["calibration"],
+                num_inference_steps=1,
+                height=height,
+                width=width,
+                guidance_scale=guidance,
+                output_type="latent",
+                generator=torch.Generator(device="cpu").manual_seed(0),
+            )
+
+    @contextlib.contextmanager
+    def _counting_rows(self, counts: dict[str, tuple[int, int]]) -> Iterator[None]:
+        """Count (rows, passes) per layer while the block runs."""
+
+        def counter(name: str, conv: bool) -> Callable[..., None]:
+            def hook(module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> None:
+                if not isinstance(output, torch.Tensor):
+                    return
+                # A Linear's rows are all but its last dimension; a Conv2d's, its output positions.
+                rows = output.numel() // output.shape[1 if conv else -1]
+                before = counts.get(name, (0, 0))
+                counts[name] = (before[0] + rows, before[1] + 1)
+
+            return hook
+
+        handles = []
+        for component in self.components:
+            model = getattr(self.pipe, component)
+            for module_name, shape in self.shapes[component].items():
+                module = model.get_submodule(module_name)
+                handles.append(
+                    module.register_forward_hook(
+                        counter(f"{component}.{module_name}", shape.kernel is not None)
+                    )
+                )
         try:
             yield
         finally:
             for handle in handles:
                 handle.remove()
+
+    def _measure_rates(self) -> costs.Rates:
+        """Time the real operations on small probe layers of this device and dtype.
+
+        Each figure is the fastest of a few samples: other work on the machine only ever adds
+        time. The fixed costs come from layers so small that nothing else counts, the per-unit
+        costs from layers big enough that the fixed part does not.
+        """
+        device, dtype = self.device, self.dtype
+        widths = {"tiny": 16, "wide": 512}
+        probe = torch.nn.ModuleDict(
+            {name: torch.nn.Linear(w, w, device=device, dtype=dtype) for name, w in widths.items()}
+        )
+        slots = Slots({"probe": probe})
+
+        def place(name: str, rank: int) -> LayerKey:
+            width, key = widths[name], ("probe", name)
+            down = torch.randn(rank, width, device=device, dtype=dtype) / width
+            up = torch.randn(width, rank, device=device, dtype=dtype) / rank
+            slots.place("probe", {key: LayerWeights(down, up, alpha=rank, rslora=False)})
+            return key
+
+        def merge_seconds(name: str, rank: int, inner: int) -> float:
+            key = place(name, rank)
+            slots.activate({"probe": 1.0}, merged=[key])
+
+            def merge_and_restore() -> None:
+                with slots.merged("probe", [key]):
+                    pass
+
+            return self._fastest_seconds(merge_and_restore, inner=inner)
+
+        # A pass through a peft layer with its branch on, less the same pass with it off.
+        place("tiny", 4)
+        tiny = probe["tiny"]
+        one_row = torch.randn(1, widths["tiny"], device=device, dtype=dtype)
+        slots.activate({"probe": 1.0})
+        branch_on = self._fastest_seconds(lambda: tiny(one_row), inner=50)
+        slots.activate({})
+        lora_pass_s = max(0.0, branch_on - self._fastest_seconds(lambda: tiny(one_row), inner=50))
+        # The branch's own arithmetic on many rows.
+        rank, width, rows = 16, widths["wide"], 1024
+        place("wide", rank)
+        wide: Any = probe["wide"]  # a peft lora.Linear once placed
+        x = torch.randn(rows, width, device=device, dtype=dtype)
+        y = torch.randn(rows, width, device=device, dtype=dtype)
+
+        def branch() -> object:
+            return y + wide.lora_B["probe"](wide.lora_A["probe"](x)) * 0.5
+
+        lora_mac_s = self._fastest_seconds(branch, inner=5) / (rows * rank * 2 * width)
+        merge_layer_s = merge_seconds("tiny", 4, inner=20)
+        elements = width * width
+        by_rank = [(r * elements, merge_seconds("wide", r, inner=3)) for r in (4, 64)]
+        merge_intercept, merge_mac_s = costs.fit_line(by_rank)
+        return costs.Rates(
+            lora_pass_s=lora_pass_s,
+            lora_mac_s=lora_mac_s,
+            merge_layer_s=merge_layer_s,
+            merge_mac_s=merge_mac_s,
+            merge_element_s=max(0.0, merge_intercept - merge_layer_s) / elements,
+        )
+
+    def _fastest_seconds(self, fn: Callable[[], object], *, inner: int, repeats: int = 5) -> float:
+        """Per call, the fastest of `repeats` samples of `inner` calls each."""
+        cuda = self.device.startswith("cuda")
+
+        def synchronize() -> None:
+            if cuda:  # kernels run asynchronously; time them, not their launch
+                torch.cuda.synchronize()
+
+        samples = []
+        with torch.inference_mode():
+            fn()  # warm-up: allocator, kernels
+            for _ in range(repeats):
+                synchronize()
+                started = time.perf_counter()
+                for _ in range(inner):
+                    fn()
+                synchronize()
+                samples.append((time.perf_counter() - started) / inner)
+        return min(samples)
 
     # -- introspection --------------------------------------------------------------------------
 
@@ -455,32 +604,29 @@ class DiffusionBackend:
         return sum(p.numel() for c in self.components for p in getattr(self.pipe, c).parameters())
 
     def _denoiser(self) -> Any:
-        return getattr(self.pipe, self._denoiser_component)
-
-    @property
-    def _denoiser_component(self) -> str:
         for name in _DENOISERS:
-            if getattr(self.pipe, name, None) is not None:
-                return name
+            denoiser = getattr(self.pipe, name, None)
+            if denoiser is not None:
+                return denoiser
         raise ValueError(f"{self.family} has neither a unet nor a transformer")
 
-    def _lora_layers(self) -> list[Any]:
-        return [
-            module
-            for c in self.components
-            for module in getattr(self.pipe, c).modules()
-            if isinstance(module, BaseTunerLayer) and hasattr(module, "lora_A")
-        ]
 
-    def _fingerprint(self) -> str:
-        """Names and shapes of the base (non-LoRA) parameters: catches base-widening loads."""
-        digest = hashlib.sha256()
-        for c in self.components:
-            for name, p in getattr(self.pipe, c).named_parameters():
-                if "lora_" in name:
-                    continue
-                digest.update(f"{c}.{name.replace('.base_layer', '')}:{tuple(p.shape)};".encode())
-        return digest.hexdigest()
+def _adapter_metadata(header: Mapping[str, str], name: str) -> dict[str, Any] | None:
+    """diffusers' LoRA configuration from a safetensors header, when the file carries one."""
+    raw = header.get(_METADATA_KEY)
+    if not raw:
+        return None
+    try:
+        metadata = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise errors.IncompatibleAdapter(
+            f"adapter {name!r}: its {_METADATA_KEY} header is not JSON: {e}", param="lora_path"
+        ) from e
+    if not isinstance(metadata, dict):
+        raise errors.IncompatibleAdapter(
+            f"adapter {name!r}: its {_METADATA_KEY} header is not a JSON object", param="lora_path"
+        )
+    return metadata
 
 
 def _layer_shapes(

@@ -127,6 +127,44 @@ def decode(b64: str) -> np.ndarray:
     return np.asarray(Image.open(io.BytesIO(base64.b64decode(b64))).convert("RGB"))
 
 
+Reference = Callable[..., np.ndarray]
+
+
+@pytest.fixture(scope="session")
+def reference(assets: Assets) -> Reference:
+    """Images made the way diffusers users make them, on a pipeline of their own.
+
+    `load_lora_weights` + `set_adapters`, then the call `Server.image` makes (its defaults: the
+    prompt, 32x32, 2 steps, seed 7, SD 1.5's guidance 7.5); no adapter means the base model.
+    """
+    pipe = DiffusionPipeline.from_pretrained(str(assets.model))
+    pipe.set_progress_bar_config(disable=True)
+    for component in pipe.components.values():
+        if isinstance(component, torch.nn.Module):
+            component.eval()
+
+    def render(adapter: Path | None = None, scale: float = 1.0, *, seed: int = 7) -> np.ndarray:
+        if adapter is not None:
+            pipe.load_lora_weights(str(adapter), adapter_name="reference")
+            pipe.set_adapters(["reference"], [scale])
+        try:
+            with torch.inference_mode():
+                image = pipe(
+                    ["a lighthouse"],
+                    generator=[torch.Generator().manual_seed(seed)],
+                    num_inference_steps=2,
+                    guidance_scale=7.5,
+                    height=32,
+                    width=32,
+                ).images[0]
+        finally:
+            if adapter is not None:
+                pipe.unload_lora_weights()
+        return np.asarray(image.convert("RGB"))
+
+    return render
+
+
 ServerFactory = Callable[..., Any]
 
 

@@ -112,10 +112,3 @@ def test_invariants_hold_for_any_sequence(capacity: int, ops: list[tuple[str, st
         assert pinned_before <= set(tier)
         assert len(tier) <= capacity
         assert list(tier)[-1] == key  # most recently used is last
-
-
-def test_keys_cheaper_to_reuse_go_first_but_never_before_wanted_ones_go_last() -> None:
-    tier = filled(3, "a", "b", "c")
-    assert tier.plan_admit("d", prefer_evict={"c"}) == ["c"]
-    assert tier.plan_admit("d", prefer_evict={"c"}, prefer_keep={"c"}) == ["a"]
-    assert tier.plan_admit("d", prefer_evict={"c"}, protected={"c"}) == ["a"]

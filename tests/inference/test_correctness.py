@@ -8,16 +8,18 @@ otherwise (batching changes float rounding, so exact tests keep requests in batc
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
 from lora_inference import errors
-from lora_inference.pipeline import DiffusionBackend, ImageJob, ParsedAdapter
+from lora_inference.pipeline import DiffusionBackend, ImageJob
 
 from tests.inference.bad_adapters import BadAdapter
-from tests.inference.conftest import Assets, Server
+from tests.inference.conftest import Assets, Reference, Server
 
 
 async def test_scale_zero_equals_base(server: Server, assets: Assets) -> None:
@@ -121,35 +123,35 @@ async def test_refused_adapters_leave_base_and_others_bit_identical(
         assert np.array_equal(await server.image(model="a"), with_a), bad.name
 
 
-def test_a_load_that_fails_inside_diffusers_is_rolled_back(
+def test_a_copy_that_fails_half_way_leaves_the_pipeline_as_it_was(
     backend: DiffusionBackend, assets: Assets
 ) -> None:
-    """Bypass our checks to reach peft's partial-load path: the rollback must still be exact."""
+    """Bypass our checks so the copy into a slot fails after some layers: the slot is emptied
+    and the base model and the adapter in the other slot are bit-identical afterwards."""
     good = backend.parse_adapter(assets.adapter_b, name="good", max_rank=64)
-    te_key = next(k for k in good.tensors if k.startswith("text_encoder.") and "lora_A" in k)
-    broken_tensors = dict(good.tensors)
-    broken_tensors[te_key] = torch.randn(good.tensors[te_key].shape[0], 48)
-    broken = ParsedAdapter(
-        tensors=broken_tensors,
-        sha256="0" * 64,
-        size_bytes=0,
-        rank=good.rank,
-        components=good.components,
-        needs_file=False,
-        weights_file=good.weights_file,
-    )
+    other = backend.parse_adapter(assets.adapter_a, name="other", max_rank=64)
+    layers = dict(good.layers)
+    last = list(layers)[-1]  # a text-encoder layer: every UNet layer is copied before it fails
+    layers[last] = replace(layers[last], down=torch.randn(layers[last].rank, 48))
+    broken = replace(good, layers=layers)
+    backend.place("kept", other)
+    job = ImageJob(prompt="a lighthouse", negative_prompt=None, seeds=(7,))
 
-    def render() -> np.ndarray:
-        backend.activate({})
-        job = ImageJob(prompt="a lighthouse", negative_prompt=None, seeds=(7,))
-        image = backend.generate([job], width=32, height=32, steps=2, guidance_scale=5.0)[0]
-        return np.asarray(image)
+    def render(slot: str | None) -> np.ndarray:
+        scales = {slot: 1.0} if slot else {}
+        outcome = backend.run_batch(
+            [job], [slot], scales, width=32, height=32, steps=2, guidance_scale=5.0, merge="never"
+        )
+        return np.asarray(outcome.images[0])
 
-    before = render()
-    with pytest.raises(errors.IncompatibleAdapter):
-        backend.add_adapter("lora_broken", broken)
+    before = render(None), render("kept")
+    with pytest.raises(RuntimeError):
+        backend.place("broken", broken)
+    assert backend.resident_keys() == {"kept"}
+    assert np.array_equal(render(None), before[0])
+    assert np.array_equal(render("kept"), before[1])
+    backend.clear("kept")
     assert backend.resident_keys() == set()
-    assert np.array_equal(render(), before)
 
 
 async def test_kohya_adapter_loads_and_changes_output(server: Server, assets: Assets) -> None:
@@ -290,26 +292,38 @@ async def test_one_batch_serves_several_adapters_without_leaking(
                 )
 
 
-async def test_evicted_layers_are_reused_in_place_and_images_stay_exact(
-    start_server: Any, assets: Assets, tmp_path: Any
+async def test_every_switch_is_a_copy_and_images_equal_diffusers_own(
+    start_server: Any,
+    assets: Assets,
+    tmp_path: Path,
+    reference: Reference,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """An adapter loaded before is copied into an evicted adapter's layers when they match.
+    """Adapters enter the pipeline by being copied into a slot, never through diffusers' load.
 
     `half` differs from `other` only in its alpha, `b` and `k` carry text-encoder layers in two
-    file formats; every image must equal the one from a server that loaded each adapter fresh.
+    file formats, `a` and `b` target different layers; through one slot and through two, every
+    image equals the one diffusers makes with `load_lora_weights` (unmerged, so bit for bit).
     """
     from lora_inference.tools.random_adapters import build_random_lora, to_kohya
     from safetensors.torch import save_file
 
     roots = (assets.root, tmp_path)
-    roomy = await start_server(max_loras=5, max_cpu_loras=8, max_batch_size=1, allowed_roots=roots)
-    backend_pipe = roomy.engine.backend.pipe
+    tight = await start_server(
+        max_loras=1, max_cpu_loras=8, max_batch_size=1, allowed_roots=roots, merge="never"
+    )
+
+    def tripwire(*_: object, **__: object) -> None:
+        raise AssertionError("an adapter went through diffusers' load_lora_weights")
+
+    monkeypatch.setattr(tight.engine.backend.pipe, "load_lora_weights", tripwire)
+    pipe = tight.engine.backend.pipe
     other = tmp_path / "other.safetensors"
-    save_file(to_kohya(build_random_lora(backend_pipe, seed=11), rank=4), str(other))
+    save_file(to_kohya(build_random_lora(pipe, seed=11), rank=4), str(other))
     half = tmp_path / "half-alpha.safetensors"
     halved = {
         k: (v * 0 + 2.0 if k.endswith(".alpha") else v)
-        for k, v in to_kohya(build_random_lora(backend_pipe, seed=12), rank=4).items()
+        for k, v in to_kohya(build_random_lora(pipe, seed=12), rank=4).items()
     }
     save_file(halved, str(half))
     adapters = {
@@ -319,28 +333,22 @@ async def test_evicted_layers_are_reused_in_place_and_images_stay_exact(
         "b": assets.adapter_b,
         "k": assets.kohya,
     }
-    for name, path in adapters.items():
-        await roomy.load(name, path, pinned=True)
-    reference = {name: await roomy.image(model=name) for name in adapters}
-    await roomy.session.close()
-    await roomy.server.close()
-
-    tight = await start_server(max_loras=1, max_cpu_loras=8, max_batch_size=1, allowed_roots=roots)
+    expected = {name: reference(path) for name, path in adapters.items()}
     for name, path in adapters.items():
         await tight.load(name, path)
     sequence = ["a", "other", "a", "half", "other", "a", "half", "b", "k", "b", "k", "a", "b"]
     for name in sequence:
-        assert np.array_equal(await tight.image(model=name), reference[name]), name
-    # Fresh loads: the first use of each of the five; every later switch within a layout swaps.
-    assert tight.metric("lora_adapter_inplace_swaps_total") >= 5
+        assert np.array_equal(await tight.image(model=name), expected[name]), name
     assert len(tight.engine.backend.resident_keys()) == 1
+    assert tight.metric("lora_adapter_loads_total", tier="gpu", result="ok") == tight.metric(
+        "lora_adapter_lookups_total", result="miss"
+    )
 
-    # Two slots: a's layers end up holding `other` while `a` itself is loaded afresh beside it.
-    two = await start_server(max_loras=2, max_batch_size=1, allowed_roots=roots)
+    two = await start_server(max_loras=2, max_batch_size=1, allowed_roots=roots, merge="never")
     for name, path in adapters.items():
         await two.load(name, path)
-    for name in ["a", "b", "other", "a", "b", "other"]:
-        assert np.array_equal(await two.image(model=name), reference[name]), name
+    for name in ["a", "b", "other", "a", "b", "other", "k", "half"]:
+        assert np.array_equal(await two.image(model=name), expected[name]), name
 
 
 async def test_a_pinned_swap_the_pipeline_refuses_keeps_the_old_adapter(
@@ -354,8 +362,7 @@ async def test_a_pinned_swap_the_pipeline_refuses_keeps_the_old_adapter(
     def refuse(*_: object) -> None:
         raise errors.IncompatibleAdapter("refused for the test", param="lora_path")
 
-    monkeypatch.setattr(backend, "add_adapter", refuse)
-    monkeypatch.setattr(backend, "replace", lambda *_: False)
+    monkeypatch.setattr(backend, "place", refuse)
     status, body = await server.post(
         "/v1/load_lora_adapter",
         {

@@ -54,13 +54,11 @@ class LRUTier:
         pinned: bool = False,
         protected: Collection[str] = (),
         prefer_keep: Collection[str] = (),
-        prefer_evict: Collection[str] = (),
     ) -> list[str]:
         """Which keys must go for `key` to fit (pure: changes nothing).
 
         Least recently used first, skipping pinned and protected keys; keys in `prefer_keep`
-        (adapters that queued requests will ask for next) go only when nothing else can, and
-        among the rest keys in `prefer_evict` (whose place is cheaper to reuse) go first.
+        (adapters that queued requests will ask for next) go only when nothing else can.
         """
         if key in self._order:
             if pinned and key not in self._pinned and self._pinned_full(excluding=key):
@@ -72,11 +70,9 @@ class LRUTier:
         if overflow <= 0:
             return []
         evictable = [k for k in self._order if k not in self._pinned and k not in protected]
-        ordered = (
-            [k for k in evictable if k not in prefer_keep and k in prefer_evict]
-            + [k for k in evictable if k not in prefer_keep and k not in prefer_evict]
-            + [k for k in evictable if k in prefer_keep]
-        )
+        ordered = [k for k in evictable if k not in prefer_keep] + [
+            k for k in evictable if k in prefer_keep
+        ]
         if len(ordered) < overflow:
             raise self._exhausted(key)
         return ordered[:overflow]
