@@ -306,6 +306,9 @@ class Engine:
         *,
         abandoned: Callable[[], bool] = lambda: False,
     ) -> list[GeneratedImage]:
+        # Requests whose clients left hold no place: a full queue of abandoned work must not
+        # turn a live client away.
+        self._drop_gone()
         if len(self._queue) >= self.config.max_queue:
             self.metrics.requests.labels("rejected").inc()
             raise errors.QueueFull(

@@ -6,7 +6,7 @@ reads files and touches no pipeline state. Its methods are blocking. Rules from
 docs/architecture.md enforced here:
 
 - an adapter is read, converted and checked against the model's layer table before the pipeline
-  sees it (shapes, ranks); its per-layer setup (rank, alpha, rsLoRA) is worked out
+  sees it (shapes, ranks, NaN and Inf); its per-layer setup (rank, alpha, rsLoRA) is worked out
   then, with diffusers' and peft's own configuration code, so entering the pipeline is a copy
   into a slot (`slots.Slots`), never a diffusers load;
 - before each batch exactly the batch's adapters are set on their layers, at their scales, and
@@ -158,8 +158,8 @@ class DiffusionBackend:
     def parse_adapter(self, path: Path, *, name: str, max_rank: int) -> ParsedAdapter:
         """Read, hash, check and convert an adapter without touching the pipeline.
 
-        Raises UnsupportedFormat (pickle), IncompatibleAdapter (corrupt file, not a LoRA, wrong
-        shapes or rank for this model).
+        Raises UnsupportedFormat (pickle), IncompatibleAdapter (corrupt file, not a LoRA, NaN or
+        Inf weights, wrong shapes or rank for this model).
         """
         weights = files.find_weights_file(path)
         data = weights.read_bytes()
@@ -175,11 +175,13 @@ class DiffusionBackend:
         # gets the same setup.
         tensors = dict(sorted(tensors.items()))
         files.check_lora_keys(list(tensors), name=name)
+        _check_finite(tensors, name=name, why="holds NaN or Inf values")
         # Weights take the model's dtype; scalars (alphas) keep theirs, as diffusers reads them.
         tensors = {
             k: v.to(self.dtype) if v.is_floating_point() and v.dim() > 0 else v
             for k, v in tensors.items()
         }
+        _check_finite(tensors, name=name, why=f"overflows {str(self.dtype).removeprefix('torch.')}")
         parts, alphas = self._convert(tensors, name)
         shapes = {c: {k: tuple(v.shape) for k, v in part.items()} for c, part in parts.items()}
         summary = validation.check_adapter_fits(shapes, self.shapes, max_rank=max_rank, name=name)
@@ -609,6 +611,17 @@ class DiffusionBackend:
             if denoiser is not None:
                 return denoiser
         raise ValueError(f"{self.family} has neither a unet nor a transformer")
+
+
+def _check_finite(tensors: Mapping[str, torch.Tensor], *, name: str, why: str) -> None:
+    """Refuse weights that would turn every image using them into NaN (pure)."""
+    for key, tensor in tensors.items():
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise errors.IncompatibleAdapter(
+                f"adapter {name!r}: tensor {key!r} {why}; such weights would ruin every image "
+                "that uses the adapter. Re-export it from a healthy checkpoint",
+                param="lora_path",
+            )
 
 
 def _adapter_metadata(header: Mapping[str, str], name: str) -> dict[str, Any] | None:

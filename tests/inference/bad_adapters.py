@@ -70,6 +70,16 @@ def write_bad_adapters(
         BadAdapter("mutates-base", _save_dir(root / "mutates-base", mutating), 422, "own weights")
     )
 
+    for label, value in (("nan", float("nan")), ("inf", float("inf"))):
+        poisoned = dict(base)
+        poisoned[first_a] = poisoned[first_a].clone()
+        poisoned[first_a][0, 0] = value
+        bad.append(
+            BadAdapter(
+                f"{label}-weights", _save_dir(root / f"{label}-weights", poisoned), 422, first_a
+            )
+        )
+
     not_lora = {"conv_in.weight": torch.randn(8, 4, 3, 3), "conv_in.bias": torch.randn(8)}
     bad.append(
         BadAdapter("not-lora", _save_dir(root / "not-lora", not_lora), 422, "not part of a LoRA")

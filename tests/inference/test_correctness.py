@@ -154,6 +154,21 @@ def test_a_copy_that_fails_half_way_leaves_the_pipeline_as_it_was(
     assert backend.resident_keys() == set()
 
 
+def test_weights_that_overflow_the_served_dtype_are_refused(assets: Assets, tmp_path: Path) -> None:
+    """Finite in the file, infinite once cast to float16: refused, naming the tensor."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(assets.adapter_a / "pytorch_lora_weights.safetensors"))
+    key = sorted(tensors)[0]
+    tensors[key] = tensors[key].clone()
+    tensors[key][0, 0] = 1e6  # beyond float16's 65504
+    (tmp_path / "big").mkdir()
+    save_file(tensors, str(tmp_path / "big" / "pytorch_lora_weights.safetensors"))
+    half = DiffusionBackend.load(assets.model, device="cpu", dtype=torch.float16)
+    with pytest.raises(errors.IncompatibleAdapter, match=f"{key}.*overflows float16"):
+        half.parse_adapter(tmp_path / "big", name="big", max_rank=64)
+
+
 async def test_kohya_adapter_loads_and_changes_output(server: Server, assets: Assets) -> None:
     base = await server.image()
     await server.load("kohya", assets.kohya)
@@ -255,6 +270,29 @@ async def test_requests_whose_client_left_are_dropped(start_server: Any) -> None
     await blocker
     await server.engine.idle()
     assert server.metric("lora_generation_requests_total", outcome="dropped") == 1
+
+
+async def test_a_queue_full_of_departed_clients_still_takes_a_live_one(start_server: Any) -> None:
+    """Abandoned requests are dropped before the queue is judged full: no 429 for a live client."""
+    server = await start_server(max_batch_size=1, max_queue=2)
+    blocker = asyncio.create_task(server.image(num_inference_steps=40, seed=2))
+    while not server.engine._pipeline_lock.locked():  # the blocker is running
+        await asyncio.sleep(0.005)
+    body = {"prompt": "gone", "size": "32x32", "num_inference_steps": 2}
+    url = server.url("/v1/images/generations")
+    leaving = [asyncio.create_task(server.session.post(url, json=body)) for _ in range(2)]
+    while len(server.engine._queue) < 2:  # the queue is full ...
+        await asyncio.sleep(0.005)
+    for request in leaving:  # ... and both clients leave
+        request.cancel()
+    await asyncio.gather(*leaving, return_exceptions=True)
+    while not all(p.gone() for p in server.engine._queue):  # the server notices they left
+        await asyncio.sleep(0.01)
+    live = asyncio.create_task(server.image(seed=5))
+    await blocker
+    await live  # 200, not 429
+    assert server.metric("lora_generation_requests_total", outcome="rejected") == 0
+    assert server.metric("lora_generation_requests_total", outcome="dropped") == 2
 
 
 async def test_one_batch_serves_several_adapters_without_leaking(
