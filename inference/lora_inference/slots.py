@@ -117,11 +117,14 @@ class Slots:
         layer = self._layers.get(key)
         if layer is None:
             layer = self._wrap(key, slot, weights)
-        elif slot not in layer.lora_A or layer.r[slot] != weights.rank:
-            if slot in layer.lora_A:
-                self._drop(key, slot)
+        elif slot not in layer.lora_A:
             config = _config(weights)
             layer.update_layer(slot, weights.rank, lora_alpha=config.lora_alpha, config=config)
+        elif layer.r[slot] != weights.rank:
+            # Only the two matrices change shape: fresh storage for the copy below, without the
+            # random initialisation new modules would get (a few hundred ms on a full-size UNet).
+            _resize(layer.lora_A[slot], weights.down.shape)
+            _resize(layer.lora_B[slot], weights.up.shape)
         layer.lora_A[slot].weight.copy_(weights.down)
         layer.lora_B[slot].weight.copy_(weights.up)
         layer.r[slot] = weights.rank
@@ -264,6 +267,18 @@ def _switch(layer: PeftLayer, active: list[str] | None) -> None:
     """
     layer._disable_adapters = active is None
     layer._active_adapter = list(active or [])
+
+
+def _resize(module: torch.nn.Module, shape: torch.Size) -> None:
+    """Give a LoRA Linear or Conv2d (A or B half) an uninitialised weight of `shape`."""
+    weight = module.get_parameter("weight")
+    module.weight = torch.nn.Parameter(
+        torch.empty(shape, dtype=weight.dtype, device=weight.device), requires_grad=False
+    )
+    if isinstance(module, torch.nn.Linear):
+        module.out_features, module.in_features = int(shape[0]), int(shape[1])
+    elif isinstance(module, torch.nn.Conv2d):
+        module.out_channels, module.in_channels = int(shape[0]), int(shape[1])
 
 
 def _config(weights: LayerWeights) -> LoraConfig:

@@ -340,10 +340,15 @@ async def test_every_switch_is_a_copy_and_images_equal_diffusers_own(
     """Adapters enter the pipeline by being copied into a slot, never through diffusers' load.
 
     `half` differs from `other` only in its alpha, `b` and `k` carry text-encoder layers in two
-    file formats, `a` and `b` target different layers; through one slot and through two, every
-    image equals the one diffusers makes with `load_lora_weights` (unmerged, so bit for bit).
+    file formats, `a` and `b` target different layers, `r8` and `r2` have other ranks; through
+    one slot and through two, every image equals the one diffusers makes with
+    `load_lora_weights` (unmerged, so bit for bit).
     """
-    from lora_inference.tools.random_adapters import build_random_lora, to_kohya
+    from lora_inference.tools.random_adapters import (
+        build_random_lora,
+        to_kohya,
+        write_random_adapter,
+    )
     from safetensors.torch import save_file
 
     roots = (assets.root, tmp_path)
@@ -364,17 +369,30 @@ async def test_every_switch_is_a_copy_and_images_equal_diffusers_own(
         for k, v in to_kohya(build_random_lora(pipe, seed=12), rank=4).items()
     }
     save_file(halved, str(half))
+    ranked = {
+        f"r{rank}": write_random_adapter(
+            tmp_path / f"r{rank}",
+            pipe,
+            base_model=assets.model.name,
+            rank=rank,
+            seed=rank,
+            text_encoder=rank > 4,
+        )
+        for rank in (8, 2)
+    }
     adapters = {
         "a": assets.adapter_a,
         "other": other,
         "half": half,
         "b": assets.adapter_b,
         "k": assets.kohya,
+        **ranked,
     }
     expected = {name: reference(path) for name, path in adapters.items()}
     for name, path in adapters.items():
         await tight.load(name, path)
     sequence = ["a", "other", "a", "half", "other", "a", "half", "b", "k", "b", "k", "a", "b"]
+    sequence += ["r8", "r2", "b", "r8", "a", "r2", "r8"]
     for name in sequence:
         assert np.array_equal(await tight.image(model=name), expected[name]), name
     assert len(tight.engine.backend.resident_keys()) == 1
@@ -385,7 +403,7 @@ async def test_every_switch_is_a_copy_and_images_equal_diffusers_own(
     two = await start_server(max_loras=2, max_batch_size=1, allowed_roots=roots, merge="never")
     for name, path in adapters.items():
         await two.load(name, path)
-    for name in ["a", "b", "other", "a", "b", "other", "k", "half"]:
+    for name in ["a", "b", "other", "a", "b", "other", "k", "half", "r8", "r2", "b", "r8"]:
         assert np.array_equal(await two.image(model=name), expected[name]), name
 
 
