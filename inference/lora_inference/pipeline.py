@@ -21,7 +21,6 @@ import contextlib
 import functools
 import hashlib
 import inspect
-import json
 import logging
 import math
 import time
@@ -61,7 +60,6 @@ _SAMPLING_DEFAULTS = {
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # diffusers derives a text encoder's ranks from these modules only (_load_lora_into_text_encoder).
 _TEXT_ENCODER_RANK_MODULES = (".q_proj", ".k_proj", ".v_proj", ".out_proj", ".fc1", ".fc2")
-_METADATA_KEY = "lora_adapter_metadata"  # diffusers' LoRA config in a safetensors header
 
 BatchPath = Literal["base", "adapter", "merged", "mixed"]
 
@@ -177,15 +175,17 @@ class DiffusionBackend:
         files.check_lora_keys(list(tensors), name=name)
         _check_finite(tensors, name=name, why="holds NaN or Inf values")
         # Weights take the model's dtype; scalars (alphas) keep theirs, as diffusers reads them.
-        tensors = {
-            k: v.to(self.dtype) if v.is_floating_point() and v.dim() > 0 else v
+        cast = {
+            k: v.to(self.dtype)
             for k, v in tensors.items()
+            if v.is_floating_point() and v.dim() > 0 and v.dtype != self.dtype
         }
-        _check_finite(tensors, name=name, why=f"overflows {str(self.dtype).removeprefix('torch.')}")
+        _check_finite(cast, name=name, why=f"overflows {str(self.dtype).removeprefix('torch.')}")
+        tensors.update(cast)
         parts, alphas = self._convert(tensors, name)
         shapes = {c: {k: tuple(v.shape) for k, v in part.items()} for c, part in parts.items()}
         summary = validation.check_adapter_fits(shapes, self.shapes, max_rank=max_rank, name=name)
-        metadata = _adapter_metadata(header.metadata, name)
+        metadata = files.lora_metadata(header, name=name)
         layers: dict[LayerKey, LayerWeights] = {}
         for component, part in parts.items():
             layers.update(self._layer_weights(component, part, alphas, metadata, name))
@@ -614,32 +614,24 @@ class DiffusionBackend:
 
 
 def _check_finite(tensors: Mapping[str, torch.Tensor], *, name: str, why: str) -> None:
-    """Refuse weights that would turn every image using them into NaN (pure)."""
+    """Refuse weights that would turn every image using them into NaN (pure).
+
+    A float64 sum is NaN or infinite exactly when some element is: no sum of float32 values can
+    overflow float64. One reduction per tensor instead of a boolean copy of it.
+    """
     for key, tensor in tensors.items():
-        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+        if not tensor.is_floating_point():
+            continue
+        if tensor.dtype == torch.float64:
+            finite = bool(torch.isfinite(tensor).all())
+        else:
+            finite = bool(torch.isfinite(tensor.sum(dtype=torch.float64)))
+        if not finite:
             raise errors.IncompatibleAdapter(
                 f"adapter {name!r}: tensor {key!r} {why}; such weights would ruin every image "
                 "that uses the adapter. Re-export it from a healthy checkpoint",
                 param="lora_path",
             )
-
-
-def _adapter_metadata(header: Mapping[str, str], name: str) -> dict[str, Any] | None:
-    """diffusers' LoRA configuration from a safetensors header, when the file carries one."""
-    raw = header.get(_METADATA_KEY)
-    if not raw:
-        return None
-    try:
-        metadata = json.loads(raw)
-    except json.JSONDecodeError as e:
-        raise errors.IncompatibleAdapter(
-            f"adapter {name!r}: its {_METADATA_KEY} header is not JSON: {e}", param="lora_path"
-        ) from e
-    if not isinstance(metadata, dict):
-        raise errors.IncompatibleAdapter(
-            f"adapter {name!r}: its {_METADATA_KEY} header is not a JSON object", param="lora_path"
-        )
-    return metadata
 
 
 def _layer_shapes(

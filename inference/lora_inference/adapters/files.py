@@ -21,6 +21,7 @@ PICKLE_SUFFIXES = frozenset({".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle"})
 # The names diffusers' training scripts and peft's save_pretrained use, in order of preference.
 WEIGHT_FILE_NAMES = ("pytorch_lora_weights.safetensors", "adapter_model.safetensors")
 ADAPTER_CONFIG = "adapter_config.json"
+LORA_METADATA_KEY = "lora_adapter_metadata"  # diffusers' LoRA config in a safetensors header
 
 # A LoRA header lists a few thousand tensors at most; a larger header is a corrupt or hostile file.
 MAX_HEADER_BYTES = 64 * 1024 * 1024
@@ -223,15 +224,12 @@ def read_adapter_config(adapter_path: Path) -> AdapterConfig | None:
     if not config_file.is_file():
         return None
     try:
-        raw = json.loads(config_file.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        text = config_file.read_text()
+    except (OSError, UnicodeDecodeError) as e:
         raise errors.IncompatibleAdapter(
-            f"{config_file} is not valid JSON: {e}", param="lora_path"
+            f"{config_file} cannot be read: {e}", param="lora_path"
         ) from e
-    if not isinstance(raw, dict):
-        raise errors.IncompatibleAdapter(
-            f"{config_file} must hold a JSON object", param="lora_path"
-        )
+    raw = _json_object(text, where=str(config_file))
     base = raw.get("base_model_name_or_path")
     rank = raw.get("r")
     alpha = raw.get("lora_alpha")
@@ -240,3 +238,27 @@ def read_adapter_config(adapter_path: Path) -> AdapterConfig | None:
         rank=rank if isinstance(rank, int) else None,
         alpha=float(alpha) if isinstance(alpha, int | float) else None,
     )
+
+
+def lora_metadata(header: SafetensorsHeader, *, name: str) -> dict[str, Any] | None:
+    """diffusers' LoRA configuration (`lora_adapter_metadata` in the header), if the file has one.
+
+    diffusers' training scripts write each component's LoraConfig there (`unet.r`,
+    `unet.lora_alpha`, `unet.alpha_pattern`, ...); it decides the alphas instead of the tensors.
+    """
+    raw = header.metadata.get(LORA_METADATA_KEY)
+    if not raw:
+        return None
+    return _json_object(raw, where=f"the {LORA_METADATA_KEY} header of adapter {name!r}")
+
+
+def _json_object(text: str, *, where: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise errors.IncompatibleAdapter(
+            f"{where} is not valid JSON: {e}", param="lora_path"
+        ) from e
+    if not isinstance(value, dict):
+        raise errors.IncompatibleAdapter(f"{where} must hold a JSON object", param="lora_path")
+    return value
