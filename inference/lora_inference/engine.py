@@ -25,7 +25,7 @@ import itertools
 import logging
 import random
 import time
-from collections.abc import Callable, Collection
+from collections.abc import AsyncIterator, Callable, Collection
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -105,6 +105,11 @@ class Engine:
         self._wake = asyncio.Event()
         self._pipeline_lock = asyncio.Lock()
         self._register_lock = asyncio.Lock()
+        # Requests between arriving and reaching the queue because their adapter is being
+        # registered (read and checked); a batch that is not full waits a little for them.
+        self._admitting = 0
+        self._admitted = asyncio.Event()
+        self._admission_s = 0.05  # a running mean, seeded with a typical small parse
         self._pipeline_thread = ThreadPoolExecutor(1, thread_name_prefix="pipeline")
         self._parse_pool = ThreadPoolExecutor(2, thread_name_prefix="adapter-parse")
         self._worker: asyncio.Task[None] | None = None
@@ -260,7 +265,8 @@ class Engine:
                 param=param,
             )
         try:
-            return await self.register(name, found, origin="resolver")
+            async with self._admission():
+                return await self.register(name, found, origin="resolver")
         except errors.AdapterConflict:
             # Another request resolved the same name first.
             record = self.registry.get(name)
@@ -283,7 +289,8 @@ class Engine:
                 param="lora.name",
             )
         try:
-            return await self.register(name, resolved, origin="request")
+            async with self._admission():
+                return await self.register(name, resolved, origin="request")
         except errors.AdapterConflict:
             record = self.registry.get(name)
             if record is not None and record.path == resolved:
@@ -354,7 +361,21 @@ class Engine:
             finally:
                 self._idle.set()
 
+    @contextlib.asynccontextmanager
+    async def _admission(self) -> AsyncIterator[None]:
+        """Count a request whose adapter is being registered until it can be queued."""
+        self._admitting += 1
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._admitting -= 1
+            self._admission_s += 0.2 * (time.perf_counter() - started - self._admission_s)
+            self._admitted.set()
+
     async def _drain(self) -> None:
+        loop = asyncio.get_running_loop()
+        hold_until: float | None = None
         while True:
             await self._collect_garbage()
             self._drop_gone()
@@ -369,6 +390,20 @@ class Engine:
             )
             if plan is None:
                 return
+            hold = scheduling.fill_wait(
+                sum(self._queue[i].images for i in plan.members),
+                self.config.max_batch_size,
+                self._admitting,
+                self._admission_s,
+            )
+            if hold > 0:
+                hold_until = hold_until or loop.time() + hold
+                if loop.time() < hold_until:
+                    self._admitted.clear()
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._admitted.wait(), hold_until - loop.time())
+                    continue
+            hold_until = None
             if plan.skipped_head:
                 self._queue[0].skipped += 1
             batch = [self._queue[i] for i in plan.members]

@@ -6,6 +6,8 @@ Requests for different adapters share a batch through peft's per-sample adapter 
 as the batch needs no more adapters than there are GPU slots and each adapter appears with one
 scale (a scale is per adapter inside the pipeline, not per image).
 
+A batch that is not full waits briefly for requests still being admitted (`fill_wait`).
+
 The oldest request normally anchors the next batch. To save adapter loads, a request whose adapter
 is already resident may anchor instead, but the oldest request can be passed over at most
 `max_skips` times, so every request waits behind a bounded number of batches:
@@ -116,3 +118,17 @@ def _costs_nothing(adapter: str | None, resident: Collection[str], batch: Collec
 def adapters_wanted(queue: Sequence[Queued]) -> set[str]:
     """Adapters that queued requests will need: evicted last."""
     return {item.key.adapter for item in queue if item.key.adapter is not None}
+
+
+def fill_wait(planned_images: int, max_images: int, admitting: int, admission_s: float) -> float:
+    """Seconds to hold a batch that is not full while requests are still being admitted.
+
+    A request for an adapter the server has not seen spends a parse (tens to hundreds of
+    milliseconds) before it reaches the queue; a batch that starts without it runs with a free
+    place while the request waits a whole call. A call costs little more with one more image, so
+    holding the batch for about one admission pays whenever an admission is short next to a
+    call. Held at most twice the typical admission, so no batch waits on a slow one.
+    """
+    if admitting <= 0 or planned_images >= max_images:
+        return 0.0
+    return 2.0 * admission_s
