@@ -1,31 +1,40 @@
 """Inference server benchmark: the adapter cache against a cacheless baseline and the base model.
 
-One run prints, side by side, for a Zipf(1.1) request stream over 20 adapters:
+For each mode, one run prints, side by side, for a Zipf(1.1) request stream over 20 adapters:
   (a) this server (`--max-loras 4`), (b) a naive server that loads, generates and unloads per
   request, (c) the base model with no LoRA at all (the limit),
 with throughput, p50/p95 latency and the ratios a/c and a/b (the stream is cut into slices that
-the three take turns at, so background load drifts hit them alike); then cold-load and switch
-times as the number of resident adapters grows (1, 5, 25, 50), with the in-place swap an
-eviction uses when the incoming adapter fits the evicted one's layers.
+the three take turns at, so background load drifts hit them alike); then first-use, swap and
+activation times as the number of resident adapters grows.
 
-    .venv/bin/python bench/bench_inference.py [--requests 120] [--clients 8] [--steps 4]
+Modes:
+  tiny            the tiny SD 1.5 pipeline: fast, but Python overhead dominates every layer
+  representative  SD 1.5 at full width (random weights, built offline) at 64x64 pixels, with
+                  rank 16, 32 and 64 adapters: a LoRA layer costs what it costs next to its base
+                  layer on the real model, and a swap what it costs next to a step
+  full-size       (--full-size, for a GPU) SDXL base at full size
 
-CPU on the tiny pipeline by default. On a GPU, the issue's full-size run is
-    bench_inference.py --full-size --device cuda --size 1024 --rank 64 --steps 20 --requests 60
-(a random-weight SDXL base architecture, see lora_inference/tools/full_size.py). Results go in
-docs/benchmarks.md together with the command.
+    .venv/bin/python bench/bench_inference.py                 # tiny, then representative
+    .venv/bin/python bench/bench_inference.py --full-size --device cuda \\
+        --size 1024 --rank 64 --steps 20 --requests 60        # the three
+
+The last line always reads
+    serving: a/c tiny = X.XX, a/c representative = Y.YY, a/b representative = Z.ZZ
+Results go in docs/benchmarks.md together with the command.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import platform
 import statistics
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -35,15 +44,43 @@ from aiohttp import ClientSession, web
 from aiohttp.test_utils import TestServer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from lora_inference.app import create_app
+from lora_inference.app import METRICS, create_app
 from lora_inference.config import ServerConfig
 from lora_inference.pipeline import DiffusionBackend, resolve_dtype
-from lora_inference.tools.full_size import build_full_size_sdxl
+from lora_inference.tools.full_size import build_full_size_sd15, build_full_size_sdxl
 from lora_inference.tools.random_adapters import write_random_adapter
 from lora_inference.tools.tiny_models import write_tiny_model
 from naive_server import create_naive_app
 
-ADAPTERS = 20
+ADAPTERS = 20  # in the stream; the growth table writes more
+
+
+@dataclass(frozen=True)
+class Mode:
+    name: str
+    requests: int
+    steps: int
+    size: int
+    ranks: tuple[int, ...]  # adapter i has rank ranks[i % len(ranks)]
+    resident: tuple[int, ...]  # rows of the growth table
+    # Random LoRA weights' scale: small enough on full-width layers that activations stay in
+    # range (a real adapter changes its layer by a few percent, not by multiples).
+    strength: float = 0.2
+
+
+TINY = Mode("tiny", requests=120, steps=4, size=32, ranks=(4,), resident=(1, 5, 25, 50))
+REPRESENTATIVE = Mode(
+    "representative",
+    requests=32,
+    steps=4,
+    size=64,
+    ranks=(16, 32, 64),
+    resident=(1, 5, 25, 50),
+    strength=0.02,
+)
+FULL_SIZE = Mode(
+    "full-size", requests=60, steps=20, size=1024, ranks=(64,), resident=(1, 5, 25), strength=0.02
+)
 
 
 @dataclass(frozen=True)
@@ -52,6 +89,12 @@ class RunResult:
     throughput: float  # requests per second
     p50: float
     p95: float
+
+
+@dataclass(frozen=True)
+class ModeResult:
+    a_c: float
+    a_b: float
 
 
 def zipf_stream(count: int, n_adapters: int, s: float, seed: int) -> list[str]:
@@ -99,6 +142,7 @@ class Target:
     label: str
     app: web.Application
     models: list[str]  # the model named by each request of the stream
+    base_model: str
     wall: float = 0.0
     latencies: list[float] = field(default_factory=list)
 
@@ -112,11 +156,12 @@ class Target:
         )
 
 
-async def measure_interleaved(targets: list[Target], args: argparse.Namespace) -> None:
+async def measure_interleaved(targets: list[Target], mode: Mode, args: argparse.Namespace) -> None:
     """Drive every target with the same stream, in rounds that rotate the order.
 
     The machine's background load drifts; interleaving slices of the stream across the targets
-    makes each ratio compare runs made under the same conditions.
+    makes each ratio compare runs made under the same conditions. Each server is first warmed
+    with two base-model requests, so every adapter's first use falls inside the measurement.
     """
     servers = [TestServer(t.app, host="127.0.0.1") for t in targets]
     for server in servers:
@@ -124,12 +169,13 @@ async def measure_interleaved(targets: list[Target], args: argparse.Namespace) -
     try:
         urls = [str(server.make_url("/v1/images/generations")) for server in servers]
         for target, url in zip(targets, urls, strict=True):
-            for attempt in range(600):  # the servers load their pipeline in the background
+            warm = [target.base_model] * 2
+            for attempt in range(6000):  # the servers load and calibrate in the background
                 try:
-                    await drive(url, target.models[:8], clients=1, steps=args.steps, size=args.size)
+                    await drive(url, warm, clients=1, steps=mode.steps, size=mode.size)
                     break
                 except RuntimeError:
-                    if attempt == 599:
+                    if attempt == 5999:
                         raise
                     await asyncio.sleep(0.1)
         rounds = args.rounds
@@ -140,7 +186,7 @@ async def measure_interleaved(targets: list[Target], args: argparse.Namespace) -
             for i in order:
                 chunk = targets[i].models[r * size : (r + 1) * size]
                 wall, latencies = await drive(
-                    urls[i], chunk, clients=args.clients, steps=args.steps, size=args.size
+                    urls[i], chunk, clients=args.clients, steps=mode.steps, size=mode.size
                 )
                 targets[i].wall += wall
                 targets[i].latencies += latencies
@@ -150,71 +196,77 @@ async def measure_interleaved(targets: list[Target], args: argparse.Namespace) -
 
 
 def growth(
-    backend: DiffusionBackend, adapters: list[Path], steps: int
-) -> list[tuple[int, float, float, float]]:
-    """Cold load, in-place swap and switch times with 1, 5, 25, 50 resident adapters.
+    backend: DiffusionBackend, adapters: list[Path], resident: tuple[int, ...], samples: int
+) -> list[tuple[int, float, float, float, int]]:
+    """First use, swap and activation with more and more adapters resident in one pipeline.
 
-    Cold load: parse + check + a fresh peft load. In-place swap: copying an adapter into the
-    layers of a resident one of the same layout (what an eviction does when it can). Switch:
-    setting the active adapter on every layer before a batch.
+    First use: parse the file and copy it into a slot that held another adapter (a miss whose
+    adapter is not cached yet). Swap: copy a cached adapter into such a slot (every other miss).
+    Activate: set one resident adapter on its layers before a batch, after another one.
     """
-    rows = []
-    loaded: list[str] = []
     parsed = [backend.parse_adapter(p, name=p.name, max_rank=1024) for p in adapters]
-    unet_only = [a for a in parsed if a.components == (backend.components[0],)][:3]
-    for adapter in unet_only:  # a first fresh load teaches each adapter its per-layer setup
-        backend.add_adapter("warm", adapter)
-        backend.remove_adapter("warm")
-    for target in (1, 5, 25, 50):
-        while len(loaded) < target:
-            key = f"res_{len(loaded)}"
-            backend.add_adapter(key, parsed[len(loaded) % len(parsed)])
-            loaded.append(key)
-        cold = []
-        for i in range(steps):
+    probe_cycle = parsed[: min(3, len(parsed))]  # different ranks where the mode has several
+    rows = []
+    loaded = 0
+    for target in resident:
+        while loaded < target:
+            backend.place(f"res{loaded}", parsed[loaded % len(parsed)])
+            loaded += 1
+        backend.place("probe", probe_cycle[0])
+        first, swap, activate, touched = [], [], [], []
+        for i in range(samples):
             started = time.perf_counter()
             fresh = backend.parse_adapter(adapters[i % len(adapters)], name="probe", max_rank=1024)
-            backend.add_adapter("probe", fresh)
-            cold.append(time.perf_counter() - started)
-            backend.remove_adapter("probe")
-        backend.add_adapter("probe", unet_only[0])
-        swap = []
-        for i in range(steps):
+            backend.place("probe", fresh)
+            first.append(time.perf_counter() - started)
             started = time.perf_counter()
-            if not backend.replace("probe", unet_only[1 + i % (len(unet_only) - 1)]):
-                raise RuntimeError("adapters of the same layers must swap in place")
+            backend.place("probe", probe_cycle[(i + 1) % len(probe_cycle)])
             swap.append(time.perf_counter() - started)
-        backend.remove_adapter("probe")
-        switch = []
-        for i in range(steps * 4):
+        for i in range(samples * 4):
             started = time.perf_counter()
-            backend.activate({loaded[i % len(loaded)]: 1.0})
-            switch.append(time.perf_counter() - started)
+            touched.append(backend.slots.activate({f"res{i % loaded}": 1.0}))
+            activate.append(time.perf_counter() - started)
+        backend.clear("probe")
         rows.append(
-            (target, statistics.median(cold), statistics.median(swap), statistics.median(switch))
+            (
+                target,
+                statistics.median(first),
+                statistics.median(swap),
+                statistics.median(activate),
+                max(touched),
+            )
         )
-    for key in loaded:
-        backend.remove_adapter(key)
+    for i in range(loaded):
+        backend.clear(f"res{i}")
     return rows
 
 
-async def main_async(args: argparse.Namespace) -> None:
+def pipelines(
+    mode: Mode, work: Path, device: str, dtype: torch.dtype
+) -> tuple[Path, Callable[[Any], Any]]:
+    """The model's name (and directory, for tiny) and a factory of fresh pipelines.
+
+    The factory takes a pipeline whose weights the new one may share (None: its own weights).
+    Only servers that never write their base weights share: the naive server and the limit.
+    """
+    if mode.name == "tiny":
+        model = write_tiny_model(work / "model", "sd15")
+        return model, lambda _: DiffusionBackend.load(model, device=device, dtype=dtype).pipe
+    if mode.name == "representative":
+        return work / "sd15-full-width", lambda shared: build_full_size_sd15(
+            device, dtype, share_with=shared
+        )
+    return work / "sdxl-full-size", lambda _: build_full_size_sdxl(device, dtype)
+
+
+async def run_mode(mode: Mode, args: argparse.Namespace) -> ModeResult:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = resolve_dtype("auto", device)
     with tempfile.TemporaryDirectory(prefix="lora-bench-") as scratch:
         work = Path(scratch)
-
-        def pipeline() -> Any:
-            """A fresh pipeline: each server gets its own."""
-            if args.full_size:
-                return build_full_size_sdxl(device, dtype)
-            return DiffusionBackend.load(model, device=device, dtype=dtype).pipe
-
-        if args.full_size:
-            model = work / "sdxl-full-size"  # a name only: the weights live in memory
-        else:
-            model = write_tiny_model(work / "model", args.arch)
-        pipe = pipeline()
+        model, pipeline = pipelines(mode, work, device, dtype)
+        started = time.perf_counter()
+        pipe = pipeline(None)
         root = work / "adapters"
         paths = [
             write_random_adapter(
@@ -222,14 +274,14 @@ async def main_async(args: argparse.Namespace) -> None:
                 pipe,
                 base_model=model.name,
                 seed=i,
-                rank=args.rank,
+                rank=mode.ranks[i % len(mode.ranks)],
                 text_encoder=i % 2 == 1,
+                strength=mode.strength,
                 dtype=dtype,
             )
-            for i in range(max(ADAPTERS, 50))
+            for i in range(max(ADAPTERS, *mode.resident))
         ]
-        stream = zipf_stream(args.requests, ADAPTERS, 1.1, seed=0)
-        distinct = len(set(stream))
+        stream = zipf_stream(mode.requests, ADAPTERS, 1.1, seed=0)
         backend = DiffusionBackend(pipe, device=device, dtype=dtype)
         config = ServerConfig(
             model=model,
@@ -239,84 +291,136 @@ async def main_async(args: argparse.Namespace) -> None:
             max_batch_size=args.batch,
             device=device,
         )
-
-        from lora_inference.app import METRICS
-
         app_a = create_app(config, backend=backend)
-        # The limit gets a pipeline of its own that never held an adapter.
-        pristine = DiffusionBackend(pipeline(), device=device, dtype=dtype)
+        # (b) and (c) get a pipeline of their own that never held an adapter.
+        limit_pipe = pipeline(None)
         targets = [
-            Target("(a) lora-inference, max-loras 4", app_a, stream),
+            Target("(a) lora-inference, max-loras 4", app_a, stream, model.name),
             Target(
                 "(b) naive load/generate/unload",
-                create_naive_app(model, root, pipeline()),
+                create_naive_app(model, root, pipeline(limit_pipe)),
                 stream,
+                model.name,
             ),
             Target(
                 "(c) base model, no LoRA",
-                create_app(config, backend=pristine),
+                create_app(
+                    replace(config, merge="never"),
+                    backend=DiffusionBackend(limit_pipe, device=device, dtype=dtype),
+                ),
                 [model.name] * len(stream),
+                model.name,
             ),
         ]
-        await measure_interleaved(targets, args)
+        prepared = time.perf_counter() - started
+        await measure_interleaved(targets, mode, args)
         ours, naive, limit = (t.result() for t in targets)
+        del targets, limit_pipe
+        gc.collect()
 
+        ranks = "/".join(str(r) for r in mode.ranks)
         print(
-            f"\nZipf(1.1) over {ADAPTERS} adapters: {len(stream)} requests "
-            f"({distinct} distinct adapters), {args.clients} clients, {args.steps} steps, "
-            f"{args.size}x{args.size}, rank {args.rank}, "
-            f"{model.name if args.full_size else args.arch} on {device} "
-            f"({platform.processor() or platform.machine()}, "
-            f"{torch.get_num_threads()} threads)"
+            f"\n[{mode.name}] Zipf(1.1) over {ADAPTERS} adapters: {len(stream)} requests "
+            f"({len(set(stream))} distinct adapters), {args.clients} clients, {mode.steps} steps, "
+            f"{mode.size}x{mode.size}, rank {ranks}, {model.name} on {device} "
+            f"({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads); "
+            f"models and adapters built in {prepared:.0f} s"
         )
         print(f"{'':36}{'req/s':>8}{'p50 s':>9}{'p95 s':>9}")
         for r in (ours, naive, limit):
             print(f"{r.label:36}{r.throughput:8.2f}{r.p50:9.3f}{r.p95:9.3f}")
-        m = app_a[METRICS].registry
+        registry = app_a[METRICS].registry
 
         def sample(name: str, **labels: str) -> float:
-            return float(m.get_sample_value(name, labels) or 0.0)
+            return float(registry.get_sample_value(name, labels) or 0.0)
 
+        paths_taken = {
+            path: sample("lora_batches_total", path=path)
+            for path in ("base", "adapter", "merged", "mixed")
+        }
+        calls = sample("lora_batch_images_count")
         print(
             f"(a) adapter lookups: {sample('lora_adapter_lookups_total', result='hit'):.0f} hits, "
-            f"{sample('lora_adapter_lookups_total', result='miss'):.0f} misses "
-            f"({sample('lora_adapter_inplace_swaps_total'):.0f} served by in-place swaps); "
-            f"{sample('lora_batch_images_sum') / max(1.0, sample('lora_batch_images_count')):.2f} "
-            "images per pipeline call"
+            f"{sample('lora_adapter_lookups_total', result='miss'):.0f} misses, each a copy into "
+            f"a slot; {sample('lora_batch_images_sum') / max(1.0, calls):.2f} images per call; "
+            "calls: " + ", ".join(f"{v:.0f} {k}" for k, v in paths_taken.items())
         )
-        print(
-            f"ratio a/c (target >= 0.9): {ours.throughput / limit.throughput:.2f}   "
-            f"ratio a/b (target >= 3): {ours.throughput / naive.throughput:.2f}"
+        result = ModeResult(
+            a_c=ours.throughput / limit.throughput, a_b=ours.throughput / naive.throughput
         )
+        print(f"ratio a/c: {result.a_c:.2f}   ratio a/b: {result.a_b:.2f}")
 
         print(
-            f"\nGrowth with resident adapters (median of {args.growth_samples} cold loads, "
-            f"{args.growth_samples * 4} switches)"
+            f"Growth with resident adapters (median of {args.growth_samples} first uses and "
+            f"swaps, {args.growth_samples * 4} activations)"
         )
-        print(f"{'resident':>8}{'cold load ms':>14}{'in-place swap ms':>18}{'switch ms':>11}")
-        for resident, cold, swap, switch in growth(backend, paths, args.growth_samples):
-            print(f"{resident:8d}{cold * 1000:14.1f}{swap * 1000:18.1f}{switch * 1000:11.2f}")
+        print(
+            f"{'resident':>8}{'first use ms':>14}{'swap ms':>10}{'activate ms':>13}"
+            f"{'layers touched':>16}"
+        )
+        rows = growth(backend, paths, mode.resident, args.growth_samples)
+        for resident, first, swap, activate, touched in rows:
+            print(
+                f"{resident:8d}{first * 1000:14.1f}{swap * 1000:10.1f}{activate * 1000:13.2f}"
+                f"{touched:16d}"
+            )
+        return result
+
+
+async def main_async(args: argparse.Namespace) -> None:
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    modes = {"tiny": TINY, "representative": REPRESENTATIVE}
+    if args.full_size:
+        modes["full-size"] = replace(
+            FULL_SIZE,
+            requests=args.requests or FULL_SIZE.requests,
+            steps=args.steps or FULL_SIZE.steps,
+            size=args.size or FULL_SIZE.size,
+            ranks=(args.rank,) if args.rank else FULL_SIZE.ranks,
+        )
+    wanted = args.modes.split(",") if args.modes else list(modes)
+    results: dict[str, ModeResult] = {}
+    started = time.perf_counter()
+    for name in wanted:
+        results[name] = await run_mode(modes[name], args)
+    print(f"\nall modes in {time.perf_counter() - started:.0f} s")
+
+    def figure(mode: str, ratio: str) -> str:
+        return f"{getattr(results[mode], ratio):.2f}" if mode in results else "n/a"
+
+    print(
+        f"serving: a/c tiny = {figure('tiny', 'a_c')}, "
+        f"a/c representative = {figure('representative', 'a_c')}, "
+        f"a/b representative = {figure('representative', 'a_b')}"
+    )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--requests", type=int, default=120)
+    parser.add_argument("--modes", help="comma-separated subset of tiny,representative,full-size")
     parser.add_argument("--clients", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--size", type=int, default=32)
-    parser.add_argument("--rank", type=int, default=4)
     parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--arch", default="sd15")
     parser.add_argument(
-        "--full-size",
-        action="store_true",
-        help="a random-weight full-size SDXL (GPU only); use with --size 1024 --rank 64",
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads per operation (0: torch's choice); see docs/benchmarks.md",
     )
     parser.add_argument("--device", default=None)
     parser.add_argument("--growth-samples", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=4, help="interleaved slices of the stream")
+    parser.add_argument(
+        "--full-size",
+        action="store_true",
+        help="also run a random-weight full-size SDXL (GPU only); see the options below",
+    )
+    parser.add_argument("--requests", type=int, default=0, help="full-size mode: requests")
+    parser.add_argument("--steps", type=int, default=0, help="full-size mode: denoising steps")
+    parser.add_argument("--size", type=int, default=0, help="full-size mode: image side")
+    parser.add_argument("--rank", type=int, default=0, help="full-size mode: adapter rank")
     asyncio.run(main_async(parser.parse_args()))
 
 

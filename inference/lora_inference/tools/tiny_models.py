@@ -165,8 +165,22 @@ def _tiny_unet(**family: Any) -> Any:
     )
 
 
+def sd15_scheduler() -> Any:
+    """SD 1.5's DDIM settings."""
+    from diffusers import DDIMScheduler
+
+    return DDIMScheduler(
+        beta_start=0.00085,
+        beta_end=0.012,
+        beta_schedule="scaled_linear",
+        clip_sample=False,
+        set_alpha_to_one=False,
+        steps_offset=1,
+    )
+
+
 def _build_sd15(workdir: Path) -> Any:
-    from diffusers import DDIMScheduler, StableDiffusionPipeline
+    from diffusers import StableDiffusionPipeline
 
     tokenizer, vocab = _clip_tokenizer(workdir / "tokenizer")
     unet = _tiny_unet(cross_attention_dim=32, attention_head_dim=4)
@@ -175,14 +189,7 @@ def _build_sd15(workdir: Path) -> Any:
         vae=_vae(),
         text_encoder=_clip_text_model(vocab),
         tokenizer=tokenizer,
-        scheduler=DDIMScheduler(
-            beta_start=0.00085,
-            beta_end=0.012,
-            beta_schedule="scaled_linear",
-            clip_sample=False,
-            set_alpha_to_one=False,
-            steps_offset=1,
-        ),
+        scheduler=sd15_scheduler(),
         safety_checker=None,
         feature_extractor=None,
         requires_safety_checker=False,
