@@ -71,7 +71,6 @@ class ParsedAdapter:
     sha256: str
     size_bytes: int
     rank: int
-    components: tuple[str, ...]  # the pipeline components it adapts
     weights_file: Path
     # Per targeted layer: the weights under peft's module names, with the setup peft would give
     # them. Entering the pipeline copies these; they are never handed over themselves.
@@ -193,7 +192,6 @@ class DiffusionBackend:
             sha256=hashlib.sha256(data).hexdigest(),
             size_bytes=len(data),
             rank=summary.rank,
-            components=summary.components,
             weights_file=weights,
             layers=layers,
         )
