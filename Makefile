@@ -6,9 +6,13 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install binaries test lint typecheck unit demo demo-inference images e2e-kind bench bench-operator clean
+.PHONY: install packages binaries test lint typecheck unit demo demo-inference images e2e-kind bench bench-operator clean
 
-install: $(STAMP) binaries
+install: $(STAMP) packages binaries
+
+# Debian packages for the local cluster's node and the image builds (apt-get, only when missing).
+packages:
+	@hack/install-packages.sh
 
 # Re-installs only when the dependency list changed (or the venv is missing).
 $(STAMP): pyproject.toml
@@ -17,7 +21,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[inference,operator,dev]'
 	@touch $(STAMP)
 
-# Control-plane binaries (etcd, kube-apiserver, ...) built from the Go module proxy into
+# The cluster's binaries (etcd, kube-apiserver, kubelet, ...) built from the Go module proxy into
 # a cache keyed by version outside the repository; a warm machine rebuilds nothing.
 binaries:
 	@if [ -x hack/build-binaries.sh ]; then hack/build-binaries.sh; fi

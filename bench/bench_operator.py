@@ -465,7 +465,12 @@ def main() -> None:
             op.start()
             os.environ["KUBECONFIG"] = admin_kubeconfig
             try:
-                h.apply(cluster.inference_deployment("inference", 0, work / "models", volume), NS)
+                h.apply(
+                    cluster.inference_deployment(
+                        h.image("inference"), "inference", 0, work / "models", volume
+                    ),
+                    NS,
+                )
                 for n in ns_values:
                     h.kubectl("scale", "-n", NS, "deployment/inference", f"--replicas={n}")
                     t0 = time.perf_counter()

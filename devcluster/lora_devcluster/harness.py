@@ -50,6 +50,16 @@ class Harness:
         self.ssl_context.load_cert_chain(str(cert), str(key))
         self._tmp.cleanup()
 
+    def image(self, role: str) -> str:
+        """The ref of one of this project's images on the node (`operator`, `inference`,
+        `base`, `pause`), as `up` imported it: manifests use it with imagePullPolicy Never."""
+        try:
+            return self.cluster.images[role]
+        except KeyError:
+            raise AssertionError(
+                f"the node has no {role!r} image; it has {sorted(self.cluster.images)}"
+            ) from None
+
     # ---- API
 
     def request(
@@ -149,13 +159,13 @@ class Harness:
         )
 
     def container_logs(self, namespace: str) -> str:
-        """Every container log of the pods (live or deleted) of `namespace`."""
+        """Every container log of the pods (live or deleted) of `namespace`, every restart, from
+        the kubelet's log directory (its CRI format reduced to the text)."""
         parts = []
-        for d in sorted(self.cluster.layout.pods.glob(f"{namespace}_*")):
-            for log in sorted(d.glob("*.log")):
-                if log.name == "holder.log":
-                    continue
-                parts.append(f"==== {d.name}/{log.name}\n{log.read_text(errors='replace')}")
+        for d in sorted(self.cluster.layout.pod_logs.glob(f"{namespace}_*")):
+            for log in sorted(d.glob("*/*.log")):
+                lines = [_cri_text(line) for line in log.read_text(errors="replace").splitlines()]
+                parts.append(f"==== {d.name}/{log.parent.name}/{log.name}\n" + "\n".join(lines))
         return "\n".join(parts) if parts else f"(no container logs for namespace {namespace})"
 
     def describe_pods(self, namespace: str) -> str:
@@ -182,13 +192,17 @@ class Harness:
                 )
         return "\n".join(lines) if lines else f"(no pods in {namespace})"
 
-    def kubelet_log_tail(self, lines: int = 40) -> str:
-        path = self.cluster.layout.logs / "supervisor.log"
-        try:
-            text = path.read_text(errors="replace").splitlines()
-        except OSError as e:
-            return f"(cannot read {path}: {e})"
-        return "\n".join(text[-lines:])
+    def node_log_tail(self, lines: int = 40) -> str:
+        """The last lines of the supervisor's and the kubelet's logs (for failure reports)."""
+        parts = []
+        for name in ("supervisor", "kubelet"):
+            path = self.cluster.layout.logs / f"{name}.log"
+            try:
+                text = path.read_text(errors="replace").splitlines()
+            except OSError as e:
+                text = [f"(cannot read {path}: {e})"]
+            parts.append(f"---- {name}\n" + "\n".join(text[-lines:]))
+        return "\n".join(parts)
 
     def restart_apiserver(self, timeout: float = 120) -> None:
         """Stop and start the API server (etcd keeps the data); returns once it is healthy."""
@@ -203,18 +217,37 @@ class Harness:
         )
 
     def container_pids(self, pod_uid: str, container: str | None = None) -> list[int]:
-        """Host PIDs of the processes a container runs (found by the kubelet's env markers)."""
+        """Host PIDs of the processes a pod's containers (or one of them) run, found by their
+        cgroup: the kubelet names it after the pod's uid, and containerd after the container's
+        id, which the pod's status gives."""
+        ids: set[str] | None = None
+        if container is not None:
+            ids = set()
+            pods = [p for p in self.get("/api/v1/pods")["items"] if p["metadata"]["uid"] == pod_uid]
+            for pod in pods:
+                for cs in (pod.get("status") or {}).get("containerStatuses") or ():
+                    if cs["name"] == container and cs.get("containerID"):
+                        ids.add(cs["containerID"].split("://", 1)[-1])
+        pod_dir = "pod" + pod_uid
         pids = []
-        want = f"LORA_DEVCLUSTER_POD_UID={pod_uid}".encode()
         for entry in os.listdir("/proc"):
             if not entry.isdigit():
                 continue
             try:
-                env = Path(f"/proc/{entry}/environ").read_bytes().split(b"\0")
+                text = Path(f"/proc/{entry}/cgroup").read_text()
             except OSError:
                 continue
-            if want in env and (
-                container is None or f"LORA_DEVCLUSTER_CONTAINER={container}".encode() in env
-            ):
-                pids.append(int(entry))
-        return pids
+            # One line per hierarchy; the memory one is enough (every container has one).
+            for line in text.splitlines():
+                parts = line.split(":", 2)
+                if len(parts) == 3 and parts[1] == "memory":
+                    segments = parts[2].split("/")
+                    if pod_dir in segments and (ids is None or segments[-1] in ids):
+                        pids.append(int(entry))
+        return sorted(pids)
+
+
+def _cri_text(line: str) -> str:
+    """`2026-12-02T19:00:00.1Z stdout F text` -> `text` (the CRI log format)."""
+    parts = line.split(" ", 3)
+    return parts[3] if len(parts) == 4 else line

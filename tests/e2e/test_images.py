@@ -4,13 +4,11 @@ local cluster's image map assume."""
 
 from __future__ import annotations
 
-import json
 import re
 import tomllib
 from pathlib import Path
 
 import pytest
-from lora_devcluster import cluster as cluster_mod
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCKER = ROOT / "docker"
@@ -77,23 +75,6 @@ def test_image_runs_as_non_root(image: str) -> None:
     uid, _, gid = users[-1].partition(":")
     # Numeric, so Kubernetes' runAsNonRoot can verify it without reading /etc/passwd.
     assert uid == "65532" and gid in ("", "65532"), users[-1]
-
-
-@pytest.mark.parametrize(
-    ("image", "entrypoint"),
-    [
-        ("operator", ["python", "-m", "lora_operator"]),
-        ("inference", ["lora-inference"]),
-    ],
-)
-def test_entrypoint_matches_the_local_cluster_image_map(image: str, entrypoint: list[str]) -> None:
-    steps = final_stage(DOCKER / f"{image}.Dockerfile")
-    declared = json.loads(next(arg for word, arg in steps if word == "ENTRYPOINT"))
-    assert declared == entrypoint
-    # The process kubelet maps the image name to the same command from the venv, so the chart
-    # runs unchanged on the local cluster.
-    mapped = cluster_mod.default_image_map()[f"lora-operator/{image}:*"]
-    assert [Path(mapped[0]).name.removesuffix("3"), *mapped[1:]] == entrypoint
 
 
 def test_dockerignore_keeps_the_context_small_and_the_sources_in() -> None:

@@ -1,5 +1,6 @@
 """Support for the operator's tests on the local cluster: the operator as a real process, real
-inference pods (the tiny SD 1.5 model, run by the process kubelet), adapters, and a TLS origin.
+inference pods (the project's inference image serving the tiny SD 1.5 model), adapters, and a
+TLS origin.
 
 The pytest process has joined the cluster's network namespace (the `devcluster` fixture), so the
 operator it starts, the origin server it runs and the pods all reach each other by IP.
@@ -113,8 +114,11 @@ class Operator:
 
 
 def inference_deployment(
-    name: str, replicas: int, model_dir: Path, volume: Path, labels: Obj | None = None
+    image: str, name: str, replicas: int, model_dir: Path, volume: Path, labels: Obj | None = None
 ) -> Obj:
+    """Inference pods from the project's image, as the chart runs them (non-root, read-only
+    root filesystem, /tmp on an emptyDir), with the model and the adapter volume from host
+    directories."""
     pod_labels = {"app": name, "lora.dev/inference": "true", **(labels or {})}
     return {
         "apiVersion": "apps/v1",
@@ -136,11 +140,19 @@ def inference_deployment(
                     "volumes": [
                         {"name": "model", "hostPath": {"path": str(model_dir)}},
                         {"name": "adapters", "hostPath": {"path": str(volume)}},
+                        {"name": "tmp", "emptyDir": {}},
                     ],
                     "containers": [
                         {
                             "name": "server",
-                            "image": "lora-operator/inference:dev",
+                            "image": image,
+                            "imagePullPolicy": "Never",
+                            "securityContext": {
+                                "runAsNonRoot": True,
+                                "runAsUser": 65532,
+                                "readOnlyRootFilesystem": True,
+                                "allowPrivilegeEscalation": False,
+                            },
                             "args": [
                                 "serve",
                                 "--model",
@@ -166,6 +178,7 @@ def inference_deployment(
                             "volumeMounts": [
                                 {"name": "model", "mountPath": "/models", "readOnly": True},
                                 {"name": "adapters", "mountPath": POD_VOLUME, "readOnly": True},
+                                {"name": "tmp", "mountPath": "/tmp"},
                             ],
                             "readinessProbe": {
                                 "httpGet": {"path": "/ready", "port": 8000},
