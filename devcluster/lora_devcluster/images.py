@@ -98,6 +98,8 @@ _BASE_TRIM = (
     "var/log",
 )
 _HOST_CA_DIR = Path("/etc/ssl/certs")
+# What a build takes on 2 busy cores, so a user knows whether to wait.
+_HINTS = {"base": " (1-3 min)", "operator": " (about 1 min)", "inference": " (5-10 min)"}
 
 
 class ImageError(Exception):
@@ -495,20 +497,11 @@ def cache_root() -> Path:
 def _list_files(root: Path) -> list[str]:
     """The files a build may read: git's tracked and untracked-but-not-ignored files (what
     `git status` shows), or, outside a git checkout, every file under the root."""
+    # safe.directory: a checkout owned by another user is still read (nothing is run from it).
+    git = ["git", "-c", "safe.directory=*", "-C", str(root)]
     try:
         out = subprocess.run(
-            [
-                "git",
-                "-c",
-                "safe.directory=*",
-                "-C",
-                str(root),
-                "ls-files",
-                "-z",
-                "--cached",
-                "--others",
-                "--exclude-standard",
-            ],
+            [*git, "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
             capture_output=True,
             check=True,
         ).stdout
@@ -551,23 +544,15 @@ def load_tree(root: Path) -> Tree:
             texts[dockerfile] = path.read_text()
             wanted_roots.add(dockerfile)
             wanted_roots.update(s.split("/", 1)[0] for s in copy_sources(texts[dockerfile]))
-    digests: dict[str, str] = {}
-    for f in files:
-        top = f.split("/", 1)[0]
-        if (
-            f in wanted_roots
-            or top in wanted_roots
-            or "" in wanted_roots
-            or _has_glob(wanted_roots)
-        ):
-            digests[f] = _digest(root / f)
-        else:
-            digests[f] = ""
+    # A COPY of the whole context or of a glob may read anything: hash everything then.
+    hash_all = any(r == "" or any(c in r for c in "*?[") for r in wanted_roots)
+    digests = {
+        f: _digest(root / f)
+        if hash_all or f in wanted_roots or f.split("/", 1)[0] in wanted_roots
+        else ""
+        for f in files
+    }
     return Tree(files=digests, texts=texts)
-
-
-def _has_glob(paths: Iterable[str]) -> bool:
-    return any(any(c in p for c in "*?[") for p in paths)
 
 
 # ---- I/O: running tools
@@ -731,8 +716,13 @@ def _container(image: str, label: str) -> Iterator[str]:
         _capture(["buildah", "rm", name])
 
 
+def _image_id(ref: str) -> str | None:
+    proc = _capture(["buildah", "inspect", "--type", "image", "--format", "{{.FromImageID}}", ref])
+    return proc.stdout.strip() or None if proc.returncode == 0 else None
+
+
 def _image_exists(ref: str) -> bool:
-    return _capture(["buildah", "inspect", "--type", "image", ref]).returncode == 0
+    return _image_id(ref) is not None
 
 
 def _smoke(image: str, spec: ImageSpec, log: Path) -> None:
@@ -803,13 +793,17 @@ def _build_base(spec: ImageSpec, cache: Path, work: Path, log: Path) -> None:
             log,
             "configuring the base",
         )
+        replaced = _image_id(spec.ref)
         _run(["buildah", "commit", "--quiet", c, spec.ref], log, "committing the base")
+    if replaced and replaced != _image_id(spec.ref):
+        # The tag moved to the new base; the old one would linger untagged.
+        _capture(["buildah", "rmi", replaced])
     tar.unlink()
     _smoke(spec.ref, spec, log)
     _export(spec.ref, spec, cache, log)
 
 
-def _build_pause(spec: ImageSpec, root: Path, cache: Path, work: Path, log: Path) -> str:
+def _build_pause(root: Path, work: Path, log: Path) -> str:
     binary = work / "pause"
     _run(
         ["gcc", *PAUSE_CFLAGS, "-o", str(binary), str(root / PAUSE_SOURCE)],
@@ -820,11 +814,7 @@ def _build_pause(spec: ImageSpec, root: Path, cache: Path, work: Path, log: Path
     with _container("scratch", "pause") as c:
         _run(["buildah", "copy", "--quiet", c, str(binary), "/pause"], log, "adding /pause")
         config = ["--os=linux", "--arch=amd64", f"--user={PAUSE_USER}", '--entrypoint=["/pause"]']
-        _run(
-            ["buildah", "config", *config, c],
-            log,
-            "configuring the pause image",
-        )
+        _run(["buildah", "config", *config, c], log, "configuring the pause image")
         _run(["buildah", "commit", "--quiet", "--iidfile", str(iid), c], log, "committing pause")
     return iid.read_text().strip()
 
@@ -954,8 +944,7 @@ def _build_one(
     work = cache / ".tmp" / f"{spec.name}-{spec.key}"
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
-    hint = {"debootstrap": " (about 2 min)", "dockerfile": " (minutes for inference)"}
-    progress(f"{spec.name}: building{hint.get(spec.kind, '')}; log {log}")
+    progress(f"{spec.name}: building{_HINTS.get(spec.name, '')}; log {log}")
     try:
         if spec.kind == "debootstrap":
             _build_base(spec, cache, work, log)
@@ -964,7 +953,7 @@ def _build_one(
             if spec.base:
                 _ensure_base_loaded(specs[spec.base], cache, log, progress)
             if spec.kind == "pause":
-                iid = _build_pause(spec, root, cache, work, log)
+                iid = _build_pause(root, work, log)
             else:
                 iid = _build_dockerfile(spec, root, cache, work, log, progress)
             try:
