@@ -22,10 +22,10 @@ WORKDIR /src
 # torch first, from the chosen index, at the version pyproject.toml pins.
 RUN --mount=type=cache,target=/root/.cache/pip \
     pip install --index-url "$TORCH_INDEX_URL" "torch==2.13.0"
+# devcluster/ (the local cluster, a development tool) stays out, as in the operator image.
 COPY pyproject.toml README.md ./
 COPY inference/ inference/
 COPY operator/ operator/
-COPY devcluster/ devcluster/
 RUN --mount=type=cache,target=/root/.cache/pip \
     pip install ".[inference]"
 

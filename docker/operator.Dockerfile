@@ -13,12 +13,12 @@ ENV PIP_DISABLE_PIP_VERSION_CHECK=1
 RUN python -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
 WORKDIR /src
-# setuptools finds the packages under inference/, operator/ and devcluster/ (pyproject.toml);
-# the operator imports lora_inference's file checks, which need no torch.
+# setuptools finds the packages under inference/ and operator/ (pyproject.toml); the operator
+# imports lora_inference's file checks, which need no torch. devcluster/ (the local cluster, a
+# development tool) stays out, so changing it rebuilds no image; its console script is inert here.
 COPY pyproject.toml README.md ./
 COPY inference/ inference/
 COPY operator/ operator/
-COPY devcluster/ devcluster/
 RUN --mount=type=cache,target=/root/.cache/pip \
     pip install ".[operator]" \
     && ! pip show torch >/dev/null 2>&1
