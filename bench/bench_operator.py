@@ -433,6 +433,7 @@ def main() -> None:
         work = Path(scratch)
         started = time.perf_counter()
         model = write_tiny_model(work / "models" / MODEL_NAME, "sd15")
+        cluster.readable_by_pods(work / "models")
         pipe = DiffusionPipeline.from_pretrained(str(model))
         volume = work / "volume"
         for i in range(max(ks)):

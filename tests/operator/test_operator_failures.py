@@ -22,7 +22,7 @@ from tests.operator.cluster import Models, Operator, Origin
 @pytest.fixture
 def origin(tmp_path: Path) -> Iterator[tuple[Origin, Path]]:
     """An HTTPS origin with a certificate from a CA the operator is told to trust."""
-    pki = write_pki(tmp_path / "pki", ["127.0.0.1"], ["localhost"])
+    pki = write_pki(tmp_path / "pki", ["127.0.0.1"], ["localhost"], "origin", "127.0.0.1")
     server = Origin(pki.server_cert, pki.server_key)
     try:
         yield server, pki.ca_cert
