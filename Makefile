@@ -46,16 +46,19 @@ demo: install
 demo-inference: install
 	$(PY) -m lora_inference.tools.demo --out demo-out
 
-# Container images for a real cluster; needs Docker (the local cluster needs none).
+# The container images (base, pause, operator, inference) without a Docker daemon: buildah
+# from a local Debian base, as docker-archive tars in a cache keyed by their inputs
+# (LORA_IMAGE_CACHE, default ~/.cache/lora-operator/images); an unchanged tree builds nothing.
+# Needs root and the Debian packages `make install` installs; see docs/images.md.
 IMAGE_TAG ?= $(shell sed -n 's/^appVersion: *"\{0,1\}\([^"]*\)"\{0,1\}/\1/p' charts/lora-operator/Chart.yaml)
+IMAGES_PY = $(if $(wildcard $(PY)),$(PY),python3)
 images:
-	@docker info >/dev/null 2>&1 || { echo "make images needs a running Docker daemon (docker info failed); the local cluster (make demo, make test) needs no images"; exit 1; }
-	docker build -f docker/operator.Dockerfile -t lora-operator/operator:$(IMAGE_TAG) .
-	docker build -f docker/inference.Dockerfile -t lora-operator/inference:$(IMAGE_TAG) .
+	PYTHONPATH=devcluster $(IMAGES_PY) -m lora_devcluster.images build
 
-# The end-to-end suite against a kind cluster: needs Docker and kind (see docs/operations.md).
+# The end-to-end suite against a kind cluster: needs Docker and kind (see docs/operations.md);
+# kind loads the archives `make images` built.
 e2e-kind: install images
-	hack/e2e-kind.sh $(IMAGE_TAG)
+	PYTHON=$(PY) hack/e2e-kind.sh $(IMAGE_TAG)
 
 bench: install
 	$(PY) bench/bench_inference.py

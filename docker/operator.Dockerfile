@@ -4,23 +4,26 @@
 #   docker build -f docker/operator.Dockerfile -t lora-operator/operator:0.1.0 .
 #
 # The chart runs it as uid 65532 with a read-only root filesystem and a /tmp emptyDir.
+# `make images` builds it without Docker (buildah) from a local Debian base: BASE_IMAGE.
+# pip's cache is a build cache mount, never a layer: the final stage copies only the venv.
 
-FROM python:3.11-slim AS build
-ENV PIP_NO_CACHE_DIR=1 \
-    PIP_DISABLE_PIP_VERSION_CHECK=1
+ARG BASE_IMAGE=python:3.11-slim
+FROM ${BASE_IMAGE} AS build
+ENV PIP_DISABLE_PIP_VERSION_CHECK=1
 RUN python -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
 WORKDIR /src
-# setuptools finds the packages under inference/, operator/ and devcluster/ (pyproject.toml);
-# the operator imports lora_inference's file checks, which need no torch.
+# setuptools finds the packages under inference/ and operator/ (pyproject.toml); the operator
+# imports lora_inference's file checks, which need no torch. devcluster/ (the local cluster, a
+# development tool) stays out, so changing it rebuilds no image; its console script is inert here.
 COPY pyproject.toml README.md ./
 COPY inference/ inference/
 COPY operator/ operator/
-COPY devcluster/ devcluster/
-RUN pip install ".[operator]" \
+RUN --mount=type=cache,target=/root/.cache/pip \
+    pip install ".[operator]" \
     && ! pip show torch >/dev/null 2>&1
 
-FROM python:3.11-slim
+FROM ${BASE_IMAGE}
 COPY --from=build /opt/venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH \
     PYTHONDONTWRITEBYTECODE=1 \

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # `make e2e-kind`: the chart on a real Kubernetes (kind) with the real images. Needs Docker and
-# kind on PATH; `make images` has built lora-operator/{operator,inference}:TAG. Steps: create a kind
-# cluster, load the images, write the tiny SD 1.5 model and the example's adapter source onto
+# kind on PATH (Docker only runs kind's nodes); `make images` has built
+# lora-operator/{operator,inference}:TAG as docker-archive tars (no Docker build). Steps: create a
+# kind cluster, load the archives, write the tiny SD 1.5 model and the example's adapter source onto
 # claims with a Job run by the inference image, `helm install` (CPU values), `helm test`, apply
 # examples/adapter.yaml, wait for Ready, and generate through the Service (port-forward). The
 # cluster is deleted at the end unless KEEP_CLUSTER=1. The full scenario of tests/e2e (killed
@@ -14,6 +15,10 @@ cd "$(dirname "$0")/.."
 for tool in docker kind; do
   command -v "$tool" >/dev/null || { echo "e2e-kind needs $tool on PATH"; exit 1; }
 done
+# The archives `make images` built for this tree; this fails, naming the missing image and the
+# command that builds it, before any cluster exists.
+archives=$(PYTHONPATH=devcluster "${PYTHON:-python3}" -m lora_devcluster.images list --archives \
+  --only operator --only inference)
 BIN=$(hack/build-binaries.sh --print-dir)
 export PATH="$BIN:$PATH" KUBECONFIG="${KUBECONFIG_OUT:-$(mktemp)}"
 step() { printf '[%5ss] %s\n' "$SECONDS" "$*"; }
@@ -22,8 +27,10 @@ trap cleanup EXIT
 
 step "kind create cluster $NAME"
 kind create cluster --name "$NAME" --kubeconfig "$KUBECONFIG" --wait 120s
-step "kind load the images"
-kind load docker-image --name "$NAME" "lora-operator/operator:$TAG" "lora-operator/inference:$TAG"
+step "kind load the image archives"
+for archive in $archives; do
+  kind load image-archive --name "$NAME" "$archive"
+done
 kubectl create namespace "$NS"
 
 step "the model and the adapter source onto claims (kind's local-path class; one node, so RWO)"

@@ -1,4 +1,4 @@
-"""`lora-devcluster up | exec | down | bin-dir`: the developer's local cluster.
+"""`lora-devcluster up | exec | down | bin-dir | images`: the developer's local cluster.
 
 Owns: argument parsing and what the user reads. Every action is in `cluster`.
 """
@@ -10,7 +10,7 @@ import os
 import sys
 from pathlib import Path
 
-from lora_devcluster import cluster, ns
+from lora_devcluster import cluster, images, ns
 
 
 def _progress(message: str) -> None:
@@ -86,10 +86,15 @@ def build_parser() -> argparse.ArgumentParser:
         func=cmd_down
     )
     add("bin-dir", "print the directory holding kubectl, helm, ...").set_defaults(func=cmd_bin_dir)
+    # Listed for --help; main() hands `images ...` to lora_devcluster.images' own parser.
+    sub.add_parser("images", help="build or list the container images (`images -h`)")
     return parser
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["images"]:
+        sys.exit(images.main(argv[1:], prog="lora-devcluster images"))
     args = build_parser().parse_args(argv)
     try:
         sys.exit(args.func(args))

@@ -594,10 +594,29 @@ def test_helm_test_pod_checks_ready_and_operator_health(helm: str) -> None:
     pod = one(render(helm), "Pod", f"{FULLNAME}-test-health")
     assert pod["metadata"]["annotations"]["helm.sh/hook"] == "test"
     c = pod["spec"]["containers"][0]
-    assert c["image"] == "curlimages/curl:8.11.1"
+    # The operator image (python's urllib): no image the project does not build.
+    assert c["image"] == "lora-operator/operator:0.1.0"
+    assert c["command"][:2] == ["python", "-c"]
     script = c["command"][2]
+    compile(script, "test-health", "exec")
     assert f"http://{FULLNAME}-inference.{NAMESPACE}.svc:80/ready" in script
     assert f"http://{FULLNAME}-operator.{NAMESPACE}.svc:8080/healthz" in script
+    assert c["securityContext"]["readOnlyRootFilesystem"] is True
+    assert c["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+
+
+@pytest.mark.parametrize(
+    ("flags", "image"),
+    [
+        (["--set", "operator.image.repository=r/op", "--set", "operator.image.tag=t"], "r/op:t"),
+        (["--set", "test.image.repository=r/py"], "r/py:0.1.0"),
+        (["--set", "test.image.repository=r/py", "--set", "test.image.tag=v3"], "r/py:v3"),
+    ],
+    ids=["follows-the-operator-image", "own-repository", "own-repository-and-tag"],
+)
+def test_helm_test_image(helm: str, flags: list[str], image: str) -> None:
+    pod = one(render(helm, *flags), "Pod", f"{FULLNAME}-test-health")
+    assert pod["spec"]["containers"][0]["image"] == image
 
 
 # ---- on a real API server
