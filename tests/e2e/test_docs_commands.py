@@ -167,9 +167,9 @@ def _helm_values_args(words: list[str]) -> list[str]:
     return out
 
 
-def _render_chart(h: Harness, release: str, chart: str, values: list[str], ns: str) -> str:
-    proc = subprocess.run(
-        ["helm", "template", release, chart, "-n", ns, "--set", "crds.enabled=false", *values],
+def _in_cluster(h: Harness, argv: list[str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        argv,
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -177,6 +177,11 @@ def _render_chart(h: Harness, release: str, chart: str, values: list[str], ns: s
         timeout=120,
         check=False,
     )
+
+
+def _render_chart(h: Harness, release: str, chart: str, values: list[str], ns: str) -> str:
+    argv = ["helm", "template", release, chart, "-n", ns, "--set", "crds.enabled=false"]
+    proc = _in_cluster(h, [*argv, *values])
     assert proc.returncode == 0, proc.stderr
     return proc.stdout
 
@@ -220,15 +225,7 @@ def _dry_run_command(h: Harness, page: Page, words: list[str], block: Block) -> 
         cmd = ["kubectl", "-n", ns, *args, "--dry-run=server"]
         if "--server-side" in args:
             return  # the CRD: the session cluster already has it (crds fixture)
-        proc = subprocess.run(
-            cmd,
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            env=h.cluster.env(),
-            timeout=120,
-            check=False,
-        )
+        proc = _in_cluster(h, cmd)
         assert proc.returncode == 0, (block.id, words, proc.stderr)
         return
     for ref in (a for a in args[1:] if re.match(r"^[a-z]+/[a-z0-9.-]+$", a)):

@@ -13,6 +13,7 @@ import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 from lora_operator import errors, fetchers, sources, staging
@@ -70,9 +71,20 @@ def s3_endpoint() -> Iterator[str]:
         yield endpoint
 
 
+def s3_client(endpoint: str, key_id: str, secret: str) -> Any:
+    import boto3
+
+    return boto3.client(
+        "s3",
+        endpoint_url=endpoint,
+        region_name="us-east-1",
+        aws_access_key_id=key_id,
+        aws_secret_access_key=secret,
+    )
+
+
 @pytest.fixture(scope="module")
 def creds(s3_endpoint: str) -> sources.Credentials:
-    import boto3
 
     secret = {
         "AWS_ACCESS_KEY_ID": "testing-key",
@@ -80,13 +92,7 @@ def creds(s3_endpoint: str) -> sources.Credentials:
         "AWS_ENDPOINT_URL": s3_endpoint,
         "AWS_REGION": "us-east-1",
     }
-    client = boto3.client(
-        "s3",
-        endpoint_url=s3_endpoint,
-        region_name="us-east-1",
-        aws_access_key_id=secret["AWS_ACCESS_KEY_ID"],
-        aws_secret_access_key=secret["AWS_SECRET_ACCESS_KEY"],
-    )
+    client = s3_client(s3_endpoint, secret["AWS_ACCESS_KEY_ID"], secret["AWS_SECRET_ACCESS_KEY"])
     client.create_bucket(Bucket=BUCKET)
     client.put_object(Bucket=BUCKET, Key="adapters/pixel.safetensors", Body=lora_bytes(30))
     client.put_object(Bucket=BUCKET, Key="adapters/big.safetensors", Body=b"\0" * 50_000)
@@ -189,13 +195,7 @@ def auth_s3() -> Iterator[AuthS3]:
             UserName="lora-operator", PolicyName="s3", PolicyDocument=json.dumps(policy)
         )
         key = iam.create_access_key(UserName="lora-operator")["AccessKey"]
-        s3 = boto3.client(
-            "s3",
-            endpoint_url=endpoint,
-            region_name="us-east-1",
-            aws_access_key_id=key["AccessKeyId"],
-            aws_secret_access_key=key["SecretAccessKey"],
-        )
+        s3 = s3_client(endpoint, key["AccessKeyId"], key["SecretAccessKey"])
         s3.create_bucket(Bucket=BUCKET)
         s3.put_object(Bucket=BUCKET, Key="private.safetensors", Body=lora_bytes(31))
         yield AuthS3(endpoint, key["AccessKeyId"], key["SecretAccessKey"])
