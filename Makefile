@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install packages binaries test lint typecheck unit demo demo-inference images e2e-kind bench bench-operator clean
+.PHONY: install packages binaries test lint typecheck unit demo demo-inference images e2e-kind bench bench-operator docs clean
 
 install: $(STAMP) packages binaries
 
@@ -64,6 +64,10 @@ bench: install
 
 bench-operator: install
 	$(PY) bench/bench_operator.py
+
+# docs/reference/ from the CRD, the chart and the metrics in code (tests/test_docs.py checks it).
+docs: $(STAMP) binaries
+	PATH="$$PATH:$$($(PY) -m lora_devcluster.cli bin-dir 2>/dev/null)" $(PY) hack/gen-docs.py
 
 clean:
 	rm -rf $(VENV) demo-out .mypy_cache .ruff_cache .pytest_cache
