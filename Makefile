@@ -6,9 +6,13 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install binaries test lint typecheck unit demo demo-inference images e2e-kind bench bench-operator clean
+.PHONY: install packages binaries test lint typecheck unit demo demo-inference images e2e-kind bench bench-operator docs clean
 
-install: $(STAMP) binaries
+install: $(STAMP) packages binaries
+
+# Debian packages for the local cluster's node and the image builds (apt-get, only when missing).
+packages:
+	@hack/install-packages.sh
 
 # Re-installs only when the dependency list changed (or the venv is missing).
 $(STAMP): pyproject.toml
@@ -17,7 +21,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[inference,operator,dev]'
 	@touch $(STAMP)
 
-# Control-plane binaries (etcd, kube-apiserver, ...) built from the Go module proxy into
+# The cluster's binaries (etcd, kube-apiserver, kubelet, ...) built from the Go module proxy into
 # a cache keyed by version outside the repository; a warm machine rebuilds nothing.
 binaries:
 	@if [ -x hack/build-binaries.sh ]; then hack/build-binaries.sh; fi
@@ -27,37 +31,43 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check .
 
 typecheck: $(STAMP)
-	$(VENV)/bin/mypy inference/lora_inference operator/lora_operator devcluster/lora_devcluster
+	$(VENV)/bin/mypy inference/lora_inference operator/lora_operator devcluster/lora_devcluster demo/lora_demo
 
-unit: install
+unit: install images
 	$(VENV)/bin/pytest
 
 test: install lint typecheck unit
 
 # The main job on the local cluster: the chart, the operator, two adapters, images in demo-out/.
-demo: install
-	$(PY) -m lora_devcluster.demo --out demo-out
+demo: install images
+	$(PY) -m lora_demo --out demo-out
 
 # The inference server alone (no cluster): tiny model, two adapters, images in demo-out/.
 demo-inference: install
 	$(PY) -m lora_inference.tools.demo --out demo-out
 
-# Container images for a real cluster; needs Docker (the local cluster needs none).
-IMAGE_TAG ?= $(shell sed -n 's/^appVersion: *"\{0,1\}\([^"]*\)"\{0,1\}/\1/p' charts/lora-operator/Chart.yaml)
-images:
-	@docker info >/dev/null 2>&1 || { echo "make images needs a running Docker daemon (docker info failed); the local cluster (make demo, make test) needs no images"; exit 1; }
-	docker build -f docker/operator.Dockerfile -t lora-operator/operator:$(IMAGE_TAG) .
-	docker build -f docker/inference.Dockerfile -t lora-operator/inference:$(IMAGE_TAG) .
+# The container images (base, pause, operator, inference) without a Docker daemon: buildah
+# from a local Debian base, as docker-archive tars in a cache keyed by their inputs
+# (LORA_IMAGE_CACHE, default ~/.cache/lora-operator/images); an unchanged tree builds nothing.
+# Needs root and the Debian packages `make install` installs; see docs/images.md.
+IMAGES_PY = $(if $(wildcard $(PY)),$(PY),python3)
+images: packages
+	PYTHONPATH=devcluster $(IMAGES_PY) -m lora_devcluster.images build
 
-# The end-to-end suite against a kind cluster: needs Docker and kind (see docs/operations.md).
+# The end-to-end suite against a kind cluster: needs Docker and kind (see docs/operations.md);
+# kind loads the archives `make images` built.
 e2e-kind: install images
-	hack/e2e-kind.sh $(IMAGE_TAG)
+	PYTHON=$(PY) hack/e2e-kind.sh
 
 bench: install
 	$(PY) bench/bench_inference.py
 
 bench-operator: install
 	$(PY) bench/bench_operator.py
+
+# docs/reference/ from the CRD, the chart and the metrics in code (tests/test_docs.py checks it).
+docs: $(STAMP) binaries
+	PATH="$$PATH:$$($(PY) -m lora_devcluster.cli bin-dir 2>/dev/null)" $(PY) hack/gen-docs.py
 
 clean:
 	rm -rf $(VENV) demo-out .mypy_cache .ruff_cache .pytest_cache

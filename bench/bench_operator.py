@@ -433,6 +433,7 @@ def main() -> None:
         work = Path(scratch)
         started = time.perf_counter()
         model = write_tiny_model(work / "models" / MODEL_NAME, "sd15")
+        cluster.readable_by_pods(work / "models")
         pipe = DiffusionPipeline.from_pretrained(str(model))
         volume = work / "volume"
         for i in range(max(ks)):
@@ -465,7 +466,12 @@ def main() -> None:
             op.start()
             os.environ["KUBECONFIG"] = admin_kubeconfig
             try:
-                h.apply(cluster.inference_deployment("inference", 0, work / "models", volume), NS)
+                h.apply(
+                    cluster.inference_deployment(
+                        h.image("inference"), "inference", 0, work / "models", volume
+                    ),
+                    NS,
+                )
                 for n in ns_values:
                     h.kubectl("scale", "-n", NS, "deployment/inference", f"--replicas={n}")
                     t0 = time.perf_counter()

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Builds the local control plane's binaries (etcd, kube-apiserver, kube-controller-manager,
-# kubectl) and helm from the Go module proxy, pinned by the wrapper modules beside this
-# script (hack/k8s, hack/etcd, hack/helm: their go.mod/go.sum are the pins), into a cache
+# Builds the local cluster's binaries (etcd, kube-apiserver, kube-controller-manager,
+# kube-scheduler, kubelet, kube-proxy, kubectl, CoreDNS, local-path-provisioner) and helm from
+# the Go module proxy, pinned by the wrapper modules beside this script (hack/k8s, hack/etcd,
+# hack/helm, hack/coredns, hack/local-path: their go.mod/go.sum are the pins), into a cache
 # directory keyed by version outside the repository. Idempotent: a binary already in the
 # cache is not rebuilt, so a warm machine returns in about a second.
 #
@@ -15,10 +16,12 @@ set -euo pipefail
 K8S_VERSION=v1.37.2
 ETCD_VERSION=v3.6.16
 HELM_VERSION=v3.22.0
+COREDNS_VERSION=v1.15.0
+LOCAL_PATH_VERSION=v0.0.30
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 cache_root="${LORA_BIN_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/lora-operator/bin}"
-out="$cache_root/k8s-$K8S_VERSION-etcd-$ETCD_VERSION-helm-$HELM_VERSION"
+out="$cache_root/k8s-$K8S_VERSION-etcd-$ETCD_VERSION-helm-$HELM_VERSION-coredns-$COREDNS_VERSION-local-path-$LOCAL_PATH_VERSION"
 
 if [[ "${1:-}" == "--print-dir" ]]; then
     echo "$out"
@@ -67,7 +70,12 @@ kver="$kver -X k8s.io/client-go/pkg/version.gitVersion=$K8S_VERSION"
 build etcd etcd go.etcd.io/etcd/server/v3 ""
 build kube-apiserver k8s k8s.io/kubernetes/cmd/kube-apiserver "$kver"
 build kube-controller-manager k8s k8s.io/kubernetes/cmd/kube-controller-manager "$kver"
+build kube-scheduler k8s k8s.io/kubernetes/cmd/kube-scheduler "$kver"
+build kubelet k8s k8s.io/kubernetes/cmd/kubelet "$kver"
+build kube-proxy k8s k8s.io/kubernetes/cmd/kube-proxy "$kver"
 build kubectl k8s k8s.io/kubernetes/cmd/kubectl "$kver"
+build coredns coredns github.com/coredns/coredns ""
+build local-path-provisioner local-path github.com/rancher/local-path-provisioner ""
 build helm helm helm.sh/helm/v3/cmd/helm "-X helm.sh/helm/v3/internal/version.version=$HELM_VERSION"
 
 if ((built > 0)); then

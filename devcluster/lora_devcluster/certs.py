@@ -1,8 +1,11 @@
 """Certificates and keys for the local control plane, generated with `cryptography`.
 
 Owns: one self-signed CA, the API server's serving certificate, the admin client certificate
-(CN=admin, O=system:masters), the service-account signing key, and the admin kubeconfig with
-the data embedded (kopf's login reads client-certificate-data / client-key-data).
+(CN=admin, O=system:masters), the node's client certificate (system:node:NAME, so the Node
+authorizer and NodeRestriction apply to the kubelet as on a real cluster), the kubelet's serving
+certificate (logs, exec and port-forward go from the API server to it), the service-account
+signing key, and kubeconfigs with the data embedded (kopf's login reads
+client-certificate-data / client-key-data).
 Must not: start processes or talk to the network.
 """
 
@@ -33,6 +36,10 @@ class PKI:
     server_key: Path
     admin_cert: Path
     admin_key: Path
+    node_cert: Path
+    node_key: Path
+    kubelet_cert: Path
+    kubelet_key: Path
     sa_key: Path
     sa_pub: Path
 
@@ -95,9 +102,16 @@ def _name(cn: str, org: str | None = None) -> x509.Name:
     return x509.Name(attrs)
 
 
-def write_pki(directory: Path, server_ips: list[str], server_names: list[str]) -> PKI:
-    """Generate a CA, a serving cert for `server_ips`/`server_names`, an admin client cert and
-    the service-account key pair under `directory` (mode 0700)."""
+def write_pki(
+    directory: Path,
+    server_ips: list[str],
+    server_names: list[str],
+    node_name: str,
+    node_ip: str,
+) -> PKI:
+    """Generate a CA, the API server's serving cert for `server_ips`/`server_names`, the admin
+    and node client certs, the kubelet's serving cert for `node_ip`/`node_name`, and the
+    service-account key pair under `directory` (mode 0700)."""
     directory.mkdir(parents=True, exist_ok=True)
     directory.chmod(0o700)
     pki = PKI(
@@ -107,6 +121,10 @@ def write_pki(directory: Path, server_ips: list[str], server_names: list[str]) -
         server_key=directory / "apiserver.key",
         admin_cert=directory / "admin.crt",
         admin_key=directory / "admin.key",
+        node_cert=directory / "node.crt",
+        node_key=directory / "node.key",
+        kubelet_cert=directory / "kubelet.crt",
+        kubelet_key=directory / "kubelet.key",
         sa_key=directory / "sa.key",
         sa_pub=directory / "sa.pub",
     )
@@ -136,6 +154,26 @@ def write_pki(directory: Path, server_ips: list[str], server_names: list[str]) -
         usages=[ExtendedKeyUsageOID.CLIENT_AUTH],
         sans=[],
     )
+    node_key = ec.generate_private_key(ec.SECP256R1())
+    node = _cert(
+        _name(f"system:node:{node_name}", "system:nodes"),
+        node_key,
+        ca_name,
+        ca_key,
+        ca=False,
+        usages=[ExtendedKeyUsageOID.CLIENT_AUTH],
+        sans=[],
+    )
+    kubelet_key = ec.generate_private_key(ec.SECP256R1())
+    kubelet = _cert(
+        _name(node_name),
+        kubelet_key,
+        ca_name,
+        ca_key,
+        ca=False,
+        usages=[ExtendedKeyUsageOID.SERVER_AUTH],
+        sans=[x509.IPAddress(ipaddress.ip_address(node_ip)), x509.DNSName(node_name)],
+    )
     sa_key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
 
     pem = serialization.Encoding.PEM
@@ -145,18 +183,36 @@ def write_pki(directory: Path, server_ips: list[str], server_names: list[str]) -
     pki.server_key.write_bytes(_pem_key(server_key))
     pki.admin_cert.write_bytes(admin.public_bytes(pem))
     pki.admin_key.write_bytes(_pem_key(admin_key))
+    pki.node_cert.write_bytes(node.public_bytes(pem))
+    pki.node_key.write_bytes(_pem_key(node_key))
+    pki.kubelet_cert.write_bytes(kubelet.public_bytes(pem))
+    pki.kubelet_key.write_bytes(_pem_key(kubelet_key))
     pki.sa_key.write_bytes(_pem_key(sa_key))
     pki.sa_pub.write_bytes(
         sa_key.public_key().public_bytes(pem, serialization.PublicFormat.SubjectPublicKeyInfo)
     )
-    for path in (pki.ca_key, pki.server_key, pki.admin_key, pki.sa_key):
+    for path in (
+        pki.ca_key,
+        pki.server_key,
+        pki.admin_key,
+        pki.node_key,
+        pki.kubelet_key,
+        pki.sa_key,
+    ):
         path.chmod(0o600)
     return pki
 
 
-def build_kubeconfig(server: str, pki: PKI, name: str = "lora-devcluster") -> dict[str, object]:
-    """An admin kubeconfig for `server` with the certificates embedded (pure apart from reading
-    the PEM files)."""
+def build_kubeconfig(
+    server: str,
+    pki: PKI,
+    name: str = "lora-devcluster",
+    *,
+    user: tuple[Path, Path] | None = None,
+) -> dict[str, object]:
+    """A kubeconfig for `server` with the certificates embedded (pure apart from reading the
+    PEM files): the admin's, or the client (certificate, key) pair given as `user`."""
+    cert, key = user or (pki.admin_cert, pki.admin_key)
 
     def b64(path: Path) -> str:
         return base64.b64encode(path.read_bytes()).decode()
@@ -174,8 +230,8 @@ def build_kubeconfig(server: str, pki: PKI, name: str = "lora-devcluster") -> di
             {
                 "name": "admin",
                 "user": {
-                    "client-certificate-data": b64(pki.admin_cert),
-                    "client-key-data": b64(pki.admin_key),
+                    "client-certificate-data": b64(cert),
+                    "client-key-data": b64(key),
                 },
             }
         ],

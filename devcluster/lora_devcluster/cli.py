@@ -1,4 +1,4 @@
-"""`lora-devcluster up | exec | down | bin-dir`: the developer's local cluster.
+"""`lora-devcluster up | exec | down | bin-dir | images`: the developer's local cluster.
 
 Owns: argument parsing and what the user reads. Every action is in `cluster`.
 """
@@ -10,7 +10,7 @@ import os
 import sys
 from pathlib import Path
 
-from lora_devcluster import cluster, ns
+from lora_devcluster import cluster, images, ns
 
 
 def _progress(message: str) -> None:
@@ -18,17 +18,16 @@ def _progress(message: str) -> None:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    image_map = cluster.load_image_map(args.image_map)
-    c = cluster.up(args.dir, image_map=image_map, timeout=args.timeout, progress=_progress)
+    c = cluster.up(args.dir, timeout=args.timeout, progress=_progress)
     d = str(c.dir)
     flag = "" if c.dir == cluster.default_dir().resolve() else f" --dir {d}"
     print(
         f"cluster ready in {d}\n"
         f"  kubeconfig: {c.kubeconfig} (the API server is https://127.0.0.1:6443 inside the\n"
-        f"              cluster's network namespace; pod IPs are 10.244.0.N there)\n"
+        f"              cluster's network namespace; pods are 10.244.0.N, Services 10.0.0.N)\n"
         f"  use it:     lora-devcluster{flag} exec -- kubectl get pods -A\n"
         f"              lora-devcluster{flag} exec -- bash   # a shell with KUBECONFIG set\n"
-        f"  logs:       {c.layout.logs}/ and {c.layout.pods}/<ns>_<pod>_<uid>/<container>.log\n"
+        f"  logs:       {c.layout.logs}/ (components), {c.layout.pod_logs}/ (containers)\n"
         f"  stop it:    lora-devcluster{flag} down"
     )
     return 0
@@ -61,8 +60,9 @@ def cmd_bin_dir(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="lora-devcluster",
-        description="A local Kubernetes (etcd, kube-apiserver, kube-controller-manager and a "
-        "process kubelet) in private namespaces, for tests and the demo.",
+        description="A local single-node Kubernetes (control plane, containerd, kubelet, "
+        "kube-proxy, CoreDNS) in private namespaces, running this project's images, for "
+        "tests and the demo.",
     )
     sub = parser.add_subparsers(dest="cmd", required=True)
 
@@ -77,8 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
         return p
 
     p = add("up", "start a cluster and wait until it is ready")
-    p.add_argument("--image-map", help="YAML/JSON file: image glob -> command (added to defaults)")
-    p.add_argument("--timeout", type=float, default=180)
+    p.add_argument("--timeout", type=float, default=300)
     p.set_defaults(func=cmd_up)
     p = add("exec", "run a command in the cluster's network namespace with KUBECONFIG set")
     p.add_argument("command", nargs=argparse.REMAINDER)
@@ -87,10 +86,15 @@ def build_parser() -> argparse.ArgumentParser:
         func=cmd_down
     )
     add("bin-dir", "print the directory holding kubectl, helm, ...").set_defaults(func=cmd_bin_dir)
+    # Listed for --help; main() hands `images ...` to lora_devcluster.images' own parser.
+    sub.add_parser("images", help="build or list the container images (`images -h`)")
     return parser
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["images"]:
+        sys.exit(images.main(argv[1:], prog="lora-devcluster images"))
     args = build_parser().parse_args(argv)
     try:
         sys.exit(args.func(args))

@@ -1,9 +1,10 @@
 """Start, find, enter and stop a local cluster from the host (CLI and pytest share this).
 
-Owns: the state directory, spawning the supervisor under `unshare` (own PID, network and mount
-namespaces), waiting for it to be ready, `down` (orderly stop, then SIGKILL, then removing the
-mount points the kubelet created and the directory), and the binaries' location.
-Must not: know about pods; the supervisor and the kubelet run inside the namespaces.
+Owns: the checks before a start (each failure says what to install or do), the state directory,
+spawning the supervisor under `unshare` (own PID, network and mount namespaces), waiting for it
+to be ready, `down` (orderly stop, then SIGKILL, then removing the cluster's cgroups and its
+directory), what a cluster left behind, and the binaries' location.
+Must not: know about pods; the supervisor and the node run inside the namespaces.
 """
 
 from __future__ import annotations
@@ -18,14 +19,38 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
 
-from lora_devcluster import controlplane, mountpoints, ns, processes
+from lora_devcluster import cgroups, images, ns, processes
+from lora_devcluster.layout import NAMESPACE_MARKER_ENV, Layout
 
 MARKER = ".lora-devcluster"
-BINARIES = ("etcd", "kube-apiserver", "kube-controller-manager", "kubectl", "helm")
+BINARIES = (
+    "etcd",
+    "kube-apiserver",
+    "kube-controller-manager",
+    "kube-scheduler",
+    "kubelet",
+    "kube-proxy",
+    "coredns",
+    "local-path-provisioner",
+    "kubectl",
+    "helm",
+)
+# Host programs the node runs, and the Debian package that brings each (`make install`).
+HOST_PROGRAMS = {
+    "unshare": "util-linux",
+    "nsenter": "util-linux",
+    "ip": "iproute2",
+    "containerd": "containerd",
+    "containerd-shim-runc-v2": "containerd",
+    "ctr": "containerd",
+    "runc": "runc",
+    "iptables": "iptables",
+    "conntrack": "conntrack",
+}
+CNI_PLUGINS = ("bridge", "host-local", "loopback", "portmap")
 _PR_SET_PDEATHSIG = 1
 
 
@@ -59,33 +84,6 @@ def missing_binaries(directory: Path) -> list[str]:
     return [b for b in BINARIES if not os.access(directory / b, os.X_OK)]
 
 
-def default_image_map() -> dict[str, Any]:
-    """This project's images map to its console scripts in the virtual environment that runs
-    the harness; lora-devcluster/echo is the harness's own test server."""
-    venv_bin = Path(sys.executable).parent
-    return {
-        "lora-operator/inference:*": [str(venv_bin / "lora-inference")],
-        "*/lora-operator/inference:*": [str(venv_bin / "lora-inference")],
-        "lora-operator/operator:*": [sys.executable, "-m", "lora_operator"],
-        "*/lora-operator/operator:*": [sys.executable, "-m", "lora_operator"],
-        "lora-devcluster/echo:*": [sys.executable, "-m", "lora_devcluster.echoserver"],
-    }
-
-
-def load_image_map(path: str | None) -> dict[str, Any]:
-    """The default map, updated by a YAML/JSON file (--image-map or LORA_DEVCLUSTER_IMAGE_MAP)."""
-    mapping = default_image_map()
-    path = path or os.environ.get("LORA_DEVCLUSTER_IMAGE_MAP")
-    if path:
-        import yaml
-
-        extra = yaml.safe_load(Path(path).read_text()) or {}
-        if not isinstance(extra, dict):
-            raise ClusterError(f"{path}: the image map must be a mapping of image glob -> command")
-        mapping.update(extra)
-    return mapping
-
-
 @dataclasses.dataclass(frozen=True)
 class Cluster:
     """A running cluster, as seen from the host."""
@@ -93,10 +91,11 @@ class Cluster:
     dir: Path
     unshare_pid: int
     bin_dir: Path
+    images: Mapping[str, str]  # role (operator, inference, ...) -> the ref the node holds
 
     @property
-    def layout(self) -> controlplane.Layout:
-        return controlplane.Layout(self.dir)
+    def layout(self) -> Layout:
+        return Layout(self.dir)
 
     @property
     def kubeconfig(self) -> Path:
@@ -123,7 +122,7 @@ def _is_ours(pid: int, root: Path) -> bool:
 
 def find(root: Path) -> Cluster | None:
     """The cluster running with state directory `root`, if any."""
-    layout = controlplane.Layout(root)
+    layout = Layout(root)
     try:
         state = json.loads(layout.state.read_text())
     except (OSError, ValueError):
@@ -131,7 +130,7 @@ def find(root: Path) -> Cluster | None:
     pid = int(state["unshare_pid"])
     if not _is_ours(pid, root):
         return None
-    return Cluster(root, pid, Path(state["bin_dir"]))
+    return Cluster(root, pid, Path(state["bin_dir"]), state.get("images", {}))
 
 
 def _set_pdeathsig() -> None:
@@ -139,39 +138,73 @@ def _set_pdeathsig() -> None:
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 
 
-def up(
-    root: Path,
-    *,
-    binaries: Path | None = None,
-    image_map: Mapping[str, Any] | None = None,
-    timeout: float = 180,
-    die_with_parent: bool = False,
-    progress: Callable[[str], None] | None = None,
-) -> Cluster:
-    """Start a cluster in `root` and wait until the API server answers and the node is
-    registered. `die_with_parent` ties the cluster to this process (pytest), so it cannot
-    outlive a killed test run."""
+def check_host(binaries: Path) -> None:
+    """Everything a start needs from the host, each missing piece named with what to do."""
     if os.geteuid() != 0:
         raise ClusterError(
-            "lora-devcluster needs root (network, PID and mount namespaces, bind mounts)"
+            "lora-devcluster needs root: it creates PID, mount and network namespaces, "
+            "cgroups and a bridge (run it with sudo or as root)"
         )
-    root = root.resolve()
-    if find(root) is not None:
-        raise ClusterError(f"a cluster is already running in {root}; `lora-devcluster down` first")
-    binaries = binaries or bin_dir()
     missing = missing_binaries(binaries)
     if missing:
         raise ClusterError(
             f"missing binaries in {binaries}: {', '.join(missing)}; run `make binaries` "
             "(hack/build-binaries.sh)"
         )
+    path = f"/usr/sbin:/sbin:{os.environ.get('PATH', '/usr/bin:/bin')}"
+    absent = sorted(
+        {pkg for prog, pkg in HOST_PROGRAMS.items() if shutil.which(prog, path=path) is None}
+    )
+    plugins = [p for p in CNI_PLUGINS if not Path("/usr/lib/cni", p).exists()]
+    if plugins:
+        absent.append("containernetworking-plugins")
+    if absent:
+        raise ClusterError(
+            f"missing host packages: {', '.join(absent)}; run `make install` "
+            f"(or apt-get install {' '.join(absent)})"
+        )
+    filesystems = Path("/proc/filesystems").read_text()
+    if "overlay" not in filesystems:
+        raise ClusterError(
+            "the kernel has no overlay filesystem (containerd's snapshotter needs it); "
+            "load it with `modprobe overlay`"
+        )
+    if not cgroups.hierarchies():
+        raise ClusterError("no cgroup hierarchy is mounted under /sys/fs/cgroup")
+
+
+def up(
+    root: Path,
+    *,
+    binaries: Path | None = None,
+    node_images: Sequence[images.Image] | None = None,
+    timeout: float = 300,
+    die_with_parent: bool = False,
+    progress: Callable[[str], None] | None = None,
+) -> Cluster:
+    """Start a cluster in `root` and wait until its node is Ready, with DNS, Services and the
+    default StorageClass working. `node_images` are imported into the node (default: every
+    image of this project, which must be built). `die_with_parent` ties the cluster to this
+    process (pytest), so it cannot outlive a killed test run. A failed start tears down what
+    it started."""
+    binaries = binaries or bin_dir()
+    check_host(binaries)
+    root = root.resolve()
+    if find(root) is not None:
+        raise ClusterError(
+            f"a cluster is already running in {root}; use it, or `lora-devcluster down"
+            f" --dir {root}` first"
+        )
+    node_images = list(node_images) if node_images is not None else images.built()
+    helper = next((i for i in node_images if i.role == "base"), None)
+    if helper is None:
+        raise ClusterError("the node needs the base image (helper pods of the volume provisioner)")
     if root.exists():
         _check_ours(root)
-        shutil.rmtree(root)  # a stale directory from a cluster that was killed
-    layout = controlplane.Layout(root)
+        _cleanup(root)  # a stale directory (and cgroups) from a cluster that was killed
+    layout = Layout(root)
     layout.logs.mkdir(parents=True)
     (root / MARKER).write_text("a lora-devcluster state directory; `down` removes it\n")
-    mapping = dict(image_map) if image_map is not None else load_image_map(None)
     argv = [
         "unshare",
         "--net",
@@ -180,6 +213,8 @@ def up(
         "--fork",
         "--kill-child",
         "--mount-proc",
+        "--propagation",
+        "private",
         "--",
         sys.executable,
         "-m",
@@ -188,10 +223,13 @@ def up(
         str(root),
         "--bin-dir",
         str(binaries),
-        "--image-map",
-        json.dumps(mapping),
+        "--helper-image",
+        helper.ref,
     ]
+    for image in node_images:
+        argv += ["--image", f"{image.ref}={image.archive}"]
     env = dict(os.environ)
+    env[NAMESPACE_MARKER_ENV] = str(root)
     env["PYTHONPATH"] = os.pathsep.join(
         p for p in [str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH", "")] if p
     )
@@ -206,13 +244,13 @@ def up(
             start_new_session=not die_with_parent,
             preexec_fn=_set_pdeathsig if die_with_parent else None,
         )
-    layout.state.write_text(json.dumps({"unshare_pid": proc.pid, "bin_dir": str(binaries)}))
-    cluster = Cluster(root, proc.pid, binaries)
+    refs = {i.role: i.ref for i in node_images}
+    state = {"unshare_pid": proc.pid, "bin_dir": str(binaries), "images": refs}
+    layout.state.write_text(json.dumps(state))
+    cluster = Cluster(root, proc.pid, binaries, refs)
     deadline = time.monotonic() + timeout
     if progress:
-        progress(
-            f"starting etcd, kube-apiserver, kube-controller-manager and the kubelet in {root}"
-        )
+        progress(f"starting the control plane and the node in {root}")
     while not layout.ready.exists():
         if proc.poll() is not None:
             text = processes.tail(log_path, 40)
@@ -231,6 +269,7 @@ def joined(
     root: Path,
     *,
     binaries: Path | None = None,
+    node_images: Sequence[images.Image] | None = None,
     die_with_parent: bool = False,
     progress: Callable[[str], None] | None = None,
 ) -> Iterator[Cluster]:
@@ -241,7 +280,13 @@ def joined(
     saved_env = {k: os.environ.get(k) for k in ("KUBECONFIG", "PATH")}
     switch: ns.NetnsSwitch | None = None
     try:
-        c = up(root, binaries=binaries, die_with_parent=die_with_parent, progress=progress)
+        c = up(
+            root,
+            binaries=binaries,
+            node_images=node_images,
+            die_with_parent=die_with_parent,
+            progress=progress,
+        )
         switch = ns.NetnsSwitch(c.netns)
         switch.enter()
         os.environ.update({k: v for k, v in c.env().items() if k in saved_env})
@@ -309,21 +354,25 @@ def _check_ours(root: Path) -> None:
 
 
 def _cleanup(root: Path) -> None:
+    left = cgroups.remove(Layout(root).cgroup_root)
+    if left:
+        raise ClusterError("cgroups still in use after the cluster stopped: " + "; ".join(left))
     if root.exists():
         _check_ours(root)
         shutil.rmtree(root, ignore_errors=True)
-    # Also those of clusters that stopped before, unless a running cluster still uses them.
-    mountpoints.remove_unused()
     if root.parent == default_dir().parent:
         with contextlib.suppress(OSError):
             root.parent.rmdir()  # the per-user parent, if no other cluster is in it
 
 
 def leftovers(root: Path) -> list[str]:
-    """What a cluster in `root` still has on this machine: processes (by command line or the
-    env marker every container carries), mounts, files. Empty after a clean `down`."""
+    """What a cluster in `root` still has on this machine: processes (by command line, the env
+    marker of the node's processes, or a cgroup of the cluster's), mounts, cgroups, files.
+    Empty after a clean `down`. (The cluster's network devices and iptables rules live in its
+    network namespace and cannot outlive it.)"""
     root = root.resolve()
-    marker = f"LORA_DEVCLUSTER_DIR={root}".encode()
+    marker = f"{NAMESPACE_MARKER_ENV}={root}".encode()
+    cgroup_root = Layout(root).cgroup_root
     found = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit() or int(entry) == os.getpid():
@@ -331,14 +380,16 @@ def leftovers(root: Path) -> list[str]:
         try:
             cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
             environ = Path(f"/proc/{entry}/environ").read_bytes().split(b"\0")
+            cgroup = Path(f"/proc/{entry}/cgroup").read_text()
         except OSError:
             continue
-        if str(root).encode() in cmdline or marker in environ:
+        if str(root).encode() in cmdline or marker in environ or f":{cgroup_root}/" in cgroup:
             args = cmdline.replace(b"\0", b" ").decode(errors="replace")
             found.append(f"process {entry}: {args}")
     for line in Path("/proc/self/mounts").read_text().splitlines():
         if str(root) in line:
             found.append(f"mount: {line}")
+    found += [f"cgroup {d}" for d in cgroups.existing(cgroup_root)]
     if root.exists():
         found.append(f"directory {root}")
     return found

@@ -1,14 +1,14 @@
-"""etcd, kube-apiserver and kube-controller-manager: their flags and their start-up order.
+"""etcd, kube-apiserver, kube-controller-manager and kube-scheduler: flags and start-up order.
 
 Owns: the command lines (pure `build_*_args`), starting each binary and waiting until it is
 healthy, with a clear error (and the log tail) when it is not.
-Must not: manage pods; runs inside the cluster's network namespace, set up by the supervisor.
+Must not: know about the node (that is `node`); runs inside the cluster's sandbox, which the
+supervisor set up.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import ssl
 import time
 import urllib.error
@@ -16,65 +16,26 @@ import urllib.request
 from pathlib import Path
 
 from lora_devcluster import certs, processes
+from lora_devcluster.layout import (
+    API_PORT,
+    API_SERVICE_IP,
+    CLUSTER_DOMAIN,
+    ETCD_PEER_PORT,
+    ETCD_PORT,
+    HOST_IP,
+    NODE_NAME,
+    SERVICE_CIDR,
+    Layout,
+)
 
-HOST_IP = "10.244.0.1"  # the node's address on the pod bridge; the API server advertises it
-POD_CIDR = "10.244.0.0/24"
-SERVICE_CIDR = "10.0.0.0/24"
-API_PORT = 6443
-ETCD_PORT = 2379
-ETCD_PEER_PORT = 2380
 SERVER_NAMES = [
     "localhost",
     "kubernetes",
     "kubernetes.default",
     "kubernetes.default.svc",
-    "kubernetes.default.svc.cluster.local",
+    f"kubernetes.default.svc.{CLUSTER_DOMAIN}",
 ]
-SERVER_IPS = ["127.0.0.1", HOST_IP, "10.0.0.1"]
-
-
-@dataclasses.dataclass(frozen=True)
-class Layout:
-    """Where a cluster keeps its files under its state directory."""
-
-    root: Path
-
-    @property
-    def pki(self) -> Path:
-        return self.root / "pki"
-
-    @property
-    def logs(self) -> Path:
-        return self.root / "logs"
-
-    @property
-    def etcd_data(self) -> Path:
-        return self.root / "etcd"
-
-    @property
-    def pods(self) -> Path:
-        return self.root / "pods"
-
-    @property
-    def kubeconfig(self) -> Path:
-        return self.root / "kubeconfig"
-
-    @property
-    def kcm_kubeconfig(self) -> Path:
-        return self.root / "kcm.kubeconfig"
-
-    @property
-    def apiserver_restarts(self) -> Path:
-        """How many times the supervisor restarted the API server (SIGUSR1), once healthy."""
-        return self.root / "apiserver-restarts"
-
-    @property
-    def state(self) -> Path:
-        return self.root / "state.json"
-
-    @property
-    def ready(self) -> Path:
-        return self.root / "ready"
+SERVER_IPS = ["127.0.0.1", HOST_IP, API_SERVICE_IP]
 
 
 def build_etcd_args(bin_dir: Path, layout: Layout) -> list[str]:
@@ -104,19 +65,14 @@ def build_apiserver_args(bin_dir: Path, pki: certs.PKI) -> list[str]:
         f"--tls-private-key-file={pki.server_key}",
         f"--client-ca-file={pki.ca_cert}",
         "--authorization-mode=Node,RBAC",
-        # No token controller and no projected tokens from this kubelet: pods run without
-        # service-account credentials.
-        "--disable-admission-plugins=ServiceAccount",
+        "--enable-admission-plugins=NodeRestriction",
         "--allow-privileged=true",
         f"--service-cluster-ip-range={SERVICE_CIDR}",
-        "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
+        f"--service-account-issuer=https://kubernetes.default.svc.{CLUSTER_DOMAIN}",
         f"--service-account-key-file={pki.sa_pub}",
         f"--service-account-signing-key-file={pki.sa_key}",
-        # The default reconciler would publish the `kubernetes` Service endpoints and fight
-        # nobody here, but it needs a reachable advertise address on the host: keep it off.
-        "--endpoint-reconciler-type=none",
-        # `kubectl logs` goes through the API server to the process kubelet on the node address;
-        # the node's Hostname does not resolve here.
+        # logs, exec and port-forward go from here to the kubelet, which serves a certificate
+        # of the cluster's CA for the node address.
         "--kubelet-preferred-address-types=InternalIP",
         f"--kubelet-certificate-authority={pki.ca_cert}",
         f"--kubelet-client-certificate={pki.admin_cert}",
@@ -126,7 +82,7 @@ def build_apiserver_args(bin_dir: Path, pki: certs.PKI) -> list[str]:
 
 
 def build_kcm_args(bin_dir: Path, layout: Layout, pki: certs.PKI) -> list[str]:
-    kc = str(layout.kcm_kubeconfig)
+    kc = str(layout.kubeconfig)
     return [
         str(bin_dir / "kube-controller-manager"),
         f"--kubeconfig={kc}",
@@ -137,11 +93,22 @@ def build_kcm_args(bin_dir: Path, layout: Layout, pki: certs.PKI) -> list[str]:
         f"--service-account-private-key-file={pki.sa_key}",
         f"--root-ca-file={pki.ca_cert}",
         f"--service-cluster-ip-range={SERVICE_CIDR}",
-        # The process kubelet keeps its Node Ready but renews no Lease: without these two
-        # controllers nothing taints or evicts its pods.
-        "--controllers=*,-node-lifecycle-controller,-taint-eviction-controller",
         "--bind-address=127.0.0.1",
         "--secure-port=10257",
+        "--v=1",
+    ]
+
+
+def build_scheduler_args(bin_dir: Path, layout: Layout) -> list[str]:
+    kc = str(layout.kubeconfig)
+    return [
+        str(bin_dir / "kube-scheduler"),
+        f"--kubeconfig={kc}",
+        f"--authentication-kubeconfig={kc}",
+        f"--authorization-kubeconfig={kc}",
+        "--leader-elect=false",
+        "--bind-address=127.0.0.1",
+        "--secure-port=10259",
         "--v=1",
     ]
 
@@ -182,12 +149,12 @@ def admin_ssl_context(pki: certs.PKI) -> ssl.SSLContext:
 async def start(bin_dir: Path, layout: Layout) -> tuple[certs.PKI, list[processes.Proc]]:
     """Generate the PKI and kubeconfigs, start etcd, the API server and the controller
     manager, in that order, each healthy before the next. Returns them in start order."""
-    pki = certs.write_pki(layout.pki, SERVER_IPS, SERVER_NAMES)
+    pki = certs.write_pki(layout.pki, SERVER_IPS, SERVER_NAMES, NODE_NAME, HOST_IP)
+    server = f"https://127.0.0.1:{API_PORT}"
+    certs.write_kubeconfig(layout.kubeconfig, certs.build_kubeconfig(server, pki))
     certs.write_kubeconfig(
-        layout.kubeconfig, certs.build_kubeconfig(f"https://127.0.0.1:{API_PORT}", pki)
-    )
-    certs.write_kubeconfig(
-        layout.kcm_kubeconfig, certs.build_kubeconfig(f"https://127.0.0.1:{API_PORT}", pki)
+        layout.node_kubeconfig,
+        certs.build_kubeconfig(server, pki, user=(pki.node_cert, pki.node_key)),
     )
     started: list[processes.Proc] = []
     try:
@@ -209,8 +176,15 @@ async def start(bin_dir: Path, layout: Layout) -> tuple[certs.PKI, list[processe
         )
         started.append(kcm)
         await wait_healthy(kcm, "https://127.0.0.1:10257/healthz", _insecure(), 60)
+        scheduler = await processes.start(
+            "kube-scheduler",
+            build_scheduler_args(bin_dir, layout),
+            layout.logs / "kube-scheduler.log",
+        )
+        started.append(scheduler)
+        await wait_healthy(scheduler, "https://127.0.0.1:10259/healthz", _insecure(), 60)
     except BaseException:
-        await stop(started)
+        await processes.stop_all(started)
         raise
     return pki, started
 
@@ -232,13 +206,8 @@ async def restart_apiserver(
 
 
 def _insecure() -> ssl.SSLContext:
-    # kube-controller-manager serves /healthz with a self-signed certificate it made itself.
+    # kube-controller-manager and kube-scheduler serve /healthz with self-signed certificates.
     context = ssl.create_default_context()
     context.check_hostname = False
     context.verify_mode = ssl.CERT_NONE
     return context
-
-
-async def stop(started: list[processes.Proc]) -> None:
-    for proc in reversed(started):
-        await proc.stop(grace=10)

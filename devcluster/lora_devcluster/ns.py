@@ -50,12 +50,16 @@ def unshare(flags: int) -> None:
     _check(_libc.unshare(flags), f"unshare({flags:#x})")
 
 
-def mount(source: str, target: str, fstype: str | None, flags: int) -> None:
+def mount(source: str, target: str, fstype: str | None, flags: int, data: str = "") -> None:
     _check(
         _libc.mount(
-            source.encode(), target.encode(), fstype.encode() if fstype else None, flags, None
+            source.encode(),
+            target.encode(),
+            fstype.encode() if fstype else None,
+            flags,
+            data.encode() if data else None,
         ),
-        f"mount({source!r}, {target!r}, flags={flags:#x})",
+        f"mount({source!r}, {target!r}, {fstype or 'bind'}, flags={flags:#x}, {data!r})",
     )
 
 

@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import os
 import signal
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 
@@ -65,16 +65,25 @@ async def start(
     return Proc(name, process, log)
 
 
-async def run_checked(argv: list[str]) -> None:
-    """Run a short command (ip, ...) and raise with its output if it fails."""
+async def stop_all(started: list[Proc], grace: float = 10) -> None:
+    """Stop processes in the reverse of their start order (clients before their servers)."""
+    for proc in reversed(started):
+        await proc.stop(grace=grace)
+
+
+async def run_checked(argv: Sequence[str], env: Mapping[str, str] | None = None) -> str:
+    """Run a short command (ctr, kubectl, ...); its output, or an error that shows it."""
     process = await asyncio.create_subprocess_exec(
-        *argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT
+        *argv,
+        env=dict(env) if env is not None else None,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
     )
     out, _ = await process.communicate()
+    text = out.decode(errors="replace")
     if process.returncode != 0:
-        raise RuntimeError(
-            f"{' '.join(argv)} failed ({process.returncode}): {out.decode().strip()}"
-        )
+        raise RuntimeError(f"{' '.join(argv)} failed ({process.returncode}):\n{text.strip()}")
+    return text
 
 
 def tail(path: Path, lines: int = 30) -> str:

@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 
 from lora_devcluster import cluster as cluster_mod
-from lora_devcluster import harness
+from lora_devcluster import harness, images
 
 _NAMESPACE_KEY = pytest.StashKey[str]()
 _HARNESS_KEY = pytest.StashKey[harness.Harness]()
@@ -45,22 +45,23 @@ def _unavailable(message: str) -> None:
 @contextlib.contextmanager
 def running_cluster() -> Iterator[harness.Harness]:
     """Start a cluster, join its network namespace, and undo both on exit."""
-    if os.geteuid() != 0:
-        _unavailable("lora-devcluster needs root (namespaces and bind mounts)")
-    for tool in ("unshare", "nsenter", "ip"):
-        if shutil.which(tool) is None:
-            _unavailable(f"{tool} is not installed (util-linux / iproute2)")
     try:
         bins = cluster_mod.bin_dir()
-    except (cluster_mod.ClusterError, OSError, subprocess.CalledProcessError) as e:
+        cluster_mod.check_host(bins)
+        node_images = images.built()
+    except (
+        cluster_mod.ClusterError,
+        images.ImageError,
+        OSError,
+        subprocess.CalledProcessError,
+    ) as e:
         _unavailable(str(e))
         raise
-    missing = cluster_mod.missing_binaries(bins)
-    if missing:
-        _unavailable(f"missing {', '.join(missing)} in {bins}: run `make binaries`")
     root = Path(tempfile.mkdtemp(prefix="lora-devcluster-")) / "cluster"
     try:
-        with cluster_mod.joined(root, binaries=bins, die_with_parent=True) as c:
+        with cluster_mod.joined(
+            root, binaries=bins, node_images=node_images, die_with_parent=True
+        ) as c:
             yield harness.Harness(c)
     finally:
         shutil.rmtree(root.parent, ignore_errors=True)
@@ -127,5 +128,5 @@ def pytest_runtest_makereport(
         report.sections.append((f"devcluster pods ({when})", h.describe_pods(ns_name)))
         report.sections.append((f"devcluster container logs ({when})", h.container_logs(ns_name)))
         report.sections.append(
-            (f"devcluster supervisor/kubelet log, tail ({when})", h.kubelet_log_tail())
+            (f"devcluster supervisor/kubelet log, tail ({when})", h.node_log_tail())
         )

@@ -1,8 +1,10 @@
-"""`lora-devcluster up/exec/down` and the pytest fixture leave nothing behind: no process,
-mount or directory, also after a failing test and after Ctrl-C."""
+"""`lora-devcluster up/exec/down` and the pytest fixture leave nothing behind on the host (no
+process, mount, cgroup, iptables rule, network device or file), also after a failing test, a
+failed start and Ctrl-C; two clusters run side by side; start errors say what to do."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -12,22 +14,59 @@ import time
 from pathlib import Path
 
 import pytest
-from lora_devcluster import cluster
+from lora_devcluster import cgroups, cluster, images
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.cluster]
 
 
-def require_binaries() -> None:
-    if os.geteuid() != 0:
-        reason = "lora-devcluster needs root"
-    else:
-        missing = cluster.missing_binaries(cluster.bin_dir())
-        if not missing:
-            return
-        reason = f"missing {', '.join(missing)}: run `make binaries`"
-    if os.environ.get("CI"):
-        pytest.fail(f"devcluster unavailable under CI: {reason}", pytrace=False)
-    pytest.skip(reason)
+def require_cluster() -> None:
+    """Skip (fail under CI) when this machine cannot start a cluster."""
+    try:
+        cluster.check_host(cluster.bin_dir())
+        images.built()
+    except (cluster.ClusterError, images.ImageError) as e:
+        if os.environ.get("CI"):
+            pytest.fail(f"devcluster unavailable under CI: {e}", pytrace=False)
+        pytest.skip(str(e))
+
+
+def host_state() -> dict[str, object]:
+    """What a cluster could leave on the host: processes in a cluster cgroup, mounts, cgroups,
+    iptables rules, network devices, and the paths a node writes by default."""
+    cgroup_dirs = sorted(str(d) for h in cgroups.hierarchies() for d in h.glob("lora-devcluster-*"))
+    return {
+        "mounts": sorted(
+            line
+            for line in Path("/proc/self/mounts").read_text().splitlines()
+            if "lora-devcluster" in line or "containerd" in line or "kubelet" in line
+        ),
+        "cgroups": cgroup_dirs,
+        "iptables": subprocess.run(
+            ["iptables-save"], capture_output=True, text=True, check=True
+        ).stdout.count("KUBE-"),
+        "links": sorted(
+            line.split(":")[1].strip()
+            for line in subprocess.run(
+                ["ip", "-o", "link"], capture_output=True, text=True, check=True
+            ).stdout.splitlines()
+        ),
+        "paths": [
+            p
+            for p in (
+                "/var/lib/kubelet",
+                "/var/lib/cni",
+                "/var/lib/containerd",
+                "/etc/cni",
+                "/opt/cni",
+                "/opt/containerd",
+                "/run/containerd",
+                "/var/log/pods",
+                "/var/log/containers",
+                "/tmp/hostpath_pv",
+            )
+            if os.path.exists(p)
+        ],
+    }
 
 
 def cli(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -46,40 +85,52 @@ def cli(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     return proc
 
 
-def test_up_exec_down_twice_leaves_nothing(tmp_path: Path) -> None:
-    require_binaries()
+def run_pod(root: Path, name: str) -> None:
+    """A container that listens on 10.244.0.N:8080, as every cluster's first pod does."""
+    ref = json.loads((root / "state.json").read_text())["images"]["operator"]
+    cli(
+        "exec",
+        "--dir",
+        str(root),
+        "--",
+        "kubectl",
+        "run",
+        name,
+        f"--image={ref}",
+        "--image-pull-policy=Never",
+        "--command",
+        "--",
+        "python",
+        "-m",
+        "http.server",
+        "8080",
+        "--directory",
+        "/etc",
+    )
+    cli(
+        "exec",
+        "--dir",
+        str(root),
+        "--",
+        "kubectl",
+        "wait",
+        f"pod/{name}",
+        "--for=condition=Ready",
+        "--timeout=90s",
+    )
+
+
+def test_up_exec_down_twice_leaves_nothing_on_the_host(tmp_path: Path) -> None:
+    require_cluster()
+    before = host_state()
     root = tmp_path / "c"
     for _ in range(2):
         out = cli("up", "--dir", str(root)).stdout
         assert "cluster ready" in out
         nodes = cli("exec", "--dir", str(root), "--", "kubectl", "get", "nodes").stdout
-        assert "lora-devcluster" in nodes and "Ready" in nodes
-        # A pod, so down has a container process, a netns holder and a mount point to clean.
-        cli(
-            "exec",
-            "--dir",
-            str(root),
-            "--",
-            "kubectl",
-            "run",
-            "sleeper",
-            "--image=shell",
-            "--command",
-            "--",
-            "sleep",
-            "600",
-        )
-        cli(
-            "exec",
-            "--dir",
-            str(root),
-            "--",
-            "kubectl",
-            "wait",
-            "pod/sleeper",
-            "--for=condition=Ready",
-            "--timeout=60s",
-        )
+        assert "lora-devcluster" in nodes and " Ready " in nodes
+        # A pod, so down has containers, a pod network and cgroups to clean up.
+        run_pod(root, "sleeper")
         chart = tmp_path / "chart"
         if not chart.exists():
             (chart / "templates").mkdir(parents=True)
@@ -90,10 +141,98 @@ def test_up_exec_down_twice_leaves_nothing(tmp_path: Path) -> None:
         cli("exec", "--dir", str(root), "--", "helm", "install", "rel", str(chart), "--wait")
         listed = cli("exec", "--dir", str(root), "--", "helm", "list", "-q").stdout
         assert listed.split() == ["rel"]
-        assert cluster.leftovers(root)  # sanity: the check does see a running cluster
+        running = cluster.leftovers(root)
+        assert any(line.startswith("cgroup ") for line in running)  # the check sees pods
         assert "cluster stopped" in cli("down", "--dir", str(root)).stdout
         assert cluster.leftovers(root) == []
+        assert host_state() == before
     assert "no cluster was running" in cli("down", "--dir", str(root)).stdout
+
+
+def test_two_clusters_side_by_side_do_not_collide(tmp_path: Path) -> None:
+    require_cluster()
+    before = host_state()
+    roots = [tmp_path / "one", tmp_path / "two"]
+    try:
+        for root in roots:
+            cli("up", "--dir", str(root))
+        for root in roots:
+            run_pod(root, "web")  # the same pod address and port in each
+        for root in roots:
+            out = cli(
+                "exec",
+                "--dir",
+                str(root),
+                "--",
+                "kubectl",
+                "get",
+                "pod",
+                "web",
+                "-o",
+                "jsonpath={.status.podIP}",
+            ).stdout
+            reply = cli(
+                "exec",
+                "--dir",
+                str(root),
+                "--",
+                "python3",
+                "-c",
+                f"import urllib.request; print(urllib.request.urlopen('http://{out}:8080/hostname').read().decode())",
+            ).stdout
+            assert reply.strip() == "web"
+        again = cli("up", "--dir", str(roots[0]), check=False)
+        assert again.returncode == 1
+        assert "already running" in again.stderr and "down" in again.stderr
+        # Stopping one leaves the other working.
+        cli("down", "--dir", str(roots[0]))
+        nodes = cli("exec", "--dir", str(roots[1]), "--", "kubectl", "get", "pods").stdout
+        assert "web" in nodes and "Running" in nodes
+    finally:
+        for root in roots:
+            cli("down", "--dir", str(root), check=False)
+    assert [cluster.leftovers(r) for r in roots] == [[], []]
+    assert host_state() == before
+
+
+def test_start_errors_name_what_is_wrong_and_what_to_do(tmp_path: Path) -> None:
+    require_cluster()
+    # Not root: a user namespace without a mapping makes this process uid 65534.
+    proc = subprocess.run(
+        [
+            "unshare",
+            "--user",
+            sys.executable,
+            "-m",
+            "lora_devcluster.cli",
+            "up",
+            "--dir",
+            str(tmp_path / "c"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 1 and "needs root" in proc.stderr, proc.stderr
+    # A binary missing.
+    empty = tmp_path / "bin"
+    empty.mkdir()
+    with pytest.raises(cluster.ClusterError, match=r"missing binaries .*make binaries"):
+        cluster.up(tmp_path / "c", binaries=empty)
+    assert not (tmp_path / "c").exists()
+
+
+def test_a_failed_start_tears_down_what_it_started(tmp_path: Path) -> None:
+    require_cluster()
+    before = host_state()
+    broken = tmp_path / "broken.tar"
+    broken.write_bytes(b"not an image archive")
+    node_images = [*images.built(), images.Image("example/broken:1", broken, "broken", "broken")]
+    root = tmp_path / "c"
+    with pytest.raises(cluster.ClusterError, match=r"broken\.tar"):
+        cluster.up(root, node_images=node_images, die_with_parent=True)
+    assert cluster.leftovers(root) == []
+    assert host_state() == before
 
 
 def test_exec_without_a_cluster_says_so(tmp_path: Path) -> None:
@@ -110,7 +249,8 @@ HOME_NETNS = os.readlink("/proc/self/ns/net")  # read at import, before any fixt
 
 def _pod(h, ns):
     h.apply({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "talker"},
-             "spec": {"containers": [{"name": "c", "image": "shell",
+             "spec": {"containers": [{"name": "c", "image": h.image("operator"),
+                      "imagePullPolicy": "Never",
                       "command": ["sh", "-c", "echo hello-from-the-pod; sleep 600"]}]}}, ns)
     h.wait_for("pod ready", lambda: any(c["type"] == "Ready" and c["status"] == "True"
                for c in h.get(f"/api/v1/namespaces/{ns}/pods/talker")
@@ -182,20 +322,20 @@ def _read(path: str) -> bytes:
 
 
 def test_failing_test_shows_container_logs_and_leaves_nothing(tmp_path: Path) -> None:
-    require_binaries()
+    require_cluster()
     proc = _inner_pytest(tmp_path, "test_fails")
     out, _ = proc.communicate(timeout=240)
     assert proc.returncode == 1, out
-    assert "failing on purpose" in out
+    assert "failing on purpose" in out, out
     assert "devcluster container logs" in out
     assert "hello-from-the-pod" in out
     assert "pod talker: phase=Running" in out  # the pods section
-    assert "cluster ready" in out  # the supervisor log's tail
+    assert "node ready in" in out  # the supervisor log's tail
     _assert_clean(tmp_path / "tmp")
 
 
 def test_ctrl_c_tears_the_cluster_down(tmp_path: Path) -> None:
-    require_binaries()
+    require_cluster()
     proc = _inner_pytest(tmp_path, "test_interrupted")
     deadline = time.monotonic() + 180
     while not (tmp_path / "marker").exists():
@@ -209,7 +349,7 @@ def test_ctrl_c_tears_the_cluster_down(tmp_path: Path) -> None:
 
 
 def test_cluster_stops_after_the_last_test_that_needs_it(tmp_path: Path) -> None:
-    require_binaries()
+    require_cluster()
     proc = _inner_pytest(tmp_path, "test_uses_the_cluster", "test_runs_after_the_last_user")
     out, _ = proc.communicate(timeout=240)
     assert proc.returncode == 0, out

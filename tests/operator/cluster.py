@@ -1,5 +1,6 @@
 """Support for the operator's tests on the local cluster: the operator as a real process, real
-inference pods (the tiny SD 1.5 model, run by the process kubelet), adapters, and a TLS origin.
+inference pods (the project's inference image serving the tiny SD 1.5 model), adapters, and a
+TLS origin.
 
 The pytest process has joined the cluster's network namespace (the `devcluster` fixture), so the
 operator it starts, the origin server it runs and the pods all reach each other by IP.
@@ -112,9 +113,20 @@ class Operator:
             return str(r.read().decode())
 
 
+def readable_by_pods(root: Path) -> None:
+    """Make a host directory written by this (root) process readable by the pods' non-root
+    user: safetensors files are written 0600."""
+    root.chmod(0o755)
+    for p in root.rglob("*"):
+        p.chmod(0o755 if p.is_dir() else 0o644)
+
+
 def inference_deployment(
-    name: str, replicas: int, model_dir: Path, volume: Path, labels: Obj | None = None
+    image: str, name: str, replicas: int, model_dir: Path, volume: Path, labels: Obj | None = None
 ) -> Obj:
+    """Inference pods from the project's image, as the chart runs them (non-root, read-only
+    root filesystem, /tmp on an emptyDir), with the model and the adapter volume from host
+    directories."""
     pod_labels = {"app": name, "lora.dev/inference": "true", **(labels or {})}
     return {
         "apiVersion": "apps/v1",
@@ -136,11 +148,19 @@ def inference_deployment(
                     "volumes": [
                         {"name": "model", "hostPath": {"path": str(model_dir)}},
                         {"name": "adapters", "hostPath": {"path": str(volume)}},
+                        {"name": "tmp", "emptyDir": {}},
                     ],
                     "containers": [
                         {
                             "name": "server",
-                            "image": "lora-operator/inference:dev",
+                            "image": image,
+                            "imagePullPolicy": "Never",
+                            "securityContext": {
+                                "runAsNonRoot": True,
+                                "runAsUser": 65532,
+                                "readOnlyRootFilesystem": True,
+                                "allowPrivilegeEscalation": False,
+                            },
                             "args": [
                                 "serve",
                                 "--model",
@@ -166,6 +186,7 @@ def inference_deployment(
                             "volumeMounts": [
                                 {"name": "model", "mountPath": "/models", "readOnly": True},
                                 {"name": "adapters", "mountPath": POD_VOLUME, "readOnly": True},
+                                {"name": "tmp", "mountPath": "/tmp"},
                             ],
                             "readinessProbe": {
                                 "httpGet": {"path": "/ready", "port": 8000},
@@ -388,6 +409,7 @@ class Models:
 
 def write_adapter(models: Models, directory: Path, seed: int) -> tuple[Path, str]:
     path = write_random_adapter(directory, models.pipe, base_model=MODEL_NAME, seed=seed)
+    readable_by_pods(path)  # the tests also load sources directly on the pods
     weights = path / "pytorch_lora_weights.safetensors"
     return path, hashlib.sha256(weights.read_bytes()).hexdigest()
 

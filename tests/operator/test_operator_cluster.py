@@ -23,7 +23,9 @@ def test_adapter_follows_replicas_restarts_updates_and_deletion(
     h, ns = devcluster, devcluster_namespace
     src_a, sha_a = cluster.write_adapter(models, volume / ns / "src" / "a", seed=1)
     src_b, sha_b = cluster.write_adapter(models, volume / ns / "src" / "b", seed=2)
-    h.apply(cluster.inference_deployment("inference", 2, models.root, volume), ns)
+    h.apply(
+        cluster.inference_deployment(h.image("inference"), "inference", 2, models.root, volume), ns
+    )
     h.apply(cluster.adapter("pixel", str(src_a), scale=1.0), ns)
 
     # apply -> Staged -> Ready 2/2, and every pod serves exactly the staged file.

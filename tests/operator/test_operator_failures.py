@@ -22,7 +22,7 @@ from tests.operator.cluster import Models, Operator, Origin
 @pytest.fixture
 def origin(tmp_path: Path) -> Iterator[tuple[Origin, Path]]:
     """An HTTPS origin with a certificate from a CA the operator is told to trust."""
-    pki = write_pki(tmp_path / "pki", ["127.0.0.1"], ["localhost"])
+    pki = write_pki(tmp_path / "pki", ["127.0.0.1"], ["localhost"], "origin", "127.0.0.1")
     server = Origin(pki.server_cert, pki.server_key)
     try:
         yield server, pki.ca_cert
@@ -72,7 +72,10 @@ def test_bad_sources_get_the_documented_phase_and_reason_and_harm_no_other_adapt
         weights = (good / "pytorch_lora_weights.safetensors").read_bytes()
         sdxl = build_tiny_pipeline("sdxl")
         wrong = write_random_adapter(tmp_path / "sdxl", sdxl, base_model="tiny-sdxl", seed=3)
-        h.apply(cluster.inference_deployment("inference", 1, models.root, volume), ns)
+        h.apply(
+            cluster.inference_deployment(h.image("inference"), "inference", 1, models.root, volume),
+            ns,
+        )
         h.apply(cluster.adapter("good", str(good)), ns)
         cluster.wait_phase(h, ns, "good", "Ready", "1/1", timeout=240)
         (ip,) = cluster.pod_ips(h, ns, 1).values()
@@ -169,7 +172,10 @@ def test_operator_killed_mid_download_shows_nothing_partial_and_finishes_after_r
     with Operator(
         volume=volume, namespaces=[ns], log_path=tmp_path / "op.log", env={"SSL_CERT_FILE": str(ca)}
     ).running() as op:
-        h.apply(cluster.inference_deployment("inference", 1, models.root, volume), ns)
+        h.apply(
+            cluster.inference_deployment(h.image("inference"), "inference", 1, models.root, volume),
+            ns,
+        )
         h.apply(cluster.adapter("slow", url), ns)
         h.wait_for(
             "a partial download in .tmp",
@@ -220,7 +226,12 @@ def test_same_named_adapters_in_two_namespaces_stay_isolated(
         shas = {}
         for ns, seed in ((ns1, 1), (ns2, 2)):
             src, shas[ns] = cluster.write_adapter(models, volume / ns / "src" / "pixel", seed=seed)
-            h.apply(cluster.inference_deployment("inference", 1, models.root, volume), ns)
+            h.apply(
+                cluster.inference_deployment(
+                    h.image("inference"), "inference", 1, models.root, volume
+                ),
+                ns,
+            )
             h.apply(cluster.adapter("pixel", str(src)), ns)
         images = {}
         for ns in (ns1, ns2):
@@ -261,7 +272,10 @@ def test_a_volume_filling_up_mid_download_is_transient_and_publishes_nothing(
         prefix=enter,
     ).running():
         path, sha = cluster.write_adapter(models, tmp_path / "src", seed=7)
-        h.apply(cluster.inference_deployment("inference", 1, models.root, volume), ns)
+        h.apply(
+            cluster.inference_deployment(h.image("inference"), "inference", 1, models.root, volume),
+            ns,
+        )
         h.apply(cluster.adapter("small", server.serve("/s.safetensors", _weights_of(path))), ns)
         cluster.wait_phase(h, ns, "small", "Ready", "1/1", timeout=240)
         big = server.serve("/big.safetensors", b"\0" * (2 * 1024 * 1024))
@@ -284,7 +298,10 @@ def test_the_operator_recovers_its_watches_after_an_api_server_restart(
     with Operator(volume=volume, namespaces=[ns], log_path=tmp_path / "op.log").running() as op:
         first, _ = cluster.write_adapter(models, volume / ns / "src" / "first", seed=1)
         second, sha = cluster.write_adapter(models, volume / ns / "src" / "second", seed=2)
-        h.apply(cluster.inference_deployment("inference", 1, models.root, volume), ns)
+        h.apply(
+            cluster.inference_deployment(h.image("inference"), "inference", 1, models.root, volume),
+            ns,
+        )
         h.apply(cluster.adapter("first", str(first)), ns)
         cluster.wait_phase(h, ns, "first", "Ready", "1/1", timeout=240)
         h.restart_apiserver()

@@ -1,0 +1,472 @@
+"""The node: containerd with runc and the CNI bridge, the kubelet, kube-proxy, CoreDNS and the
+default StorageClass's provisioner, each configured here and started in that order.
+
+Owns: the components' configuration files (pure `build_*` functions returning what is written),
+starting each one and waiting until it works, importing the images into containerd, and the
+objects a cluster's add-ons need (the kube-dns Service, the default StorageClass).
+Must not: start the control plane (that is `controlplane`) or touch the host: it runs inside the
+sandbox the supervisor set up, where /run, /var/log and /var/lib are the cluster's own.
+
+Each setting that departs from a stock node says why next to it; most come from running on a
+shared machine whose kernel and cgroups belong to the host.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import ssl
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from lora_devcluster import certs, cgroups, imagestore, processes
+from lora_devcluster.controlplane import admin_ssl_context, wait_healthy
+from lora_devcluster.layout import (
+    API_PORT,
+    BRIDGE,
+    CLUSTER_DOMAIN,
+    CONTAINERD_ROOT,
+    CONTAINERD_SOCKET,
+    CONTAINERD_STATE,
+    DNS_SERVICE_IP,
+    HOST_IP,
+    KUBELET_PORT,
+    KUBELET_ROOT,
+    NODE_NAME,
+    POD_CIDR,
+    Layout,
+)
+
+Obj = dict[str, Any]
+
+PAUSE_IMAGE = "localhost/lora-devcluster/pause:3.10"
+CNI_BIN_DIR = "/usr/lib/cni"  # Debian's containernetworking-plugins
+STORAGE_CLASS = "standard"
+PROVISIONER = "rancher.io/local-path"
+DNS_PORT = 53
+
+
+def _toml_value(value: object) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    return json.dumps(str(value))
+
+
+def build_containerd_config(root: Path, state: str, socket: str, cni_conf_dir: Path) -> str:
+    """containerd's config.toml (version 2): its own root, state and socket, the local pause
+    image, runc with cgroupfs, and the CNI bridge configuration in `cni_conf_dir`."""
+    cri = 'plugins."io.containerd.grpc.v1.cri"'
+    sections: list[tuple[str, dict[str, object]]] = [
+        (
+            "",
+            {
+                "version": 2,
+                "root": str(root),
+                "state": state,
+                # Plugins this node never uses; `opt` would write to /opt/containerd.
+                "disabled_plugins": [
+                    "io.containerd.internal.v1.opt",
+                    "io.containerd.snapshotter.v1.aufs",
+                    "io.containerd.snapshotter.v1.btrfs",
+                    "io.containerd.snapshotter.v1.devmapper",
+                    "io.containerd.snapshotter.v1.zfs",
+                    "io.containerd.tracing.processor.v1.otlp",
+                ],
+            },
+        ),
+        ("grpc", {"address": socket}),
+        (
+            cri,
+            {
+                "sandbox_image": PAUSE_IMAGE,
+                # Root here lacks CAP_SYS_RESOURCE, so runc cannot lower oom_score_adj to the
+                # kubelet's -998; without this every sandbox fails to start.
+                "restrict_oom_score_adj": True,
+                "disable_apparmor": True,
+                "enable_selinux": False,
+                # Images are imported, never pulled: there is no registry to reach.
+                "disable_tcp_service": True,
+            },
+        ),
+        (f"{cri}.containerd", {"snapshotter": "overlayfs", "default_runtime_name": "runc"}),
+        (f"{cri}.containerd.runtimes.runc", {"runtime_type": "io.containerd.runc.v2"}),
+        (f"{cri}.containerd.runtimes.runc.options", {"SystemdCgroup": False}),
+        (
+            f"{cri}.cni",
+            {"bin_dir": CNI_BIN_DIR, "conf_dir": str(cni_conf_dir), "max_conf_num": 1},
+        ),
+    ]
+    lines = []
+    for name, values in sections:
+        if name:
+            lines.append(f"\n[{name}]")
+        lines += [
+            f"  {k} = {_toml_value(v)}" if name else f"{k} = {_toml_value(v)}"
+            for k, v in values.items()
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def build_cni_config() -> Obj:
+    """One bridge network for every pod: `cni0` is the node's side (the gateway, 10.244.0.1),
+    hairpin mode lets a pod reach itself through a Service, and host-local hands out addresses
+    from the pod range, keeping its leases on the sandbox's private /run."""
+    return {
+        "cniVersion": "1.0.0",
+        "name": "lora-devcluster",
+        "plugins": [
+            {
+                "type": "bridge",
+                "bridge": BRIDGE,
+                "isGateway": True,
+                "hairpinMode": True,
+                "ipam": {
+                    "type": "host-local",
+                    "ranges": [[{"subnet": POD_CIDR, "gateway": HOST_IP}]],
+                    "routes": [{"dst": "0.0.0.0/0"}],
+                    "dataDir": "/run/cni-ipam",
+                },
+            },
+            {"type": "portmap", "capabilities": {"portMappings": True}},
+        ],
+    }
+
+
+def build_kubelet_config(layout: Layout, pki: certs.PKI) -> Obj:
+    return {
+        "apiVersion": "kubelet.config.k8s.io/v1beta1",
+        "kind": "KubeletConfiguration",
+        "containerRuntimeEndpoint": f"unix://{CONTAINERD_SOCKET}",
+        # This kernel exposes cgroup v1 only; the kubelet refuses it unless told otherwise.
+        "failCgroupV1": False,
+        "cgroupDriver": "cgroupfs",
+        # Every pod cgroup under one root of this cluster's own, so clusters never share one
+        # and `down` removes exactly these.
+        "cgroupRoot": layout.cgroup_root,
+        "address": HOST_IP,
+        "port": KUBELET_PORT,
+        "readOnlyPort": 0,
+        "healthzBindAddress": "127.0.0.1",
+        "healthzPort": 10248,
+        "tlsCertFile": str(pki.kubelet_cert),
+        "tlsPrivateKeyFile": str(pki.kubelet_key),
+        "authentication": {
+            "anonymous": {"enabled": False},
+            "webhook": {"enabled": False},
+            "x509": {"clientCAFile": str(pki.ca_cert)},
+        },
+        # Only the API server (a client certificate of the cluster's CA) reaches the kubelet.
+        "authorization": {"mode": "AlwaysAllow"},
+        "clusterDNS": [DNS_SERVICE_IP],
+        "clusterDomain": CLUSTER_DOMAIN,
+        # Not the host's resolv.conf: nothing outside the cluster is reachable from a pod.
+        "resolvConf": str(layout.config / "resolv.conf"),
+        "podLogsDir": str(layout.pod_logs),
+        "failSwapOn": False,
+        # The kernel belongs to the host: the kubelet must not tune it (the sandbox also binds
+        # its own files over the few settings the kubelet writes anyway).
+        "protectKernelDefaults": False,
+        # Images cannot be pulled again, so never collect them; evict only when truly full.
+        "imageGCHighThresholdPercent": 100,
+        "imageGCLowThresholdPercent": 99,
+        "evictionHard": {
+            "memory.available": "100Mi",
+            "nodefs.available": "1%",
+            "nodefs.inodesFree": "1%",
+            "imagefs.available": "1%",
+        },
+        "serializeImagePulls": False,
+        "kubeAPIQPS": 50,
+        "kubeAPIBurst": 100,
+        # Quick reactions for tests; a production node reports less often.
+        "nodeStatusUpdateFrequency": "5s",
+        "syncFrequency": "10s",
+        "fileCheckFrequency": "5s",
+    }
+
+
+def build_kubelet_args(bin_dir: Path, layout: Layout) -> list[str]:
+    return [
+        str(bin_dir / "kubelet"),
+        f"--config={layout.config / 'kubelet.yaml'}",
+        f"--kubeconfig={layout.node_kubeconfig}",
+        f"--root-dir={KUBELET_ROOT}",
+        f"--hostname-override={NODE_NAME}",
+        f"--node-ip={HOST_IP}",
+        "--v=1",
+    ]
+
+
+def build_kube_proxy_config(layout: Layout) -> Obj:
+    return {
+        "apiVersion": "kubeproxy.config.k8s.io/v1alpha1",
+        "kind": "KubeProxyConfiguration",
+        "clientConnection": {"kubeconfig": str(layout.kubeconfig)},
+        "mode": "iptables",
+        "hostnameOverride": NODE_NAME,
+        "clusterCIDR": POD_CIDR,
+        "bindAddress": HOST_IP,
+        "healthzBindAddress": "127.0.0.1:10256",
+        "metricsBindAddress": "127.0.0.1:10249",
+        # Pods share one bridge: without masquerading, a reply from a Service's backend would
+        # go straight back over the bridge, bypassing the NAT that the request went through.
+        "iptables": {"masqueradeAll": True, "syncPeriod": "5s", "minSyncPeriod": "0s"},
+        # Zero leaves the conntrack table, a host-wide setting, alone.
+        "conntrack": {
+            "maxPerCore": 0,
+            "min": 0,
+            "tcpEstablishedTimeout": "0s",
+            "tcpCloseWaitTimeout": "0s",
+        },
+    }
+
+
+def build_corefile(layout: Layout) -> str:
+    return f"""\
+.:{DNS_PORT} {{
+    bind {HOST_IP}
+    errors
+    health 127.0.0.1:8080
+    ready 127.0.0.1:8181
+    kubernetes {CLUSTER_DOMAIN} in-addr.arpa ip6.arpa {{
+        kubeconfig {layout.kubeconfig}
+        pods insecure
+        fallthrough in-addr.arpa ip6.arpa
+        ttl 5
+    }}
+    cache 5
+}}
+"""
+
+
+def build_dns_objects() -> list[Obj]:
+    """The `kube-dns` Service at the cluster DNS address. CoreDNS runs on the node itself (like
+    the control plane), so the Service has no selector and one EndpointSlice for the node
+    address; kube-proxy routes 10.0.0.10:53 to it as it would to CoreDNS pods."""
+    ports = [
+        {"name": "dns", "port": DNS_PORT, "protocol": "UDP"},
+        {"name": "dns-tcp", "port": DNS_PORT, "protocol": "TCP"},
+    ]
+    return [
+        {
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": {"name": "kube-dns", "namespace": "kube-system"},
+            "spec": {"clusterIP": DNS_SERVICE_IP, "ports": ports},
+        },
+        {
+            "apiVersion": "discovery.k8s.io/v1",
+            "kind": "EndpointSlice",
+            "metadata": {
+                "name": "kube-dns-node",
+                "namespace": "kube-system",
+                "labels": {"kubernetes.io/service-name": "kube-dns"},
+            },
+            "addressType": "IPv4",
+            "endpoints": [{"addresses": [HOST_IP], "conditions": {"ready": True}}],
+            "ports": ports,
+        },
+    ]
+
+
+def build_storage_objects(layout: Layout, helper_image: str) -> list[Obj]:
+    """The default StorageClass and the provisioner's configuration: every claim gets a
+    directory under the cluster's volumes/, made world-writable by a helper pod (so non-root
+    pods can write, as on kind). The volumes path is shared by the node's pods, so every access
+    mode, ReadWriteMany included, is supported (one node)."""
+    config = {"sharedFileSystemPath": str(layout.volumes)}
+    helper_pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "helper-pod"},
+        "spec": {
+            "containers": [
+                {"name": "helper-pod", "image": helper_image, "imagePullPolicy": "Never"}
+            ]
+        },
+    }
+    return [
+        {
+            "apiVersion": "storage.k8s.io/v1",
+            "kind": "StorageClass",
+            "metadata": {
+                "name": STORAGE_CLASS,
+                "annotations": {"storageclass.kubernetes.io/is-default-class": "true"},
+            },
+            "provisioner": PROVISIONER,
+            "reclaimPolicy": "Delete",
+            "volumeBindingMode": "Immediate",
+        },
+        {
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "metadata": {"name": "local-path-config", "namespace": "kube-system"},
+            "data": {
+                "config.json": json.dumps(config),
+                "setup": '#!/bin/sh\nset -eu\nmkdir -m 0777 -p "$VOL_DIR"\n',
+                "teardown": '#!/bin/sh\nset -eu\nrm -rf "$VOL_DIR"\n',
+                "helperPod.yaml": yaml.safe_dump(helper_pod),
+            },
+        },
+    ]
+
+
+def build_local_path_args(bin_dir: Path, layout: Layout, helper_image: str) -> list[str]:
+    return [
+        str(bin_dir / "local-path-provisioner"),
+        "start",
+        f"--kubeconfig={layout.kubeconfig}",
+        "--namespace=kube-system",
+        "--configmap-name=local-path-config",
+        f"--provisioner-name={PROVISIONER}",
+        f"--helper-image={helper_image}",
+        "--service-account-name=default",
+    ]
+
+
+def build_resolv_conf() -> str:
+    return f"nameserver {DNS_SERVICE_IP}\n"
+
+
+def node_env(bin_dir: Path, layout: Layout) -> dict[str, str]:
+    """The environment of the node's processes: runc and iptables live in /usr/sbin, kubectl in
+    the binaries' directory; temporary files stay in the cluster's directory."""
+    return {
+        "PATH": f"{bin_dir}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+        "HOME": str(layout.root),
+        "TMPDIR": str(layout.tmp),
+        "LANG": "C.UTF-8",
+    }
+
+
+def write_configs(layout: Layout, pki: certs.PKI, helper_image: str) -> None:
+    layout.config.mkdir(parents=True, exist_ok=True)
+    (layout.config / "cni").mkdir(exist_ok=True)
+    for d in (layout.tmp, layout.pod_logs, layout.volumes):
+        d.mkdir(parents=True, exist_ok=True)
+    # Pods running as any user must be able to reach their volumes' directories.
+    layout.volumes.chmod(0o755)
+    (layout.config / "containerd.toml").write_text(
+        build_containerd_config(
+            Path(CONTAINERD_ROOT), CONTAINERD_STATE, CONTAINERD_SOCKET, layout.config / "cni"
+        )
+    )
+    (layout.config / "cni" / "10-lora-devcluster.conflist").write_text(
+        json.dumps(build_cni_config(), indent=2)
+    )
+    (layout.config / "kubelet.yaml").write_text(yaml.safe_dump(build_kubelet_config(layout, pki)))
+    (layout.config / "kube-proxy.yaml").write_text(yaml.safe_dump(build_kube_proxy_config(layout)))
+    (layout.config / "Corefile").write_text(build_corefile(layout))
+    (layout.config / "resolv.conf").write_text(build_resolv_conf())
+    (layout.config / "addons.yaml").write_text(
+        yaml.safe_dump_all([*build_dns_objects(), *build_storage_objects(layout, helper_image)])
+    )
+
+
+async def _wait(what: str, check: Callable[[], bool], proc: processes.Proc, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not proc.running:
+            raise RuntimeError(
+                f"{proc.name} exited with {proc.process.returncode} while starting; "
+                f"last lines of {proc.log}:\n{processes.tail(proc.log)}"
+            )
+        if await asyncio.to_thread(check):
+            return
+        await asyncio.sleep(0.2)
+    raise RuntimeError(
+        f"{what} not ready after {timeout:.0f} s; last lines of {proc.log}:\n"
+        f"{processes.tail(proc.log)}"
+    )
+
+
+def _api_get(path: str, context: ssl.SSLContext) -> Obj | None:
+    import urllib.error
+    import urllib.request
+
+    try:
+        url = f"https://127.0.0.1:{API_PORT}{path}"
+        with urllib.request.urlopen(url, timeout=5, context=context) as resp:
+            result: Obj = json.loads(resp.read())
+            return result
+    except (urllib.error.URLError, OSError, ValueError):
+        return None
+
+
+def node_ready(context: ssl.SSLContext) -> bool:
+    node = _api_get(f"/api/v1/nodes/{NODE_NAME}", context)
+    conditions = ((node or {}).get("status") or {}).get("conditions") or ()
+    return any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)
+
+
+async def start(
+    bin_dir: Path,
+    layout: Layout,
+    pki: certs.PKI,
+    images: Mapping[Path, str],
+    helper_image: str,
+    progress: Callable[[str], object] | None = None,
+) -> list[processes.Proc]:
+    """Start containerd with `images` (archive -> ref) in its store, then the kubelet,
+    kube-proxy, CoreDNS and the provisioner, each working before the next. Returns them in
+    start order."""
+    write_configs(layout, pki, helper_image)
+    env = node_env(bin_dir, layout)
+    ctr = ["ctr", f"--address={CONTAINERD_SOCKET}", "--namespace=k8s.io"]
+    context = admin_ssl_context(pki)
+    started: list[processes.Proc] = []
+
+    async def launch(name: str, argv: list[str]) -> processes.Proc:
+        proc = await processes.start(name, argv, layout.logs / f"{name}.log", env=env)
+        started.append(proc)
+        return proc
+
+    try:
+        await imagestore.provide(
+            images,
+            layout.containerd_root,
+            lambda root, state, socket: build_containerd_config(
+                root, state, socket, layout.config / "cni"
+            ),
+            env,
+            layout.logs / "containerd-store.log",
+            progress,
+        )
+        containerd = await launch(
+            "containerd", ["containerd", f"--config={layout.config / 'containerd.toml'}"]
+        )
+        await _wait("containerd", lambda: os.path.exists(CONTAINERD_SOCKET), containerd, 60)
+        await processes.run_checked([*ctr, "version"], env)
+
+        cgroups.create(layout.cgroup_root)
+        kubelet = await launch("kubelet", build_kubelet_args(bin_dir, layout))
+        await _wait("the node", lambda: node_ready(context), kubelet, 120)
+
+        proxy = await launch(
+            "kube-proxy",
+            [str(bin_dir / "kube-proxy"), f"--config={layout.config / 'kube-proxy.yaml'}"],
+        )
+        await wait_healthy(proxy, "http://127.0.0.1:10256/healthz", None, 60)
+        # The DNS Service and the default StorageClass.
+        kubectl = [str(bin_dir / "kubectl"), f"--kubeconfig={layout.kubeconfig}"]
+        await processes.run_checked(
+            [*kubectl, "apply", "-f", str(layout.config / "addons.yaml")], env
+        )
+        dns = await launch(
+            "coredns", [str(bin_dir / "coredns"), "-conf", str(layout.config / "Corefile")]
+        )
+        await wait_healthy(dns, "http://127.0.0.1:8181/ready", None, 60)
+        await launch("local-path-provisioner", build_local_path_args(bin_dir, layout, helper_image))
+    except BaseException:
+        await processes.stop_all(started)
+        raise
+    return started

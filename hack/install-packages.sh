@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Installs the Debian packages the local cluster and the image builds need, when any is
+# missing (`make install` calls it; nothing happens when all are there):
+#   node:   containerd runc containernetworking-plugins iptables conntrack socat iproute2 util-linux
+#   images: buildah debootstrap gcc libc6-dev (the pause program is a static C binary)
+#   tests:  dosfstools fusefat (a vfat adapter volume, which the operator must refuse)
+set -euo pipefail
+packages=(containerd runc containernetworking-plugins iptables conntrack socat iproute2
+          util-linux buildah debootstrap gcc libc6-dev dosfstools fusefat)
+missing=()
+for p in "${packages[@]}"; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if ((${#missing[@]} == 0)); then
+    exit 0
+fi
+if [[ $(id -u) != 0 ]]; then
+    echo "install-packages: missing Debian packages: ${missing[*]}; run as root (or: sudo apt-get install ${missing[*]})" >&2
+    exit 1
+fi
+echo "install-packages: installing ${missing[*]}" >&2
+export DEBIAN_FRONTEND=noninteractive
+apt-get install -y -q "${missing[@]}" >/dev/null 2>&1 \
+    || { apt-get update -q >/dev/null && apt-get install -y -q "${missing[@]}"; }
