@@ -9,7 +9,7 @@ static (`--lora`) and hand-loaded adapters alone.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from pathlib import PurePosixPath
 from typing import Any
@@ -96,28 +96,36 @@ class Unload:
 class Conflict:
     """The pod already serves an adapter of this name that the operator did not load."""
 
-    name: str
+    want: Want
+
+    @property
+    def name(self) -> str:
+        return self.want.name
 
 
 Action = Load | Unload | Conflict
 
 
-def plan_pod(wants: Mapping[str, Want], report: PodReport) -> list[Action]:
+def plan_pod(
+    wants: Mapping[str, Want], report: PodReport, keep: Collection[str] = ()
+) -> list[Action]:
     """The calls that make the pod hold exactly `wants` among the adapters the operator owns.
 
-    Unloads come first: they free GPU slots a pinned newcomer may need.
+    `keep`: adapters that exist but whose revision is not known yet (being staged, or not seen
+    since a restart): whatever the pod holds of them stays. Unloads come first: they free GPU
+    slots a pinned newcomer may need.
     """
     actions: list[Action] = [
         Unload(name)
         for name, card in sorted(report.cards.items())
-        if card.managed and name not in wants
+        if card.managed and name not in wants and name not in keep
     ]
     for name, want in sorted(wants.items()):
         card = report.cards.get(name)
         if card is None:
             actions.append(Load(want, inplace=False))
         elif not card.managed:
-            actions.append(Conflict(name))
+            actions.append(Conflict(want))
         elif not satisfied(want, card):
             actions.append(Load(want, inplace=True))
     return actions

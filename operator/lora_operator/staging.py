@@ -20,13 +20,14 @@ import tempfile
 from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, TypeVar
 
 from lora_inference import errors as inference_errors
 from lora_inference.adapters import files, layout
 
 from lora_operator import errors, fetchers, gc, sources
 
+_T = TypeVar("_T")
 ProgressCallback = Callable[[int], None]
 Fetch = Callable[[sources.Source, sources.Credentials, "Sink"], Awaitable[None]]
 
@@ -172,7 +173,9 @@ class Store:
                 # Checked under the lock: a collection cannot remove the object in between.
                 async with self._publish_lock:
                     if layout.object_path(self.root, pin).is_file():
-                        return await asyncio.to_thread(self._publish, namespace, name, pin, None)
+                        return await _to_thread_to_the_end(
+                            self._publish, namespace, name, pin, None
+                        )
             tmp_root = layout.tmp_dir(self.root)
             try:
                 tmp_root.mkdir(parents=True, exist_ok=True)
@@ -199,9 +202,15 @@ class Store:
                     )
                 await asyncio.to_thread(verify_lora_file, tmp, description)
                 async with self._publish_lock:
-                    return await asyncio.to_thread(self._publish, namespace, name, digest, tmp)
+                    return await _to_thread_to_the_end(self._publish, namespace, name, digest, tmp)
             finally:
                 tmp.unlink(missing_ok=True)
+
+    def current_revision(self, namespace: str, name: str) -> str | None:
+        return current_revision(self.root, namespace, name)
+
+    def clean_tmp(self) -> int:
+        return clean_tmp(self.root)
 
     async def unpublish(self, namespace: str, name: str) -> bool:
         """Remove the adapter's `current` (its deletion); `collect` then frees its files."""
@@ -263,6 +272,18 @@ class Store:
             path=revision,
             reused=reused,
         )
+
+
+async def _to_thread_to_the_end(fn: Callable[..., _T], *args: object) -> _T:
+    """Run `fn` in a thread; a cancellation waits for it to finish before it propagates, so
+    whoever holds a lock around this call holds it until the volume is consistent again (an
+    unpublish after a cancelled staging never races the staging's publish)."""
+    task = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        await asyncio.wait([task])
+        raise
 
 
 def _point_current(volume_root: Path, ns_root: Path, name: str, digest: str) -> None:
