@@ -115,6 +115,7 @@ class Mirror:
         self._verdicts = dict.fromkeys(objects, False)
         self._peers: dict[tuple[str, str], list[Peer]] = {o: [] for o in objects}
         self.active = False
+        self._said = False
 
     async def run(self) -> None:
         await asyncio.gather(*(self._follow(o) for o in self._objects))
@@ -127,9 +128,11 @@ class Mirror:
         verdict, again = decide(self._peers[target], self.identity, self.priority, now)
         self._verdicts[target] = verdict if status is not None or self._peers[target] else False
         active = all(self._verdicts.values())
+        if active != self.active or not self._said:
+            self._said = True  # the first verdict is logged too: a standby says so
+            log.info("action=peering active=%s identity=%s", active, self.identity)
         if active != self.active:
             self.active = active
-            log.info("action=peering active=%s identity=%s", active, self.identity)
             self._on_change(active)
         return None if again is None else max(0.1, (again - now).total_seconds())
 
