@@ -202,6 +202,7 @@ class Controller:
         self._adapters_index: kopf.Index[str, AdapterInfo] | None = None
         self.adapters: dict[Key, AdapterRecord] = {}
         self.pods: dict[Key, PodRecord] = {}
+        self._unloading: set[Key] = set()  # unpublished, waiting for no pod to hold them
         self._calls = asyncio.Semaphore(config.max_concurrent_loads)
         # API writes in flight at once (the API server's client-side budget is small: a burst of
         # hundreds must queue here, not time out).
@@ -480,6 +481,7 @@ class Controller:
             await asyncio.wait([rec.staging_task])  # a publish in progress ends first
         await self.volume.unpublish(info.namespace, info.name)
         rec.unpublished = True
+        self._unloading.add(info.key)
         log.info("action=unpublish adapter=%s/%s", *info.key)
         self._wake_namespace(info.namespace)
         self._check_unloaded(info.namespace)
@@ -508,7 +510,7 @@ class Controller:
         )
 
     def _check_unloaded(self, namespace: str) -> None:
-        waiting = [r for r in self._adapters_in(namespace) if r.unpublished]
+        waiting = [self.adapters[k] for k in self._unloading if k[0] == namespace]
         if not waiting:
             return
         held: set[str] = set()
@@ -521,6 +523,7 @@ class Controller:
 
     def _forget(self, key: Key) -> None:
         rec = self.adapters.pop(key, None)
+        self._unloading.discard(key)
         if rec is None:
             return
         _cancel(rec.staging_task)
@@ -765,15 +768,6 @@ class Controller:
             and rec.info.targets(p.info, p.report.base_model)
         ]
 
-    def compute(self, rec: AdapterRecord) -> tuple[dict[str, Any], status_mod.Summary]:
-        targeted = [] if rec.info.deleting else self.targeted(rec)
-        summary = status_mod.summarise(
-            rec.info, rec.staging, targeted, retry_bound=self.config.retry_bound
-        )
-        previous = (rec.written or {}).get("conditions") or []
-        body = status_mod.render(rec.info, rec.staging, targeted, summary, previous, now_iso())
-        return body, summary
-
     def _heard(self, namespace: str) -> bool:
         """Whether every Ready pod of the namespace has reported since this replica began to
         act: until then a status could claim fewer pods than an earlier process had seen."""
@@ -801,7 +795,7 @@ class Controller:
             heard: dict[str, bool] = {}
             writes = []
             for key in keys:
-                self._due.pop(key, None)
+                due = self._due.pop(key, None)
                 rec = self.adapters.get(key)
                 if rec is None or rec.info.deleting:
                     continue  # a deleted adapter's status is no news to anyone
@@ -809,10 +803,26 @@ class Controller:
                 if not heard.setdefault(ns, self._heard(ns)):
                     self._due[key] = now + 0.5
                     continue
-                body, summary = self.compute(rec)
+                targeted = self.targeted(rec)
+                summary = status_mod.summarise(
+                    rec.info, rec.staging, targeted, retry_bound=self.config.retry_bound
+                )
+                self._set_phase(rec, summary.phase)
                 if rec.headline != summary.headline:
                     rec.headline, rec.headline_since = summary.headline, now
-                self._set_phase(rec, summary.phase)
+                elif due is not None and due > now:
+                    # A write is planned for this phase and reason already: it will take what
+                    # is new then (rendering every change of a Loading adapter costs CPU).
+                    self._due[key] = due
+                    continue
+                body = status_mod.render(
+                    rec.info,
+                    rec.staging,
+                    targeted,
+                    summary,
+                    (rec.written or {}).get("conditions") or [],
+                    now_iso(),
+                )
                 delay = status_mod.write_delay(
                     rec.written,
                     rec.written_headline,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Collection, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import PurePosixPath
 from typing import Any
 
@@ -45,10 +45,16 @@ class Card:
 class PodReport:
     base_model: str | None
     cards: Mapping[str, Card]
+    _managed: Mapping[str, str] = field(init=False, repr=False, compare=False)
 
-    def managed(self) -> dict[str, str]:
+    def __post_init__(self) -> None:
+        # Computed once: deletion and collection ask for it for every pod, often.
+        managed = {n: c.revision for n, c in self.cards.items() if c.revision is not None}
+        object.__setattr__(self, "_managed", managed)
+
+    def managed(self) -> Mapping[str, str]:
         """Adapter name -> revision, for the adapters the operator put on this pod."""
-        return {n: c.revision for n, c in self.cards.items() if c.revision is not None}
+        return self._managed
 
 
 def parse_models(payload: Any) -> PodReport:
