@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install packages binaries test lint typecheck unit demo demo-inference images e2e-kind bench bench-operator clean
+.PHONY: install packages binaries test lint typecheck unit demo demo-inference images e2e-kind bench bench-operator docs clean
 
 install: $(STAMP) packages binaries
 
@@ -31,16 +31,16 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check .
 
 typecheck: $(STAMP)
-	$(VENV)/bin/mypy inference/lora_inference operator/lora_operator devcluster/lora_devcluster
+	$(VENV)/bin/mypy inference/lora_inference operator/lora_operator devcluster/lora_devcluster demo/lora_demo
 
-unit: install
+unit: install images
 	$(VENV)/bin/pytest
 
 test: install lint typecheck unit
 
 # The main job on the local cluster: the chart, the operator, two adapters, images in demo-out/.
-demo: install
-	$(PY) -m lora_devcluster.demo --out demo-out
+demo: install images
+	$(PY) -m lora_demo --out demo-out
 
 # The inference server alone (no cluster): tiny model, two adapters, images in demo-out/.
 demo-inference: install
@@ -50,21 +50,24 @@ demo-inference: install
 # from a local Debian base, as docker-archive tars in a cache keyed by their inputs
 # (LORA_IMAGE_CACHE, default ~/.cache/lora-operator/images); an unchanged tree builds nothing.
 # Needs root and the Debian packages `make install` installs; see docs/images.md.
-IMAGE_TAG ?= $(shell sed -n 's/^appVersion: *"\{0,1\}\([^"]*\)"\{0,1\}/\1/p' charts/lora-operator/Chart.yaml)
 IMAGES_PY = $(if $(wildcard $(PY)),$(PY),python3)
-images:
+images: packages
 	PYTHONPATH=devcluster $(IMAGES_PY) -m lora_devcluster.images build
 
 # The end-to-end suite against a kind cluster: needs Docker and kind (see docs/operations.md);
 # kind loads the archives `make images` built.
 e2e-kind: install images
-	PYTHON=$(PY) hack/e2e-kind.sh $(IMAGE_TAG)
+	PYTHON=$(PY) hack/e2e-kind.sh
 
 bench: install
 	$(PY) bench/bench_inference.py
 
 bench-operator: install
 	$(PY) bench/bench_operator.py
+
+# docs/reference/ from the CRD, the chart and the metrics in code (tests/test_docs.py checks it).
+docs: $(STAMP) binaries
+	PATH="$$PATH:$$($(PY) -m lora_devcluster.cli bin-dir 2>/dev/null)" $(PY) hack/gen-docs.py
 
 clean:
 	rm -rf $(VENV) demo-out .mypy_cache .ruff_cache .pytest_cache

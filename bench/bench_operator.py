@@ -689,6 +689,7 @@ def measure_cluster(work: Path, args: argparse.Namespace) -> tuple[list[Row], di
     ks = args.adapters or ([1, 50] if args.quick else [1, 50, 200])
     started = time.perf_counter()
     model = write_tiny_model(work / "models" / MODEL_NAME, "sd15")
+    cluster.readable_by_pods(work / "models")
     pipe = DiffusionPipeline.from_pretrained(str(model))
     volume = work / "volume"
     for i in range(max(ks)):

@@ -8,32 +8,39 @@
 # container toolkit. For another CUDA build, point TORCH_INDEX_URL at its index, e.g.
 #   --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128
 # `make images` builds it without Docker (buildah) from a local Debian base: BASE_IMAGE.
-# pip's cache is a build cache mount, never a layer: the final stage copies only the venv.
+# Layers: the dependencies (5 GB: torch and the CUDA wheels) come from pyproject.toml alone, so a
+# change to the project's code rebuilds only the small layers after them. pip's cache is a build
+# cache mount, never a layer.
 # The model is not in the image: mount it (inference.model.existingClaim) or build FROM this image
 # and COPY it to the chart's inference.model.path.
 
 ARG BASE_IMAGE=python:3.11-slim
-FROM ${BASE_IMAGE} AS build
+FROM ${BASE_IMAGE}
 ARG TORCH_INDEX_URL=https://pypi.org/simple
-ENV PIP_DISABLE_PIP_VERSION_CHECK=1
+ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PATH=/opt/venv/bin:$PATH
 RUN python -m venv /opt/venv
-ENV PATH=/opt/venv/bin:$PATH
 WORKDIR /src
-# torch first, from the chosen index, at the version pyproject.toml pins.
+COPY pyproject.toml ./
+# torch first, from the chosen index, at the version pyproject.toml pins; then the [inference]
+# extra and the build backend, read from pyproject.toml.
 RUN --mount=type=cache,target=/root/.cache/pip \
-    pip install --index-url "$TORCH_INDEX_URL" "torch==2.13.0"
-# devcluster/ (the local cluster, a development tool) stays out, as in the operator image.
-COPY pyproject.toml README.md ./
+    pip install --index-url "$TORCH_INDEX_URL" "torch==2.13.0" \
+    && python -c 'import tomllib; p = tomllib.load(open("pyproject.toml", "rb")); \
+print("\n".join(p["build-system"]["requires"] + p["project"]["optional-dependencies"]["inference"]))' \
+        > /tmp/requirements.txt \
+    && pip install -r /tmp/requirements.txt \
+    && rm /tmp/requirements.txt
+# The project itself, without dependencies (they are all above). devcluster/ (the local cluster,
+# a development tool) stays out, as in the operator image.
+COPY README.md ./
 COPY inference/ inference/
 COPY operator/ operator/
-RUN --mount=type=cache,target=/root/.cache/pip \
-    pip install ".[inference]"
-
-FROM ${BASE_IMAGE}
-COPY --from=build /opt/venv /opt/venv
+RUN pip install --no-cache-dir --no-deps --no-build-isolation . \
+    && rm -rf /src/build /src/*.egg-info
+WORKDIR /
 # The root filesystem is read-only in the chart: caches go to /tmp (an emptyDir there).
-ENV PATH=/opt/venv/bin:$PATH \
-    PYTHONDONTWRITEBYTECODE=1 \
+ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     HOME=/tmp \
     XDG_CACHE_HOME=/tmp/.cache \

@@ -5,28 +5,34 @@
 #
 # The chart runs it as uid 65532 with a read-only root filesystem and a /tmp emptyDir.
 # `make images` builds it without Docker (buildah) from a local Debian base: BASE_IMAGE.
-# pip's cache is a build cache mount, never a layer: the final stage copies only the venv.
+# Layers: the dependencies come from pyproject.toml alone, so a change to the project's code
+# rebuilds only the small layers after them. pip's cache is a build cache mount, never a layer.
 
 ARG BASE_IMAGE=python:3.11-slim
-FROM ${BASE_IMAGE} AS build
-ENV PIP_DISABLE_PIP_VERSION_CHECK=1
+FROM ${BASE_IMAGE}
+ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PATH=/opt/venv/bin:$PATH
 RUN python -m venv /opt/venv
-ENV PATH=/opt/venv/bin:$PATH
 WORKDIR /src
+COPY pyproject.toml ./
+# The [operator] extra and the build backend, read from pyproject.toml.
+RUN --mount=type=cache,target=/root/.cache/pip \
+    python -c 'import tomllib; p = tomllib.load(open("pyproject.toml", "rb")); \
+print("\n".join(p["build-system"]["requires"] + p["project"]["optional-dependencies"]["operator"]))' \
+        > /tmp/requirements.txt \
+    && pip install -r /tmp/requirements.txt \
+    && rm /tmp/requirements.txt
 # setuptools finds the packages under inference/ and operator/ (pyproject.toml); the operator
 # imports lora_inference's file checks, which need no torch. devcluster/ (the local cluster, a
 # development tool) stays out, so changing it rebuilds no image; its console script is inert here.
-COPY pyproject.toml README.md ./
+COPY README.md ./
 COPY inference/ inference/
 COPY operator/ operator/
-RUN --mount=type=cache,target=/root/.cache/pip \
-    pip install ".[operator]" \
+RUN pip install --no-cache-dir --no-deps --no-build-isolation . \
+    && rm -rf /src/build /src/*.egg-info \
     && ! pip show torch >/dev/null 2>&1
-
-FROM ${BASE_IMAGE}
-COPY --from=build /opt/venv /opt/venv
-ENV PATH=/opt/venv/bin:$PATH \
-    PYTHONDONTWRITEBYTECODE=1 \
+WORKDIR /
+ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     HOME=/tmp
 USER 65532:65532

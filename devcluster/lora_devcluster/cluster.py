@@ -227,7 +227,7 @@ def up(
         helper.ref,
     ]
     for image in node_images:
-        argv += ["--archive", str(image.archive)]
+        argv += ["--image", f"{image.ref}={image.archive}"]
     env = dict(os.environ)
     env[NAMESPACE_MARKER_ENV] = str(root)
     env["PYTHONPATH"] = os.pathsep.join(

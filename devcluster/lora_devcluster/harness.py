@@ -17,7 +17,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -36,9 +36,31 @@ class ApiError(Exception):
 
 
 class Harness:
-    def __init__(self, cluster: cluster_mod.Cluster) -> None:
-        self.cluster = cluster
-        config = yaml.safe_load(cluster.kubeconfig.read_text())
+    """A cluster as tests and the demo use it: the local cluster (`Harness(cluster)`), or any
+    cluster reached with a kubeconfig (`Harness.external(...)`: kind, for the same end-to-end
+    suite). What only the local cluster can do (its logs on disk, host PIDs, restarting its API
+    server) says so when asked of another."""
+
+    def __init__(
+        self,
+        cluster: cluster_mod.Cluster | None = None,
+        *,
+        kubeconfig: Path | None = None,
+        images: Mapping[str, str] | None = None,
+        node_shell: Sequence[str] = (),
+    ) -> None:
+        self._local = cluster
+        if cluster is not None:
+            kubeconfig, images = cluster.kubeconfig, cluster.images
+            self.env = cluster.env()
+        elif kubeconfig is not None:
+            self.env = {**os.environ, "KUBECONFIG": str(kubeconfig)}
+        else:
+            raise ValueError("a Harness needs a local cluster or a kubeconfig")
+        self.images = dict(images or {})
+        # How to run a command on the node of an external cluster (`docker exec NODE` on kind).
+        self.node_shell = list(node_shell)
+        config = yaml.safe_load(kubeconfig.read_text())
         self.server: str = config["clusters"][0]["cluster"]["server"]
         user = config["users"][0]["user"]
         self._tmp = tempfile.TemporaryDirectory(prefix="lora-devcluster-client-")
@@ -50,14 +72,31 @@ class Harness:
         self.ssl_context.load_cert_chain(str(cert), str(key))
         self._tmp.cleanup()
 
+    @classmethod
+    def external(
+        cls, kubeconfig: Path, images: Mapping[str, str], node_shell: Sequence[str] = ()
+    ) -> Harness:
+        return cls(kubeconfig=kubeconfig, images=images, node_shell=node_shell)
+
+    @property
+    def is_local(self) -> bool:
+        return self._local is not None
+
+    @property
+    def cluster(self) -> cluster_mod.Cluster:
+        """The local cluster (its directory, logs, processes)."""
+        if self._local is None:
+            raise AssertionError("this needs the local cluster (lora-devcluster), not a kubeconfig")
+        return self._local
+
     def image(self, role: str) -> str:
         """The ref of one of this project's images on the node (`operator`, `inference`,
         `base`, `pause`), as `up` imported it: manifests use it with imagePullPolicy Never."""
         try:
-            return self.cluster.images[role]
+            return self.images[role]
         except KeyError:
             raise AssertionError(
-                f"the node has no {role!r} image; it has {sorted(self.cluster.images)}"
+                f"the node has no {role!r} image; it has {sorted(self.images)}"
             ) from None
 
     # ---- API
@@ -106,6 +145,47 @@ class Harness:
     def merge_patch(self, path: str, body: Obj) -> Obj:
         return self.request("PATCH", path, body, "application/merge-patch+json")
 
+    def proxy(
+        self,
+        namespace: str,
+        target: str,
+        path: str,
+        body: Obj | None = None,
+        timeout: float = 300,
+    ) -> tuple[int, bytes]:
+        """An HTTP call to a pod or a Service through the API server's proxy (`target` is
+        `pods/NAME:PORT` or `services/NAME:PORT`): works from anywhere the API server is
+        reachable, on any cluster. Returns the status and the body, errors included."""
+        data = json.dumps(body).encode() if body is not None else None
+        url = f"{self.server}/api/v1/namespaces/{namespace}/{target}/proxy{path}"
+        req = urllib.request.Request(url, data=data, method="POST" if data else "GET")
+        if data is not None:
+            req.add_header("Content-Type", "application/json")
+        try:
+            with urllib.request.urlopen(req, context=self.ssl_context, timeout=timeout) as resp:
+                return resp.status, resp.read()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read()
+
+    def kill_container(self, namespace: str, pod: str, container: str) -> None:
+        """SIGKILL a container's processes from the node, as a crash would (from inside the
+        container, its PID 1 ignores signals it does not handle)."""
+        obj = self.get(f"/api/v1/namespaces/{namespace}/pods/{pod}")
+        if self._local is not None:
+            pids = self.container_pids(obj["metadata"]["uid"], container)
+            if not pids:
+                raise AssertionError(f"no process of {namespace}/{pod}/{container} on the node")
+            for pid in pids:
+                os.kill(pid, signal.SIGKILL)
+            return
+        if not self.node_shell:
+            raise AssertionError("killing a container of an external cluster needs a node shell")
+        (status,) = [cs for cs in obj["status"]["containerStatuses"] if cs["name"] == container]
+        cid = status["containerID"].split("://", 1)[-1]
+        template = "{{.info.pid}}"
+        script = f"kill -9 $(crictl inspect --output go-template --template '{template}' {cid})"
+        self.run([*self.node_shell, "sh", "-c", script])
+
     def pods(self, namespace: str, selector: str = "") -> list[Obj]:
         q = f"?labelSelector={urllib.parse.quote(selector)}" if selector else ""
         items: list[Obj] = self.get(f"/api/v1/namespaces/{namespace}/pods{q}")["items"]
@@ -120,7 +200,7 @@ class Harness:
         """Run a command (kubectl, helm, ...) with KUBECONFIG set and the binaries on PATH.
         This process is already in the cluster's network namespace; children inherit it."""
         proc = subprocess.run(
-            argv, input=input, capture_output=True, text=True, env=self.cluster.env(), timeout=120
+            argv, input=input, capture_output=True, text=True, env=self.env, timeout=120
         )
         if check and proc.returncode != 0:
             raise AssertionError(
@@ -178,9 +258,12 @@ class Harness:
         for p in pods:
             st = p.get("status") or {}
             deleting = " (deleting)" if p["metadata"].get("deletionTimestamp") else ""
+            why = (
+                f" reason={st['reason']} message={st.get('message')!r}" if st.get("reason") else ""
+            )
             lines.append(
                 f"pod {p['metadata']['name']}{deleting}: phase={st.get('phase')} "
-                f"ip={st.get('podIP')} node={p['spec'].get('nodeName')}"
+                f"ip={st.get('podIP')} node={p['spec'].get('nodeName')}{why}"
             )
             for cs in (st.get("initContainerStatuses") or []) + (st.get("containerStatuses") or []):
                 states: dict[str, Obj] = cs.get("state") or {"unknown": {}}
@@ -190,6 +273,17 @@ class Harness:
                     f"  {cs['name']}: {kind} {detail} ready={cs.get('ready')} "
                     f"restarts={cs.get('restartCount')}"
                 )
+        try:
+            (node,) = self.get("/api/v1/nodes")["items"]
+            pressure = [
+                f"{c['type']}: {c.get('message')}"
+                for c in node["status"].get("conditions") or ()
+                if c["type"] != "Ready" and c["status"] == "True"
+            ]
+            if pressure:
+                lines.append("node: " + "; ".join(pressure))
+        except (ApiError, OSError, ValueError):
+            pass
         return "\n".join(lines) if lines else f"(no pods in {namespace})"
 
     def node_log_tail(self, lines: int = 40) -> str:

@@ -55,7 +55,7 @@ DEFAULT_MIRROR = "http://deb.debian.org/debian"
 # input the key already covers; every image built from it is rebuilt.
 BASE_RECIPE = 1
 PAUSE_RECIPE = 1
-DOCKERFILE_RECIPE = 1
+DOCKERFILE_RECIPE = 2
 # The uid the pause process runs as (Kubernetes' own pause image uses 65535).
 PAUSE_USER = "65535:65535"
 # How many archives per image the cache keeps (the newest; the others are deleted after a build).
@@ -341,9 +341,10 @@ def app_version(chart_yaml: str) -> str:
 
 
 def pip_extra(dockerfile_text: str) -> str | None:
-    """The pyproject extra the Dockerfile installs (`pip install ".[extra]"`)."""
+    """The pyproject extra whose dependencies the Dockerfile installs (read from pyproject.toml
+    as `["optional-dependencies"]["extra"]`)."""
     runs = " ".join(a for w, a in dockerfile_instructions(dockerfile_text) if w == "RUN")
-    m = re.search(r"""pip install ["']?\.\[([a-z0-9_-]+)\]""", runs)
+    m = re.search(r"""\["optional-dependencies"\]\["([a-z0-9_-]+)"\]""", runs)
     return m.group(1) if m else None
 
 
@@ -860,10 +861,11 @@ def _build_dockerfile(
     context.mkdir(exist_ok=True)
     if spec.dockerfile is None:
         raise ImageError(f"{spec.name}: a Dockerfile image without a Dockerfile")
-    # No layer cache (--layers=false): the archive is the cache, and a 5 GB venv layer per
-    # source change would fill the disk. --force-rm: no container outlives a failed build.
+    # Layers cached: the Dockerfiles install the dependencies from pyproject.toml alone, so a
+    # change to the project's code rebuilds only the small layers after them.
+    # --force-rm: no container outlives a failed build.
     cmd = ["buildah", "bud", "--pull=never", "--isolation=chroot", "--network=host"]
-    cmd += ["--layers=false", "--force-rm", f"--iidfile={work / 'iid'}"]
+    cmd += ["--layers=true", "--force-rm", f"--iidfile={work / 'iid'}"]
     cmd += [f"--file={root / spec.dockerfile}"]
     for k, v in spec.build_args:
         cmd += ["--build-arg", f"{k}={v}"]
@@ -875,7 +877,8 @@ def _build_dockerfile(
     if _prefetch(spec, wheels, log, progress):
         # Offline from the wheelhouse: with an index as well, pip prefers the index's copy of a
         # wheel it also finds locally and downloads it again.
-        conf = work / "pip.conf"
+        # A stable path: the mount is part of the layer cache's key for the RUN steps.
+        conf = cache / "pip.conf"
         conf.write_text("[global]\nno-index = true\nfind-links = /wheels\n")
         offline = ["-v", f"{wheels}:/wheels:ro", "-v", f"{conf}:/etc/pip.conf:ro"]
         try:
@@ -960,12 +963,24 @@ def _build_one(
                 _smoke(iid, spec, log)
                 _export(iid, spec, cache, log)
             finally:
-                # The archive is the cache; the image in buildah's storage would only double
-                # the disk it takes.
-                _capture(["buildah", "rmi", iid])
+                _keep_for_layer_cache(spec, iid)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     _prune_archives(cache, spec.name, spec.archive_name())
+
+
+def _keep_for_layer_cache(spec: ImageSpec, iid: str) -> None:
+    """Keep the newest build of a Dockerfile image under a cache tag, so its layers (the 5 GB
+    of dependencies above all) serve the next build; the build it replaces is removed."""
+    if spec.kind != "dockerfile":
+        _capture(["buildah", "rmi", iid])
+        return
+    tag = f"{spec.ref.rsplit(':', 1)[0]}:layer-cache"
+    old = _capture(["buildah", "images", "--quiet", "--no-trunc", tag]).stdout.split()
+    _capture(["buildah", "tag", iid, tag])
+    for previous in old:
+        if previous.removeprefix("sha256:") != iid.removeprefix("sha256:"):
+            _capture(["buildah", "rmi", previous])
 
 
 def _images(specs: Mapping[str, ImageSpec], names: Sequence[str], cache: Path) -> list[Image]:

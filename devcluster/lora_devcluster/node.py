@@ -18,7 +18,7 @@ import json
 import os
 import ssl
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -402,40 +402,6 @@ def _api_get(path: str, context: ssl.SSLContext) -> Obj | None:
         return None
 
 
-async def _seed_images(
-    layout: Layout,
-    archives: Sequence[Path],
-    env: dict[str, str],
-    progress: Callable[[str], object] | None,
-) -> None:
-    """Give the node's containerd a store holding `archives`, from the image cache (see
-    `imagestore`), importing them into the cache first if no node has before."""
-    cache = imagestore.cache_dir()
-    cache.mkdir(parents=True, exist_ok=True)
-    digests = [imagestore.archive_digest(a) for a in archives]
-    key = imagestore.seed_key(digests, imagestore.containerd_version())
-    seed = cache / key
-    if not seed.exists():
-        t = time.monotonic()
-        await imagestore.build_seed(
-            archives,
-            seed,
-            lambda root, state, socket: build_containerd_config(
-                root, state, socket, layout.config / "cni"
-            ),
-            env,
-            layout.logs / "containerd-seed.log",
-        )
-        if progress:
-            progress(f"imported {len(archives)} images into {seed} in {time.monotonic() - t:.1f} s")
-    t = time.monotonic()
-    imagestore.link_tree(seed, layout.containerd_root)
-    os.utime(seed)  # most recently used: pruning keeps it
-    imagestore.prune(cache, keep=key)
-    if progress:
-        progress(f"linked the node's images from {seed} in {time.monotonic() - t:.1f} s")
-
-
 def node_ready(context: ssl.SSLContext) -> bool:
     node = _api_get(f"/api/v1/nodes/{NODE_NAME}", context)
     conditions = ((node or {}).get("status") or {}).get("conditions") or ()
@@ -446,12 +412,13 @@ async def start(
     bin_dir: Path,
     layout: Layout,
     pki: certs.PKI,
-    archives: Sequence[Path],
+    images: Mapping[Path, str],
     helper_image: str,
     progress: Callable[[str], object] | None = None,
 ) -> list[processes.Proc]:
-    """Start containerd, import `archives`, then the kubelet, kube-proxy, CoreDNS and the
-    provisioner, each working before the next. Returns them in start order."""
+    """Start containerd with `images` (archive -> ref) in its store, then the kubelet,
+    kube-proxy, CoreDNS and the provisioner, each working before the next. Returns them in
+    start order."""
     write_configs(layout, pki, helper_image)
     env = node_env(bin_dir, layout)
     ctr = ["ctr", f"--address={CONTAINERD_SOCKET}", "--namespace=k8s.io"]
@@ -464,7 +431,16 @@ async def start(
         return proc
 
     try:
-        await _seed_images(layout, archives, env, progress)
+        await imagestore.provide(
+            images,
+            layout.containerd_root,
+            lambda root, state, socket: build_containerd_config(
+                root, state, socket, layout.config / "cni"
+            ),
+            env,
+            layout.logs / "containerd-store.log",
+            progress,
+        )
         containerd = await launch(
             "containerd", ["containerd", f"--config={layout.config / 'containerd.toml'}"]
         )

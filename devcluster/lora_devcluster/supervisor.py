@@ -25,7 +25,7 @@ from lora_devcluster import controlplane, node, processes, sandbox
 from lora_devcluster.layout import Layout
 
 
-async def serve(root: Path, bin_dir: Path, archives: list[Path], helper_image: str) -> None:
+async def serve(root: Path, bin_dir: Path, images: dict[Path, str], helper_image: str) -> None:
     layout = Layout(root)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -39,7 +39,7 @@ async def serve(root: Path, bin_dir: Path, archives: list[Path], helper_image: s
     pki, started = await controlplane.start(bin_dir, layout)
     logging.info("control plane up in %.1f s", time.monotonic() - t0)
     try:
-        started += await node.start(bin_dir, layout, pki, archives, helper_image, logging.info)
+        started += await node.start(bin_dir, layout, pki, images, helper_image, logging.info)
         logging.info("node ready in %.1f s", time.monotonic() - t0)
         layout.ready.write_text(json.dumps({"seconds": round(time.monotonic() - t0, 1)}))
         waiter = asyncio.create_task(stop.wait())
@@ -76,7 +76,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(prog="lora_devcluster.supervisor")
     parser.add_argument("--dir", type=Path, required=True)
     parser.add_argument("--bin-dir", type=Path, required=True)
-    parser.add_argument("--archive", type=Path, action="append", default=[])
+    parser.add_argument("--image", action="append", default=[], help="REF=ARCHIVE")
     parser.add_argument("--helper-image", required=True)
     args = parser.parse_args()
     logging.basicConfig(
@@ -86,7 +86,8 @@ def main() -> None:
     )
     if os.getpid() != 1:
         sys.exit("lora_devcluster.supervisor must run as PID 1 of its own namespaces (use `up`)")
-    asyncio.run(serve(args.dir, args.bin_dir, args.archive, args.helper_image))
+    images = {Path(a): ref for ref, _, a in (i.partition("=") for i in args.image)}
+    asyncio.run(serve(args.dir, args.bin_dir, images, args.helper_image))
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 
 import kopf
 
+from lora_operator import errors, staging
 from lora_operator.config import OperatorConfig, parse_args
 from lora_operator.controller import Controller
 from lora_operator.handlers import build_registry
@@ -31,6 +32,11 @@ def run(config: OperatorConfig, *, stop_flag: asyncio.Event | None = None) -> No
 
 def main(argv: Sequence[str] | None = None) -> int:
     config = parse_args(argv)
+    try:
+        staging.check_volume(config.volume_root)
+    except errors.VolumeUnsupported as e:
+        print(f"lora-operator: {e.message}", file=sys.stderr)
+        return 2
     logging.basicConfig(
         level=logging.INFO,
         stream=sys.stdout,

@@ -4,12 +4,51 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+from fractions import Fraction
 from pathlib import Path
 
 from lora_operator import staging
 from lora_operator.model import DEFAULT_POD_VOLUME_ROOT
+
+# Decimal (SI) and binary (IEC) multiples, and Kubernetes' quantity suffixes (Ki, Mi, Gi...), so
+# a size reads the same in the chart's values, on the command line and in a PVC.
+_SIZE_UNITS = {
+    "": 1,
+    "b": 1,
+    **{f"{p}b": 1000**i for i, p in enumerate("kmgt", 1)},
+    **{p: 1000**i for i, p in enumerate("kmgt", 1)},
+    **{f"{p}ib": 1024**i for i, p in enumerate("kmgt", 1)},
+    **{f"{p}i": 1024**i for i, p in enumerate("kmgt", 1)},
+}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*$")
+
+
+def parse_size(text: str) -> int:
+    """Bytes in a size such as `2GiB`, `500MB`, `1.5Gi` or `2147483648` (pure).
+
+    Units are case-insensitive: B, kB/MB/GB/TB (powers of 1000), KiB/MiB/GiB/TiB and Kubernetes'
+    Ki/Mi/Gi/Ti (powers of 1024), K/M/G/T (powers of 1000, as in a Kubernetes quantity). A
+    fraction is rounded down to whole bytes. Raises ValueError saying what is accepted.
+    """
+    match = _SIZE.match(text)
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _SIZE_UNITS:
+        raise ValueError(
+            f"invalid size {text!r}: give a number of bytes with an optional unit, e.g. "
+            "2147483648, 2GiB, 2Gi or 500MB (units: B, kB, MB, GB, TB, KiB, MiB, GiB, TiB, "
+            "Ki, Mi, Gi, Ti)"
+        )
+    return int(Fraction(match.group(1)) * _SIZE_UNITS[unit])
+
+
+def _size_arg(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from e
 
 
 @dataclass(frozen=True)
@@ -83,7 +122,13 @@ def parse_args(argv: Sequence[str] | None = None) -> OperatorConfig:
     p.add_argument("--health-port", type=int, default=8080, help="liveness at /healthz")
     p.add_argument("--metrics-port", type=int, default=9090, help="Prometheus at /metrics")
     p.add_argument("--max-concurrent-stagings", type=int, default=staging.DEFAULT_MAX_CONCURRENT)
-    p.add_argument("--max-adapter-bytes", type=int, default=staging.DEFAULT_MAX_BYTES)
+    p.add_argument(
+        "--max-adapter-bytes",
+        type=_size_arg,
+        default=staging.DEFAULT_MAX_BYTES,
+        metavar="SIZE",
+        help="the largest adapter file, e.g. 2GiB or 500MB (default 2GiB)",
+    )
     p.add_argument(
         "--max-concurrent-loads", type=int, default=16, help="calls to pods in flight at once"
     )

@@ -65,3 +65,12 @@ class SourceUnavailable(TransientStagingError):
 
 class DiskFull(TransientStagingError):
     reason = "DiskFull"
+
+
+class VolumeUnsupported(Exception):
+    """The adapter volume lacks what the store needs (checked once, at start): the operator
+    cannot run on it until the volume or its mount changes."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message

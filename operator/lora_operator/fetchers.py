@@ -211,8 +211,25 @@ async def fetch_s3(
     *,
     policy: RetryPolicy,
 ) -> None:
-    """GetObject with boto3 in a worker thread; unsigned when the Secret holds no keys."""
+    """GetObject with boto3 in a worker thread, signed as `choose_s3_auth` decides."""
     await asyncio.to_thread(_fetch_s3_sync, source, credentials, sink, policy)
+
+
+S3Auth = Literal["secret", "chain", "unsigned"]
+
+
+def choose_s3_auth(*, secret_has_keys: bool, chain_has_credentials: bool) -> S3Auth:
+    """How an s3:// request is signed (pure).
+
+    Keys in the Secret win. Without them, the SDK's default credential chain (environment,
+    shared credentials file, web identity such as IRSA or workload identity federation, the
+    container and instance metadata endpoints) signs the request, so a pod's cloud identity
+    works with no Secret at all. Only when the chain finds nothing are requests unsigned, which
+    is what a public bucket needs.
+    """
+    if secret_has_keys:
+        return "secret"
+    return "chain" if chain_has_credentials else "unsigned"
 
 
 def _s3_client(credentials: sources.Credentials, policy: RetryPolicy) -> Any:
@@ -220,16 +237,23 @@ def _s3_client(credentials: sources.Credentials, policy: RetryPolicy) -> Any:
     from botocore import UNSIGNED
     from botocore.config import Config
 
+    session = boto3.session.Session()
+    has_keys = credentials.aws_access_key_id is not None
+    # The chain is consulted only without keys: resolving it may ask a metadata endpoint.
+    auth = choose_s3_auth(
+        secret_has_keys=has_keys,
+        chain_has_credentials=not has_keys and session.get_credentials() is not None,
+    )
     config = Config(
         retries={"max_attempts": policy.attempts, "mode": "standard"},
         connect_timeout=policy.connect_timeout_s,
         read_timeout=policy.read_timeout_s,
-        signature_version=None if credentials.aws_access_key_id else UNSIGNED,
+        signature_version=UNSIGNED if auth == "unsigned" else None,
     )
-    return boto3.session.Session().client(
+    return session.client(
         "s3",
         endpoint_url=credentials.aws_endpoint_url,
-        region_name=credentials.aws_region or "us-east-1",
+        region_name=credentials.aws_region or session.region_name or "us-east-1",
         aws_access_key_id=credentials.aws_access_key_id,
         aws_secret_access_key=credentials.aws_secret_access_key,
         config=config,
@@ -268,7 +292,8 @@ def _fetch_s3_sync(
             if code in ("AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "403"):
                 raise errors.SourceForbidden(
                     f"{what}: {code}; check AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY and "
-                    "AWS_ENDPOINT_URL in the Secret named by source.secretRef"
+                    "AWS_ENDPOINT_URL in the Secret named by source.secretRef, or, without "
+                    "keys there, the operator's own cloud identity (its ServiceAccount's role)"
                 ) from e
             if status and classify_status(status) != "retry":
                 raise errors.InvalidSource(f"{what}: {code} (HTTP {status})") from e

@@ -4,7 +4,6 @@ not need is here because the machine is shared with the host and with other clus
 from __future__ import annotations
 
 import os
-import time
 import tomllib
 from pathlib import Path
 
@@ -102,11 +101,23 @@ def test_sandbox_mounts_cover_every_path_a_node_writes_outside_its_directory(
     assert targets.index("/var/lib") < targets.index("/var/lib/kubelet")
 
 
-def test_seed_key_depends_on_the_archives_and_containerd_not_their_order() -> None:
-    key = imagestore.seed_key(["a", "b"], "containerd 1.6")
-    assert key == imagestore.seed_key(["b", "a"], "containerd 1.6")
-    assert key != imagestore.seed_key(["a", "c"], "containerd 1.6")
-    assert key != imagestore.seed_key(["a", "b"], "containerd 2.0")
+def test_image_names_as_containerd_stores_them() -> None:
+    assert imagestore.normalize_ref("lora-operator/inference:1") == (
+        "docker.io/lora-operator/inference:1"
+    )
+    assert imagestore.normalize_ref("busybox:1") == "docker.io/library/busybox:1"
+    for ref in ("localhost/lora-devcluster/pause:3.10", "registry.example:5000/x/y:1"):
+        assert imagestore.normalize_ref(ref) == ref
+
+
+def test_the_store_imports_only_new_archives_and_drops_images_nobody_wants() -> None:
+    held = {"base@1": "localhost/b:1", "inference@1": "lora-operator/inference:0.1"}
+    wanted = {"base@1": "localhost/b:1", "inference@2": "lora-operator/inference:0.1"}
+    listed = ["localhost/b:1", "docker.io/lora-operator/inference:0.1", "localhost/b:0"]
+    to_import, to_remove = imagestore.plan_update(held, wanted, listed)
+    assert to_import == ["inference@2"]  # a new build of the same name: imported over it
+    assert to_remove == ["localhost/b:0"]
+    assert imagestore.plan_update(wanted, wanted, listed[:2]) == ([], [])
 
 
 def test_linking_a_seed_shares_layers_and_copies_the_databases(tmp_path: Path) -> None:
@@ -124,15 +135,6 @@ def test_linking_a_seed_shares_layers_and_copies_the_databases(tmp_path: Path) -
     for p in imagestore.PRIVATE_FILES:
         assert (root / p).read_text() == (seed / p).read_text()
         assert (root / p).stat().st_ino != (seed / p).stat().st_ino
-
-
-def test_prune_keeps_the_newest_seeds_and_the_one_in_use(tmp_path: Path) -> None:
-    ages = {"old": 100, "older": 200, "newest": 0, "in-use": 300, ".building.tmp": 0}
-    for name, age in ages.items():
-        (tmp_path / name).mkdir()
-        os.utime(tmp_path / name, (time.time() - age, time.time() - age))
-    imagestore.prune(tmp_path, keep="in-use")
-    assert sorted(p.name for p in tmp_path.iterdir()) == [".building.tmp", "in-use", "newest"]
 
 
 def test_cgroup_hierarchies_are_read_from_the_mount_table(tmp_path: Path) -> None:

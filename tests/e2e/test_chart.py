@@ -8,6 +8,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import re
 import shutil
 import subprocess
 from collections.abc import Iterator
@@ -28,6 +29,7 @@ CI_VALUES = sorted((CHART / "ci").glob("*-values.yaml"))
 EXAMPLES = ROOT / "examples"
 EXAMPLE_ADAPTERS = sorted(EXAMPLES.glob("adapter*.yaml"))
 EXAMPLE_VALUES = sorted(EXAMPLES.glob("values-*.yaml"))
+MONITORING_CRDS = Path(__file__).parent / "testdata" / "monitoring-crds.yaml"
 RELEASE = "demo"
 NAMESPACE = "lora-system"
 FULLNAME = f"{RELEASE}-lora-operator"
@@ -162,6 +164,7 @@ def test_ci_scenarios_exist() -> None:
         "defaults-values.yaml",
         "existing-claim-values.yaml",
         "no-inference-values.yaml",
+        "production-values.yaml",
         "replicas-values.yaml",
     ]
 
@@ -256,7 +259,7 @@ def test_operator_defaults(helm: str) -> None:
         "--health-port=8080",
         "--metrics-port=9090",
         "--max-concurrent-stagings=4",
-        "--max-adapter-bytes=2147483648",
+        "--max-adapter-bytes=2GiB",
         "--max-concurrent-loads=16",
         "--resync-seconds=30",
         "--load-timeout-seconds=120",
@@ -621,8 +624,9 @@ def test_helm_test_image(helm: str, flags: list[str], image: str) -> None:
 
 @pytest.fixture(scope="module")
 def crds(devcluster: Harness, helm: str) -> Harness:
-    """The LoRAAdapter CRD (applied from crds/, as the operator tests do) and kopf's peering
-    CRDs, so that the chart's custom objects can be dry-run."""
+    """The LoRAAdapter CRD (applied from crds/, as the operator tests do), kopf's peering CRDs
+    and stand-ins for the Prometheus Operator's, so that the chart's custom objects can be
+    dry-run."""
     h = devcluster
     h.kubectl("apply", "-f", str(CRD_SOURCE))
     peering = [
@@ -631,7 +635,16 @@ def crds(devcluster: Harness, helm: str) -> Harness:
         if d["kind"] == "CustomResourceDefinition" and d["spec"]["group"] == "kopf.dev"
     ]
     h.apply(peering)
-    for name in ("loraadapters.lora.dev", "kopfpeerings.kopf.dev", "clusterkopfpeerings.kopf.dev"):
+    h.kubectl("apply", "-f", str(MONITORING_CRDS))
+    for name in (
+        "loraadapters.lora.dev",
+        "kopfpeerings.kopf.dev",
+        "clusterkopfpeerings.kopf.dev",
+        *(
+            f"{p}.monitoring.coreos.com"
+            for p in ("servicemonitors", "podmonitors", "prometheusrules")
+        ),
+    ):
         h.kubectl("wait", "--for=condition=Established", f"crd/{name}", "--timeout=60s")
     return h
 
@@ -737,3 +750,207 @@ def test_example_values_pass_server_side_dry_run(
         [d for d in yaml.safe_load_all(rendered) if d], "Deployment", f"{FULLNAME}-inference"
     )
     assert container(inference)["resources"]["limits"]["nvidia.com/gpu"] == 1
+
+
+# ---- data and capacity: the adapter claim, GPU rollouts, disruptions
+
+
+@pytest.mark.parametrize(
+    ("flags", "kept"), [([], True), (["--set", "adapterVolume.keep=false"], False)]
+)
+def test_adapter_claim_is_kept_on_uninstall_by_default(
+    helm: str, flags: list[str], kept: bool
+) -> None:
+    claim = one(render(helm, *flags), "PersistentVolumeClaim", f"{FULLNAME}-adapters")
+    policy = (claim["metadata"].get("annotations") or {}).get("helm.sh/resource-policy")
+    assert policy == ("keep" if kept else None)
+    annotated = one(
+        render(helm, *flags, "--set", "adapterVolume.annotations.team=ml"),
+        "PersistentVolumeClaim",
+        f"{FULLNAME}-adapters",
+    )
+    assert annotated["metadata"]["annotations"]["team"] == "ml"
+
+
+@pytest.mark.parametrize(
+    ("flags", "strategy"),
+    [
+        ([], {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}}),
+        (["--set", "inference.device=cpu", "--set", "inference.gpu.enabled=false"], None),
+        (["--set", "inference.updateStrategy.type=Recreate"], {"type": "Recreate"}),
+    ],
+    ids=["gpu-no-surge", "cpu-kubernetes-default", "explicit"],
+)
+def test_gpu_rollouts_need_no_spare_gpu(helm: str, flags: list[str], strategy: Obj | None) -> None:
+    deployment = one(render(helm, *flags), "Deployment", f"{FULLNAME}-inference")
+    assert deployment["spec"].get("strategy") == strategy
+
+
+def test_pod_disruption_budget_selects_the_inference_pods(helm: str) -> None:
+    docs = render(helm, "--set", "inference.podDisruptionBudget.maxUnavailable=50%")
+    pdb = one(docs, "PodDisruptionBudget", f"{FULLNAME}-inference")
+    deployment = one(docs, "Deployment", f"{FULLNAME}-inference")
+    assert pdb["spec"]["maxUnavailable"] == "50%"
+    assert pdb["spec"]["selector"] == deployment["spec"]["selector"]
+    off = render(helm, "--set", "inference.podDisruptionBudget.enabled=false")
+    assert of_kind(off, "PodDisruptionBudget") == []
+    assert of_kind(render(helm, "--set", "inference.enabled=false"), "PodDisruptionBudget") == []
+
+
+def test_max_adapter_bytes_takes_units_and_integers(helm: str) -> None:
+    config = pytest.importorskip("lora_operator.config")
+    for value, expected in (
+        ("2GiB", 2 * 1024**3),
+        ("500MB", 500_000_000),
+        ("10737418240", 10 * 1024**3),
+    ):
+        args = operator_args(render(helm, "--set", f"operator.maxAdapterBytes={value}"))
+        flag = next(a for a in args if a.startswith("--max-adapter-bytes="))
+        assert config.parse_size(flag.split("=", 1)[1]) == expected, flag
+    assert "operator/maxAdapterBytes" in refused(helm, "--set", "operator.maxAdapterBytes=2 gigs")
+
+
+# ---- monitoring: what the monitors scrape is what the alerts select
+
+MONITOR_FLAGS = {
+    "ServiceMonitor": ["--set", "metrics.serviceMonitor.enabled=true"],
+    "PodMonitor": ["--set", "metrics.podMonitor.enabled=true"],
+}
+
+
+def _job(endpoint: Obj) -> str:
+    [relabel] = [r for r in endpoint["relabelings"] if r["targetLabel"] == "job"]
+    assert relabel["action"] == "replace"
+    job: str = relabel["replacement"]
+    return job
+
+
+@pytest.mark.parametrize("kind", sorted(MONITOR_FLAGS))
+def test_monitors_scrape_the_operator_and_inference_ports(helm: str, kind: str) -> None:
+    docs = render(helm, *MONITOR_FLAGS[kind], "--set", "metrics.serviceMonitor.labels.release=p")
+    monitors = {m["metadata"]["name"]: m for m in of_kind(docs, kind)}
+    assert sorted(monitors) == [f"{FULLNAME}-inference", f"{FULLNAME}-operator"]
+    for component in ("operator", "inference"):
+        monitor = monitors[f"{FULLNAME}-{component}"]
+        assert monitor["spec"]["namespaceSelector"] == {"matchNames": [NAMESPACE]}
+        selector = monitor["spec"]["selector"]["matchLabels"]
+        if kind == "ServiceMonitor":
+            assert monitor["metadata"]["labels"]["release"] == "p"
+            [endpoint] = monitor["spec"]["endpoints"]
+            service = one(docs, "Service", f"{FULLNAME}-{component}")
+            assert selector.items() <= service["metadata"]["labels"].items()
+            ports = {p["name"] for p in service["spec"]["ports"]}
+        else:
+            [endpoint] = monitor["spec"]["podMetricsEndpoints"]
+            deployment = one(docs, "Deployment", f"{FULLNAME}-{component}")
+            assert selector.items() <= deployment["spec"]["template"]["metadata"]["labels"].items()
+            ports = {p["name"] for p in container(deployment)["ports"]}
+        assert endpoint["port"] in ports and endpoint["path"] == "/metrics"
+        assert _job(endpoint) == f"{FULLNAME}-{component}"
+    no_inference = render(helm, *MONITOR_FLAGS[kind], "--set", "inference.enabled=false")
+    assert [m["metadata"]["name"] for m in of_kind(no_inference, kind)] == [f"{FULLNAME}-operator"]
+
+
+def _registered_metrics() -> dict[str, tuple[str, set[str]]]:
+    """Every metric the operator and the inference server register: name -> (type, labels)."""
+    from lora_inference import metrics as inference_metrics
+    from lora_operator import metrics as operator_metrics
+
+    found: dict[str, tuple[str, set[str]]] = {}
+    for module in (operator_metrics, inference_metrics):
+        for collector in vars(module.Metrics()).values():
+            name = getattr(collector, "_name", None)
+            if name:
+                found[name] = (collector._type, set(collector._labelnames))
+    return found
+
+
+@pytest.mark.parametrize("kind", sorted(MONITOR_FLAGS))
+def test_alerts_select_what_the_monitors_scrape_and_metrics_the_code_registers(
+    helm: str, kind: str
+) -> None:
+    docs = render(helm, *MONITOR_FLAGS[kind], "--set", "metrics.prometheusRule.enabled=true")
+    jobs = {
+        _job(e)
+        for m in of_kind(docs, kind)
+        for e in m["spec"].get("endpoints", m["spec"].get("podMetricsEndpoints", []))
+    }
+    [rule] = of_kind(docs, "PrometheusRule")
+    rules = rule["spec"]["groups"][0]["rules"]
+    registered = _registered_metrics()
+    suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"), "gauge": ("",)}
+    names = set()
+    for r in rules:
+        names.add(r["alert"])
+        selectors = re.findall(r"\b([a-z_]+)\{([^}]*)\}", r["expr"])
+        assert selectors, r["alert"]
+        for metric, labels in selectors:
+            label_values = dict(re.findall(r'(\w+)\s*[!=]~?\s*"([^"]*)"', labels))
+            assert label_values.get("job") in jobs, (r["alert"], labels)
+            if metric == "up":
+                continue
+            base = next(
+                (n for n, (t, _) in registered.items() for sfx in suffixes[t] if metric == n + sfx),
+                None,
+            )
+            assert base is not None, f"{r['alert']}: {metric} is not registered in code"
+            assert set(label_values) - {"job", "le"} <= registered[base][1], (r["alert"], labels)
+    assert {"LoRAOperatorDown", "LoRAInferenceDown", "LoRAAdapterFailed"} <= names
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (
+            [*MONITOR_FLAGS["ServiceMonitor"], *MONITOR_FLAGS["PodMonitor"]],
+            "not both",
+        ),
+        (["--set", "metrics.prometheusRule.enabled=true"], "needs metrics.serviceMonitor.enabled"),
+        (
+            [*MONITOR_FLAGS["ServiceMonitor"], "--set", "operator.service.enabled=false"],
+            "needs operator.service.enabled=true",
+        ),
+        (["--set", "networkPolicy.enabled=true"], "networkPolicy.allowFrom is empty"),
+    ],
+    ids=["two-monitors", "rule-without-monitor", "monitor-without-service", "policy-admits-nobody"],
+)
+def test_contradictory_monitoring_and_policy_values_fail(
+    helm: str, flags: list[str], message: str
+) -> None:
+    assert message in refused(helm, *flags)
+
+
+@pytest.mark.parametrize(
+    "flag",
+    [
+        "metrics.serviceMonitor.intervall=1m",
+        "networkPolicy.allowfrom=x",
+        "inference.podDisruptionBudget.minAvailable=1",
+        "adapterVolume.kep=true",
+    ],
+)
+def test_schema_closes_the_new_values(helm: str, flag: str) -> None:
+    assert "additional properties" in refused(helm, "--set", flag)
+
+
+# ---- the network policy
+
+
+def test_network_policy_admits_the_operator_helm_test_and_allow_from(helm: str) -> None:
+    docs = render(helm, "-f", str(CHART / "ci" / "production-values.yaml"))
+    policy = one(docs, "NetworkPolicy", f"{FULLNAME}-inference")
+    inference = one(docs, "Deployment", f"{FULLNAME}-inference")
+    operator = one(docs, "Deployment", f"{FULLNAME}-operator")
+    test_pod = one(docs, "Pod", f"{FULLNAME}-test-health")
+    spec = policy["spec"]
+    assert spec["podSelector"] == inference["spec"]["selector"]
+    assert spec["policyTypes"] == ["Ingress"]
+    [ingress] = spec["ingress"]
+    assert ingress["ports"] == [{"port": "http", "protocol": "TCP"}]
+    peers = ingress["from"]
+    operator_labels = operator["spec"]["template"]["metadata"]["labels"]
+    assert peers[0]["podSelector"]["matchLabels"].items() <= operator_labels.items()
+    assert peers[1]["podSelector"]["matchLabels"].items() <= test_pod["metadata"]["labels"].items()
+    values = yaml.safe_load((CHART / "ci" / "production-values.yaml").read_text())
+    assert peers[2:] == values["networkPolicy"]["allowFrom"]
+    assert of_kind(render(helm), "NetworkPolicy") == []

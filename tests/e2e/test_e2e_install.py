@@ -1,65 +1,34 @@
-"""The chart end to end on the local cluster: `helm install`, an adapter applied with kubectl,
-Ready N/N, generation by adapter name on every pod, a killed container and a deleted pod reconciled,
-an update rolled out, the adapter deleted, `helm uninstall` leaving only the CRD.
+"""The chart end to end on a real cluster: `helm install` with its default volumes, `helm test`,
+an adapter applied with kubectl, Ready N/N, generation by adapter name on every pod and through
+the Service (by its DNS name from inside the cluster too), a killed container and a deleted pod
+reconciled, an update rolled out, the adapter deleted, `helm uninstall` leaving only what the
+chart keeps on purpose.
 
-The CRD is applied with `kubectl apply -f crds/` and the chart installed with
-`crds.enabled=false`: the operator's tests apply the same CRD into the same session cluster, and a
-CRD no release owns is shared by both and survives `helm uninstall` (docs/chart.md, "Install").
-
-The model and the adapter volume are host directories behind hostPath PersistentVolumes bound to
-claims the chart uses as existing claims; the test writes adapter sources onto the adapter volume,
-and their URIs are those paths as the operator sees them (under the chart's volumeRoot).
+Everything goes through the API server (kubectl, helm, its proxy), so the same test runs on the
+local cluster (`make test`) and on kind (`make e2e-kind`). The model and the adapter sources are
+written in the cluster by Jobs of the inference image (lora_demo), as the demo does.
 """
 
 from __future__ import annotations
 
-import hashlib
 import io
-import os
-import signal
+import json
 from pathlib import Path
 
 import pytest
-from lora_devcluster import demo
-from lora_devcluster.demo import MODEL_NAME, RELEASE, VOLUME_ROOT
+from lora_demo import manifests, release
+from lora_demo.manifests import MODEL_NAME, RELEASE, SERVICE, AdapterSource
 from lora_devcluster.harness import Harness
 from PIL import Image
 
+pytestmark = pytest.mark.e2e
+
 N = 2
-SERVICE = f"{RELEASE}-inference"
 INSTANCE = f"app.kubernetes.io/instance={RELEASE}"
 
-pytestmark = pytest.mark.skipif(
-    os.environ.get("LORA_E2E_EXTERNAL") == "1",
-    reason="needs the local cluster (host volumes, container pids); docs/operations.md says "
-    "what an external-cluster run covers",
-)
 
-
-def write_sources(model_dir: Path, volume_dir: Path, ns: str) -> dict[str, str]:
-    """The tiny model, and two adapter sources on the volume: name -> sha256 of the weights."""
-    from diffusers import DiffusionPipeline
-    from lora_inference.tools.random_adapters import write_random_adapter
-    from lora_inference.tools.tiny_models import write_tiny_model
-
-    write_tiny_model(model_dir / MODEL_NAME, "sd15")
-    pipe = DiffusionPipeline.from_pretrained(str(model_dir / MODEL_NAME))
-    shas = {}
-    for name, seed in (("a", 1), ("b", 2)):
-        out = write_random_adapter(
-            volume_dir / ns / "sources" / name, pipe, base_model=MODEL_NAME, seed=seed, strength=0.8
-        )
-        weights = (out / "pytorch_lora_weights.safetensors").read_bytes()
-        shas[name] = hashlib.sha256(weights).hexdigest()
-    return shas
-
-
-def source_uri(ns: str, name: str) -> str:
-    return str(VOLUME_ROOT / ns / "sources" / name)
-
-
-def holds(ip: str, sha: str) -> bool:
-    card = demo.served_adapters(ip).get("pixel-art")
+def holds(h: Harness, ns: str, pod: str, sha: str) -> bool:
+    card = release.served_adapters(h, ns, pod).get("pixel-art")
     return card is not None and card["root"].endswith(f"/pixel-art/revisions/{sha}")
 
 
@@ -67,111 +36,128 @@ def pixels(png: bytes) -> bytes:
     return Image.open(io.BytesIO(png)).convert("RGB").tobytes()
 
 
-def test_install_apply_generate_reconcile_update_delete_uninstall(
-    devcluster: Harness, devcluster_namespace: str, tmp_path: Path
-) -> None:
-    h, ns = devcluster, devcluster_namespace
-    model_dir, volume_dir = tmp_path / "models", tmp_path / "adapters"
-    shas = write_sources(model_dir, volume_dir, ns)
-    pvs = [
-        demo.hostpath_claim(h, ns, "models", model_dir),
-        demo.hostpath_claim(h, ns, "adapters", volume_dir),
-    ]
-    try:
-        values = demo.local_values(ns, model_claim="models", adapter_claim="adapters", replicas=N)
-        demo.install_chart(h, ns, values, tmp_path)
-        pods = demo.ready_inference_pods(h, ns, N)
+def weights_sha(h: Harness, ns: str, pod: str, source: AdapterSource) -> str:
+    """The sha256 of a source's weights, read back through a pod that mounts the volume."""
+    path = f"{source.uri}/pytorch_lora_weights.safetensors"
+    out = h.kubectl("exec", "-n", ns, pod, "-c", "operator", "--", "sha256sum", path)
+    return out.split()[0]
 
-        # The example's shape, with this namespace's source.
+
+def test_install_apply_generate_reconcile_update_delete_uninstall(
+    e2e: tuple[Harness, str], tmp_path: Path
+) -> None:
+    h, ns = e2e
+    # In the namespace's own folder, under sources/ so the server's resolver never takes
+    # them for adapters of their own.
+    folder = f"{ns}/sources"
+    sources = (AdapterSource("a", seed=1, folder=folder), AdapterSource("b", seed=2, folder=folder))
+    try:
+        release.prepare_model(h, ns)
+        release.install_crd(h)
+        release.install_chart(h, ns, manifests.local_values(ns, replicas=N), tmp_path)
+        release.prepare_adapters(h, ns, sources, "prepare-sources")
+        pods = release.ready_inference_pods(h, ns, N)
+        h.run(["helm", "test", RELEASE, "-n", ns, "--timeout", "5m"])
+
+        operator = h.pods(ns, "app.kubernetes.io/component=operator")[0]["metadata"]["name"]
+        shas = {s.name: weights_sha(h, ns, operator, s) for s in sources}
         h.apply(
             {
                 "apiVersion": "lora.dev/v1alpha1",
                 "kind": "LoRAAdapter",
                 "metadata": {"name": "pixel-art"},
-                "spec": {
-                    "baseModel": MODEL_NAME,
-                    "source": {"uri": source_uri(ns, "a")},
-                    "scale": 0.8,
-                },
+                "spec": {"baseModel": MODEL_NAME, "source": {"uri": sources[0].uri}, "scale": 0.8},
             },
             ns,
         )
-        demo.wait_adapter_ready(h, ns, "pixel-art", f"{N}/{N}")
+        release.wait_adapter_ready(h, ns, "pixel-art", f"{N}/{N}")
         table = h.kubectl("get", "lora", "-n", ns, "--no-headers").split()
         assert table[:4] == ["pixel-art", MODEL_NAME, "Ready", f"{N}/{N}"], table
 
-        # Every pod behind the Service serves the adapter by name, different from the base.
-        ips = demo.endpoint_ips(h, ns, SERVICE)
-        assert sorted(p["status"]["podIP"] for p in pods) == ips
-        for ip in ips:
-            assert holds(ip, shas["a"])
-            base = demo.generate(ip, MODEL_NAME, size=32, steps=2)
-            assert pixels(demo.generate(ip, "pixel-art", size=32, steps=2)) != pixels(base)
+        # Every pod serves the adapter by name, different from the base; so does the Service,
+        # from outside (the API server's proxy) and from a pod by its DNS name.
+        names = [p["metadata"]["name"] for p in pods]
+        small = {"size": 32, "steps": 2}
+        for pod in names:
+            assert holds(h, ns, pod, shas["a"])
+            target = release.pod_target(pod)
+            base = release.generate(h, ns, target, MODEL_NAME, **small)
+            assert pixels(release.generate(h, ns, target, "pixel-art", **small)) != pixels(base)
+        via_service = release.generate(h, ns, release.service_target(), "pixel-art", **small)
+        assert Image.open(io.BytesIO(via_service)).size == (32, 32)
+        summary = release.generate_in_cluster(h, ns, "dns-client", "pixel-art")
+        assert summary == {"status": 200, "images": 1, "seed": 42}
 
         # A killed inference container restarts empty and gets the adapter back.
-        victim = pods[0]
-        (pid,) = h.container_pids(victim["metadata"]["uid"], "inference")
-        os.kill(pid, signal.SIGKILL)
-        h.wait_for(
-            "the killed container to restart and get the adapter back",
-            lambda: any(
-                p["metadata"]["uid"] == victim["metadata"]["uid"]
-                and p["status"]["containerStatuses"][0]["restartCount"] >= 1
-                and holds(p["status"]["podIP"], shas["a"])
-                for p in demo.ready_inference_pods(h, ns, N)
-            ),
-            timeout=180,
-        )
+        victim = names[0]
+        h.kill_container(ns, victim, "inference")
+
+        def restarted_with_adapter() -> bool:
+            pod = h.get(f"/api/v1/namespaces/{ns}/pods/{victim}")
+            restarts = pod["status"]["containerStatuses"][0]["restartCount"]
+            return restarts >= 1 and release.is_ready(pod) and holds(h, ns, victim, shas["a"])
+
+        h.wait_for("the killed container to get the adapter back", restarted_with_adapter, 180)
 
         # A deleted pod's replacement gets it too.
-        gone = pods[1]["metadata"]["name"]
+        gone = names[1]
         h.kubectl("delete", "pod", "-n", ns, gone, "--wait=false")
-        h.wait_for(
-            "the replacement pod to hold the adapter",
-            lambda: (
-                gone not in {p["metadata"]["name"] for p in demo.ready_inference_pods(h, ns, N)}
-                and all(holds(ip, shas["a"]) for ip in demo.endpoint_ips(h, ns, SERVICE))
-                and len(demo.endpoint_ips(h, ns, SERVICE)) == N
-            ),
-            timeout=240,
-        )
-        demo.wait_adapter_ready(h, ns, "pixel-art", f"{N}/{N}", timeout=120)
+
+        def replaced() -> bool:
+            current = [p["metadata"]["name"] for p in release.ready_inference_pods(h, ns, N)]
+            return gone not in current and all(holds(h, ns, p, shas["a"]) for p in current)
+
+        h.wait_for("the replacement pod to hold the adapter", replaced, timeout=240)
+        release.wait_adapter_ready(h, ns, "pixel-art", f"{N}/{N}", timeout=120)
 
         # An update of the source moves every pod to the new revision.
-        h.kubectl(
-            "patch", "loraadapter", "pixel-art", "-n", ns, "--type=merge",
-            "-p", f'{{"spec": {{"source": {{"uri": "{source_uri(ns, "b")}"}}}}}}',
-        )  # fmt: skip
-        ips = demo.endpoint_ips(h, ns, SERVICE)
+        patch = {"spec": {"source": {"uri": sources[1].uri}}}
+        h.kubectl("patch", "loraadapter", "pixel-art", "-n", ns, "--type=merge",
+                  "-p", json.dumps(patch))  # fmt: skip
+        current = [p["metadata"]["name"] for p in release.ready_inference_pods(h, ns, N)]
         h.wait_for(
             "every pod to serve the new revision",
-            lambda: all(holds(ip, shas["b"]) for ip in ips),
+            lambda: all(holds(h, ns, p, shas["b"]) for p in current),
             timeout=180,
         )
-        st = demo.wait_adapter_ready(h, ns, "pixel-art", f"{N}/{N}", timeout=60)
+        st = release.wait_adapter_ready(h, ns, "pixel-art", f"{N}/{N}", timeout=60)
         assert st["staged"]["sha256"] == shas["b"]
 
         # Deleted: unloaded from every pod, then the object is gone.
         h.kubectl("delete", "loraadapter", "pixel-art", "-n", ns, "--timeout=90s")
-        assert not any("pixel-art" in demo.served_adapters(ip) for ip in ips)
+        assert not any("pixel-art" in release.served_adapters(h, ns, p) for p in current)
 
-        # Uninstall leaves nothing of the release; the CRD stays.
-        h.run(["helm", "uninstall", RELEASE, "-n", ns, "--wait", "--timeout", "90s"])
+        # Uninstall leaves nothing of the release but what the chart keeps on purpose (objects
+        # annotated helm.sh/resource-policy: keep); the CRD stays.
+        uninstall = h.run(
+            ["helm", "uninstall", RELEASE, "-n", ns, "--wait", "--timeout", "90s"], check=False
+        )
+        assert "uninstalled" in uninstall, h.kubectl(
+            "get", "all,pvc,pdb,events", "-n", ns, "-o", "wide", check=False
+        )
         h.wait_for("the release's pods to end", lambda: not h.pods(ns, INSTANCE), 90)
-        left = h.kubectl(
-            "get", "all,secrets,configmaps,serviceaccounts,roles,rolebindings,pvc",
-            "-n", ns, "-l", INSTANCE, "-o", "name",
-        )  # fmt: skip
-        assert left == "", left
-        cluster_wide = h.kubectl(
-            "get", "clusterroles,clusterrolebindings",
-            "-l", INSTANCE, "-o", "name",
-        )  # fmt: skip
+        kinds = "all,secrets,configmaps,serviceaccounts,roles,rolebindings,pvc"
+        left = json.loads(h.kubectl("get", kinds, "-n", ns, "-l", INSTANCE, "-o", "json"))
+        unkept = [
+            f"{o['kind']}/{o['metadata']['name']}"
+            for o in left["items"]
+            if (o["metadata"].get("annotations") or {}).get("helm.sh/resource-policy") != "keep"
+        ]
+        assert unkept == []
+        cluster_wide = h.kubectl("get", "clusterroles,clusterrolebindings", "-l", INSTANCE,
+                                 "-o", "name")  # fmt: skip
         assert RELEASE not in cluster_wide, cluster_wide
         assert h.get_or_none(
             "/apis/apiextensions.k8s.io/v1/customresourcedefinitions/loraadapters.lora.dev"
         )
     finally:
         h.run(["helm", "uninstall", RELEASE, "-n", ns, "--ignore-not-found"], check=False)
-        h.kubectl("delete", "pvc", "--all", "-n", ns, "--wait=false", check=False)
-        h.kubectl("delete", "pv", *pvs, "--wait=false", check=False)
+
+
+def test_the_example_adapter_is_the_demos_first() -> None:
+    import yaml
+
+    example = yaml.safe_load((release.ROOT / "examples" / "adapter.yaml").read_text())
+    assert example["spec"]["source"]["uri"] == manifests.DEMO_ADAPTERS[0].uri
+    assert example["spec"]["baseModel"] == MODEL_NAME
+    assert f"{RELEASE}-inference" == SERVICE

@@ -118,6 +118,14 @@ class Operator:
             return str(r.read().decode())
 
 
+def readable_by_pods(root: Path) -> None:
+    """Make a host directory written by this (root) process readable by the pods' non-root
+    user: safetensors files are written 0600."""
+    root.chmod(0o755)
+    for p in root.rglob("*"):
+        p.chmod(0o755 if p.is_dir() else 0o644)
+
+
 def inference_deployment(
     image: str,
     name: str,
@@ -424,6 +432,7 @@ class Models:
 
 def write_adapter(models: Models, directory: Path, seed: int) -> tuple[Path, str]:
     path = write_random_adapter(directory, models.pipe, base_model=MODEL_NAME, seed=seed)
+    readable_by_pods(path)  # the tests also load sources directly on the pods
     weights = path / "pytorch_lora_weights.safetensors"
     return path, hashlib.sha256(weights.read_bytes()).hexdigest()
 

@@ -21,7 +21,7 @@ from lora_devcluster.harness import Harness
 from lora_inference.tools.tiny_models import write_tiny_model
 from safetensors.numpy import save
 
-from tests.operator.cluster import MODEL_NAME, Models, Operator
+from tests.operator.cluster import MODEL_NAME, Models, Operator, readable_by_pods
 
 CRD = Path(__file__).resolve().parents[2] / "crds" / "lora.dev_loraadapters.yaml"
 
@@ -111,6 +111,7 @@ async def origin() -> AsyncIterator[Origin]:
 def models(tmp_path_factory: pytest.TempPathFactory) -> Models:
     root = tmp_path_factory.mktemp("models")
     write_tiny_model(root / MODEL_NAME, "sd15")
+    readable_by_pods(root)
     pipe = DiffusionPipeline.from_pretrained(str(root / MODEL_NAME))
     return Models(root=root, pipe=pipe)
 

@@ -100,6 +100,14 @@ Where the admin token Secret is mounted, in the operator and in inference pods.
 {{- end }}
 
 {{/*
+The `job` label the chart's monitors give a component's series and its alerts select:
+(dict "root" $ "component" "operator"|"inference").
+*/}}
+{{- define "lora-operator.metricsJob" -}}
+{{- printf "%s-%s" (include "lora-operator.fullname" .root) .component }}
+{{- end }}
+
+{{/*
 The CRD annotations: `helm.sh/resource-policy: keep` when crds.keep is on.
 */}}
 {{- define "lora-operator.crdAnnotations" -}}
@@ -124,6 +132,18 @@ includes it, and helm renders every template, so any install or template reports
 {{- end }}
 {{- if and .Values.inference.enabled (lt (int .Values.inference.maxCpuLoras) (int .Values.inference.maxLoras)) }}
 {{- fail (printf "inference.maxCpuLoras (%d) must be at least inference.maxLoras (%d)" (int .Values.inference.maxCpuLoras) (int .Values.inference.maxLoras)) }}
+{{- end }}
+{{- if and .Values.metrics.serviceMonitor.enabled .Values.metrics.podMonitor.enabled }}
+{{- fail "metrics: enable metrics.serviceMonitor or metrics.podMonitor, not both: every series would be scraped twice" }}
+{{- end }}
+{{- if and .Values.metrics.serviceMonitor.enabled (not .Values.operator.service.enabled) }}
+{{- fail "metrics.serviceMonitor needs operator.service.enabled=true (it scrapes the operator's Service); or use metrics.podMonitor" }}
+{{- end }}
+{{- if and .Values.metrics.prometheusRule.enabled (not (or .Values.metrics.serviceMonitor.enabled .Values.metrics.podMonitor.enabled)) }}
+{{- fail "metrics.prometheusRule needs metrics.serviceMonitor.enabled or metrics.podMonitor.enabled: its alerts select the job labels those monitors set" }}
+{{- end }}
+{{- if and .Values.inference.enabled .Values.networkPolicy.enabled (not .Values.networkPolicy.allowFrom) }}
+{{- fail "networkPolicy.allowFrom is empty: only the operator could reach the inference pods, so nothing could generate; name your router, gateway or clients there" }}
 {{- end }}
 {{- if not (hasPrefix "/" .Values.volumeRoot) }}
 {{- fail (printf "volumeRoot must be an absolute path; got %q" .Values.volumeRoot) }}

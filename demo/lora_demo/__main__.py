@@ -1,0 +1,5 @@
+import sys
+
+from lora_demo.demo import main
+
+sys.exit(main())

@@ -1,0 +1,182 @@
+"""Putting the chart and its adapters on a cluster, and talking to what runs there: the steps the
+demo and the end-to-end suite share, on the local cluster and on kind alike.
+
+Every call goes through the API server (kubectl, helm, its pod and service proxy), never to a pod
+address, so nothing here depends on the machine being inside the cluster's network.
+
+Owns: installing the CRD and the chart, running the preparation Jobs, waiting for pods and
+adapters, generation and adapter listings through the proxy, a generation from inside the
+cluster by the Service's DNS name.
+Must not: start or stop clusters (the caller gives a Harness).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from pathlib import Path
+from typing import Any
+
+import yaml
+from lora_devcluster.harness import Harness
+
+from lora_demo import manifests
+from lora_demo.manifests import INFERENCE_LABELS, MODEL_NAME, RELEASE, SERVICE, Obj
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "charts" / "lora-operator"
+CRDS = ROOT / "crds"
+INFERENCE_PORT = 8000
+
+
+def install_crd(h: Harness) -> None:
+    """`kubectl apply -f crds/`: the CRD belongs to no release, so installs in several
+    namespaces (and the operator's tests, which apply it the same way) share it, and
+    uninstalling a release never deletes it."""
+    h.kubectl("apply", "-f", str(CRDS))
+    h.kubectl("wait", "--for=condition=Established", "crd/loraadapters.lora.dev", "--timeout=60s")
+
+
+def install_chart(h: Harness, namespace: str, values: Obj, work: Path) -> None:
+    values_file = work / f"values-{namespace}.yaml"
+    values_file.write_text(yaml.safe_dump(values))
+    h.run(["helm", "install", RELEASE, str(CHART), "-n", namespace, "-f", str(values_file)])
+
+
+def run_job(h: Harness, namespace: str, job: Obj, timeout: float = 600) -> str:
+    """Apply a Job, wait until it completes, return its log; fail with the log if it fails.
+    The Job and its pod are deleted once done: a finished pod still holds its claims, which
+    would keep them from being deleted."""
+    name = job["metadata"]["name"]
+    h.apply(job, namespace)
+
+    def finished() -> str | None:
+        status = h.get(f"/apis/batch/v1/namespaces/{namespace}/jobs/{name}").get("status") or {}
+        if status.get("succeeded"):
+            return "Complete"
+        return "Failed" if status.get("failed") else None
+
+    outcome = h.wait_for(f"job {namespace}/{name} to finish", finished, timeout=timeout)
+    log = h.kubectl("logs", "-n", namespace, f"job/{name}", check=False)
+    h.kubectl("delete", "job", name, "-n", namespace, "--cascade=foreground", "--wait=false")
+    if outcome != "Complete":
+        raise RuntimeError(f"job {namespace}/{name} failed:\n{log}")
+    return log
+
+
+def prepare_model(h: Harness, namespace: str) -> str:
+    """The tiny SD 1.5 model on the `models` claim, written by the inference image."""
+    h.apply(manifests.model_claim(), namespace)
+    job = manifests.prepare_job("prepare-model", h.image("inference"), model=True)
+    return run_job(h, namespace, job)
+
+
+def prepare_adapters(
+    h: Harness, namespace: str, sources: tuple[manifests.AdapterSource, ...], job_name: str
+) -> str:
+    """Random adapter sources for the tiny model onto the chart's adapter volume."""
+    job = manifests.prepare_job(job_name, h.image("inference"), model=False, adapters=sources)
+    return run_job(h, namespace, job)
+
+
+def ready_inference_pods(h: Harness, namespace: str, n: int, timeout: float = 300) -> list[Obj]:
+    """Wait for exactly `n` ready, not deleting inference pods."""
+
+    def check() -> list[Obj] | None:
+        pods = [
+            p
+            for p in h.pods(namespace, INFERENCE_LABELS)
+            if not p["metadata"].get("deletionTimestamp")
+        ]
+        ready = [p for p in pods if is_ready(p)]
+        return ready if len(ready) == n == len(pods) else None
+
+    return h.wait_for(f"{n} ready inference pods in {namespace}", check, timeout=timeout)
+
+
+def is_ready(pod: Obj) -> bool:
+    conditions = (pod.get("status") or {}).get("conditions") or ()
+    return any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)
+
+
+def adapter_status(h: Harness, namespace: str, name: str) -> Obj:
+    obj = h.get_or_none(f"/apis/lora.dev/v1alpha1/namespaces/{namespace}/loraadapters/{name}")
+    status: Obj = (obj or {}).get("status") or {}
+    return status
+
+
+def wait_adapter_ready(
+    h: Harness, namespace: str, name: str, ready: str, timeout: float = 240
+) -> Obj:
+    def check() -> Obj | None:
+        st = adapter_status(h, namespace, name)
+        if st.get("phase") == "Failed":
+            raise RuntimeError(f"{namespace}/{name} failed: {json.dumps(st.get('conditions'))}")
+        return st if st.get("phase") == "Ready" and st.get("ready") == ready else None
+
+    try:
+        return h.wait_for(f"{namespace}/{name} to be Ready {ready}", check, timeout=timeout)
+    except AssertionError as e:
+        raise AssertionError(
+            f"{e}; status: {json.dumps(adapter_status(h, namespace, name))}"
+        ) from None
+
+
+def pod_target(pod: str) -> str:
+    return f"pods/{pod}:{INFERENCE_PORT}"
+
+
+def service_target(service: str = SERVICE) -> str:
+    return f"services/{service}:80"
+
+
+def call(h: Harness, namespace: str, target: str, path: str, body: Obj | None = None) -> Any:
+    """JSON from an inference pod or the Service (through the API server); fails on an error."""
+    status, raw = h.proxy(namespace, target, path, body)
+    if status != 200:
+        raise RuntimeError(f"{path} on {target} answered {status}: {raw.decode(errors='replace')}")
+    return json.loads(raw)
+
+
+def served_adapters(h: Harness, namespace: str, pod: str) -> dict[str, Obj]:
+    """`GET /v1/models` of one pod: adapter name -> its card (root says which revision); empty
+    while the pod does not answer."""
+    status, raw = h.proxy(namespace, pod_target(pod), "/v1/models", timeout=10)
+    if status != 200:
+        return {}
+    return {c["id"]: c for c in json.loads(raw)["data"] if c["id"] != MODEL_NAME}
+
+
+def generate(h: Harness, namespace: str, target: str, model: str, **request: Any) -> bytes:
+    """One image by model or adapter name; the PNG bytes."""
+    body = call(
+        h,
+        namespace,
+        target,
+        "/v1/images/generations",
+        manifests.generation_request(model, **request),
+    )
+    return base64.b64decode(body["data"][0]["b64_json"])
+
+
+def generate_in_cluster(h: Harness, namespace: str, name: str, model: str) -> Obj:
+    """One generation from a pod inside the cluster, by the Service's DNS name: what another
+    workload of the cluster would do. Returns the pod's one-line summary."""
+    url = manifests.service_url(namespace, "/v1/images/generations")
+    pod = manifests.generation_pod(
+        name, h.image("operator"), url, manifests.generation_request(model, steps=4)
+    )
+    h.apply(pod, namespace)
+
+    def finished() -> str | None:
+        phase: str | None = h.get(f"/api/v1/namespaces/{namespace}/pods/{name}")["status"].get(
+            "phase"
+        )
+        return phase if phase in ("Succeeded", "Failed") else None
+
+    phase = h.wait_for(f"the client pod {name} to finish", finished, timeout=300)
+    log = h.kubectl("logs", "-n", namespace, name, check=False)
+    if phase != "Succeeded":
+        raise RuntimeError(f"generation from inside the cluster failed:\n{log}")
+    summary: Obj = json.loads(log.strip().splitlines()[-1])
+    return summary
