@@ -500,6 +500,11 @@ class StatusRecorder:
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(30)
+        self._sample()  # what the caller saw last is seen here too
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period):
+            self._sample()
 
     def __enter__(self) -> StatusRecorder:
         return self.start()
@@ -507,24 +512,23 @@ class StatusRecorder:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
-    def _run(self) -> None:
-        while not self._stop.wait(self.period):
-            try:
-                items = self.h.get(f"/apis/lora.dev/v1alpha1/namespaces/{self.ns}/loraadapters")
-            except Exception:  # the API server restarting: the next round reads again
+    def _sample(self) -> None:
+        try:
+            items = self.h.get(f"/apis/lora.dev/v1alpha1/namespaces/{self.ns}/loraadapters")
+        except Exception:  # the API server restarting: the next round reads again
+            return
+        for item in items["items"]:
+            st = item.get("status") or {}
+            if "phase" not in st:
                 continue
-            for item in items["items"]:
-                st = item.get("status") or {}
-                if "phase" not in st:
-                    continue
-                sample = (
-                    st["phase"],
-                    int(st.get("readyPods") or 0),
-                    int(st.get("observedGeneration") or 0),
-                )
-                history = self.seen.setdefault(item["metadata"]["name"], [])
-                if not history or history[-1] != sample:
-                    history.append(sample)
+            sample = (
+                st["phase"],
+                int(st.get("readyPods") or 0),
+                int(st.get("observedGeneration") or 0),
+            )
+            history = self.seen.setdefault(item["metadata"]["name"], [])
+            if not history or history[-1] != sample:
+                history.append(sample)
 
     def backwards(self) -> dict[str, list[tuple[str, int, int]]]:
         """The adapters whose phase, ready pods or observed generation ever went back."""
