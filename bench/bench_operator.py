@@ -28,13 +28,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import datetime
+import json
 import os
 import platform
 import re
 import shutil
 import signal
+import socket
 import statistics
+import struct
+import subprocess
 import sys
 import tempfile
 import time
@@ -52,6 +57,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from diffusers import DiffusionPipeline  # noqa: E402
+from lora_devcluster.certs import write_pki  # noqa: E402
 from lora_devcluster.harness import Harness  # noqa: E402
 from lora_devcluster.pytest_plugin import running_cluster  # noqa: E402
 from lora_inference.tools.random_adapters import write_random_adapter  # noqa: E402
@@ -198,35 +204,36 @@ def http_ok(url: str) -> bool:
         return False
 
 
-async def bare_loads(ips: list[str], names: list[str], root: str) -> tuple[float, list[float]]:
-    """The limit: POST /v1/load_lora_adapter for every adapter on every pod, one call at a time
-    per pod, the pods in parallel (as the operator calls them). Returns (wall, per-pod wall)."""
+async def bare_calls(
+    ips: list[str], names: list[str], root: str
+) -> tuple[float, list[float], float]:
+    """The limits: POST /v1/load_lora_adapter for every adapter on every pod, one call at a time
+    per pod, the pods in parallel (as the operator calls them), then the same for
+    /v1/unload_lora_adapter. Returns (load wall, per-pod load wall, unload wall)."""
     headers = {"Authorization": f"Bearer {TOKEN}"}
 
-    async def one_pod(session: ClientSession, ip: str) -> float:
+    async def one_pod(session: ClientSession, ip: str, verb: str) -> float:
         started = time.perf_counter()
         for name in names:
             body = {"lora_name": f"bare-{name}", "lora_path": f"{root}/{name}"}
+            if verb == "unload":
+                body = {"lora_name": f"bare-{name}"}
             async with session.post(
-                f"http://{ip}:8000/v1/load_lora_adapter", json=body, headers=headers
+                f"http://{ip}:8000/v1/{verb}_lora_adapter", json=body, headers=headers
             ) as resp:
                 if resp.status != 200:
-                    raise RuntimeError(f"{ip}: load {name}: {resp.status} {await resp.text()}")
+                    raise RuntimeError(f"{ip}: {verb} {name}: {resp.status} {await resp.text()}")
         return time.perf_counter() - started
 
-    async with ClientSession(timeout=ClientTimeout(total=600)) as session:
+    async def all_pods(session: ClientSession, verb: str) -> tuple[float, list[float]]:
         started = time.perf_counter()
-        per_pod = await asyncio.gather(*(one_pod(session, ip) for ip in ips))
-        wall = time.perf_counter() - started
-        for ip in ips:  # untimed: leave the pods as they were
-            for name in names:
-                async with session.post(
-                    f"http://{ip}:8000/v1/unload_lora_adapter",
-                    json={"lora_name": f"bare-{name}"},
-                    headers=headers,
-                ) as resp:
-                    await resp.read()
-    return wall, list(per_pod)
+        per_pod = await asyncio.gather(*(one_pod(session, ip, verb) for ip in ips))
+        return time.perf_counter() - started, list(per_pod)
+
+    async with ClientSession(timeout=ClientTimeout(total=600)) as session:
+        load_wall, per_pod = await all_pods(session, "load")
+        unload_wall, _ = await all_pods(session, "unload")
+    return load_wall, per_pod, unload_wall
 
 
 # -- one configuration ---------------------------------------------------------------------------
@@ -247,7 +254,8 @@ class Row:
     rss_mib: float = 0.0
     requests: dict[str, int] | None = None  # the operator's API requests over the quiet window
     quiet_s: float = 0.0
-    delete_s: float = 0.0
+    delete_s: float = 0.0  # `kubectl delete --all` -> every object gone, no pod holding one
+    bare_unload_s: float = 0.0  # the bare unload calls, all pods
     apply_cpu_s: float = 0.0  # the operator's CPU time from apply to Ready
     apply_requests: dict[str, int] | None = None  # its API requests from apply to Ready
 
@@ -356,57 +364,277 @@ def measure(
         timeout=args.timeout,
     )
     row.delete_s = time.perf_counter() - started
-    row.bare_s, per_pod = asyncio.run(bare_loads(ips, names, f"{POD_VOLUME}/{NS}/bare"))
+    row.bare_s, per_pod, row.bare_unload_s = asyncio.run(
+        bare_calls(ips, names, f"{POD_VOLUME}/{NS}/bare")
+    )
     row.bare_pod_s = statistics.median(per_pod)
     shutil.rmtree(bare)
     return row
 
 
+# -- staging speed (no cluster) ------------------------------------------------------------------
+
+
+def write_big_lora(path: Path, size: int) -> None:
+    """A LoRA-shaped safetensors file of `size` bytes: two F32 halves of rank 64 (zeros)."""
+    cols = size // (2 * 64 * 4)
+    half = 64 * cols * 4
+    header = json.dumps(
+        {
+            "unet.big.lora_A.weight": {
+                "dtype": "F32",
+                "shape": [64, cols],
+                "data_offsets": [0, half],
+            },
+            "unet.big.lora_B.weight": {
+                "dtype": "F32",
+                "shape": [cols, 64],
+                "data_offsets": [half, 2 * half],
+            },
+        }
+    ).encode()
+    header += b" " * (-len(header) % 8)
+    with path.open("wb") as f:
+        f.write(struct.pack("<Q", len(header)) + header)
+        chunk = os.urandom(1 << 20)  # incompressible, like real weights
+        for _ in range(2 * half >> 20):
+            f.write(chunk)
+
+
+class FileOrigin:
+    """An HTTPS origin serving one file: `openssl s_server -WWW` (C, so the origin is not what
+    is measured; it answers HTTP/1.0 without a Content-Length, which the fetcher accepts)."""
+
+    def __init__(self, path: Path, cert: Path, key: Path) -> None:
+        self.port = cluster.free_port()
+        self._proc = subprocess.Popen(
+            [
+                *("openssl", "s_server", "-accept", str(self.port)),
+                *("-cert", str(cert), "-key", str(key), "-WWW", "-quiet"),
+            ],
+            cwd=path.parent,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        self.url = f"https://127.0.0.1:{self.port}/{path.name}"
+        for _ in range(100):
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", self.port)):
+                break
+            time.sleep(0.05)
+
+    def close(self) -> None:
+        self._proc.terminate()
+        self._proc.wait(10)
+
+
+# The child imports only the operator's staging code: its peak RSS is the operator's cost.
+STAGE_CHILD = """
+import asyncio, json, os, sys, time, uuid
+from pathlib import Path
+from lora_operator import sources, staging
+
+uri, volume = sys.argv[1], Path(sys.argv[2])
+credentials = sources.Credentials(
+    aws_endpoint_url=os.environ.get("AWS_ENDPOINT_URL"),
+    aws_access_key_id=os.environ.get("AWS_ACCESS_KEY_ID"),
+    aws_secret_access_key=os.environ.get("AWS_SECRET_ACCESS_KEY"),
+)
+store = staging.Store(volume, max_bytes=8 * 1024**3)
+started = time.perf_counter()
+name = "big-" + uuid.uuid4().hex[:8]
+staged = asyncio.run(store.stage("bench", name, sources.parse_source(uri), credentials=credentials))
+seconds = time.perf_counter() - started
+# VmHWM: this process's peak (ru_maxrss would include the parent's, kept across exec).
+status = Path("/proc/self/status").read_text()
+rss = int(next(line for line in status.splitlines() if line.startswith("VmHWM")).split()[1]) / 1024
+print(json.dumps({"seconds": seconds, "rss_mib": rss, "bytes": staged.size}))
+"""
+
+
+def stage_in_child(uri: str, volume: Path, env: dict[str, str]) -> dict[str, Any]:
+    """Stage `uri` with the operator's store in a fresh process: its time and peak RSS."""
+    out = subprocess.run(
+        [sys.executable, "-c", STAGE_CHILD, uri, str(volume)],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return dict(json.loads(out.stdout.strip().splitlines()[-1]))
+
+
+def plain_download(url: str, dest: Path, ca: Path | None) -> float:
+    """The same bytes with curl to the same volume: the limit for staging."""
+    argv = ["curl", "-sSf", "-o", str(dest), url] + (["--cacert", str(ca)] if ca else [])
+    started = time.perf_counter()
+    subprocess.run(argv, check=True)
+    seconds = time.perf_counter() - started
+    dest.unlink()
+    return seconds
+
+
+@dataclass
+class StagingRow:
+    source: str
+    mib: int
+    plain_s: float
+    staged_s: float
+    rss_mib: float
+
+
+def measure_staging(work: Path, sizes_mib: list[int], repeats: int) -> list[StagingRow]:
+    import boto3
+
+    volume = work / "staging-volume"
+    volume.mkdir(parents=True, exist_ok=True)
+    pki = write_pki(work / "pki", ["127.0.0.1"], ["localhost"], "bench", "127.0.0.1")
+    moto_port = cluster.free_port()
+    moto = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(moto_port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    endpoint = f"http://127.0.0.1:{moto_port}"
+    s3_env = {
+        "AWS_ENDPOINT_URL": endpoint,
+        "AWS_ACCESS_KEY_ID": "bench",
+        "AWS_SECRET_ACCESS_KEY": "bench",
+    }
+    rows = []
+    try:
+        for _ in range(300):
+            if http_ok(f"{endpoint}/moto-api/"):
+                break
+            time.sleep(0.1)
+        s3 = boto3.client(
+            "s3",
+            endpoint_url=endpoint,
+            region_name="us-east-1",
+            aws_access_key_id="bench",
+            aws_secret_access_key="bench",
+        )
+        s3.create_bucket(Bucket="bench")
+        for mib in sizes_mib:
+            path = work / f"big-{mib}.safetensors"
+            write_big_lora(path, mib * 2**20)
+            origin = FileOrigin(path, pki.server_cert, pki.server_key)
+            s3.upload_file(str(path), "bench", path.name)
+            sources_ = [
+                ("https", origin.url, pki.ca_cert, {"SSL_CERT_FILE": str(pki.ca_cert)}),
+                ("s3", f"s3://bench/{path.name}", None, s3_env),
+            ]
+            try:
+                for name, uri, ca, env in sources_:
+                    url = uri if name == "https" else f"{endpoint}/bench/{path.name}"
+                    plain, staged = [], []
+                    rss = 0.0
+                    for _ in range(repeats):  # alternate, keep the best of each (a shared machine)
+                        plain.append(plain_download(url, volume / "plain.bin", ca))
+                        result = stage_in_child(uri, volume, env)
+                        staged.append(result["seconds"])
+                        rss = max(rss, result["rss_mib"])
+                        gc_volume(volume)
+                    rows.append(StagingRow(name, mib, min(plain), min(staged), rss))
+                    print(
+                        f"  {name} {mib} MiB: plain {min(plain):.2f} s, staged {min(staged):.2f} s,"
+                        f" operator RSS {rss:.0f} MiB",
+                        flush=True,
+                    )
+            finally:
+                origin.close()
+                path.unlink()
+    finally:
+        moto.terminate()
+        moto.wait(10)
+    return rows
+
+
+def gc_volume(volume: Path) -> None:
+    """Empty the staging volume between runs (each run stages under a new name)."""
+    for child in volume.iterdir():
+        if child.is_dir():
+            shutil.rmtree(child)
+        else:
+            child.unlink()
+
+
+def print_staging(rows: list[StagingRow]) -> None:
+    print("\n(d) staging one file: the operator's store against curl of the same bytes")
+    print(
+        f"{'source':>7}{'MiB':>6} |{'curl s':>8}{'staged s':>9}{'speed':>7} |"
+        f"{'operator RSS MiB':>17}"
+    )
+    for r in rows:
+        print(
+            f"{r.source:>7}{r.mib:6d} |{r.plain_s:8.2f}{r.staged_s:9.2f}"
+            f"{r.plain_s / r.staged_s:7.2f} |{r.rss_mib:17.0f}"
+        )
+    print(
+        "speed: curl's time / the store's (target >= 0.8); the store hashes, checks the header,"
+        " fsyncs and publishes;\noperator RSS: the staging process's peak, flat in the file size"
+        " when the sizes' rows agree."
+    )
+
+
 # -- the report ----------------------------------------------------------------------------------
 
 
+def per_adapter(requests: dict[str, int] | None, prefix: str, k: int) -> float:
+    return sum(v for key, v in (requests or {}).items() if key.startswith(prefix)) / k
+
+
 def print_table(rows: list[Row], args: argparse.Namespace) -> None:
+    print("\n(a) apply -> Ready against the bare load calls")
     print(
-        "\n(a) apply -> Ready against the bare load calls; (b) a killed server back to all K;"
-        f" (c) at rest over {args.quiet:.0f} s"
-    )
-    print(
-        f"{'N':>3}{'K':>5} |{'apply':>7}{'bare':>8}{'held':>8}{'Ready':>8}"
-        f"{'Ready/bare':>11}{'held/bare':>10} |{'pod Ready':>10}{'back':>8}{'limit':>8}"
-        f"{'back/limit':>11} |{'RSS MiB':>8}{'req/adapter':>12}{'watches':>8}"
+        f"{'N':>3}{'K':>6} |{'apply':>7}{'bare':>8}{'held':>8}{'Ready':>8}"
+        f"{'(held-apply)/bare':>18}{'Ready-held':>11} |{'writes/adapter':>15}"
+        f"{'events/adapter':>15}"
     )
     for r in rows:
-        req = r.requests or {}
-        watches = sum(v for key, v in req.items() if key.startswith("watch-"))
-        other = sum(v for key, v in req.items() if not key.startswith("watch-"))
-        limit = r.pod_ready_s + r.bare_pod_s
         print(
-            f"{r.n:3d}{r.k:5d} |{r.apply_s:7.2f}{r.bare_s:8.2f}{r.held_s:8.2f}{r.ready_s:8.2f}"
-            f"{r.ready_s / r.bare_s:11.1f}{r.held_s / r.bare_s:10.1f} |{r.pod_ready_s:10.2f}"
-            f"{r.back_s:8.2f}{limit:8.2f}{r.back_s / limit:11.2f} |{r.rss_mib:8.0f}"
-            f"{other / r.k:12.2f}{watches:8d}"
+            f"{r.n:3d}{r.k:6d} |{r.apply_s:7.2f}{r.bare_s:8.2f}{r.held_s:8.2f}{r.ready_s:8.2f}"
+            f"{(r.held_s - r.apply_s) / r.bare_s:18.2f}{r.ready_s - r.held_s:11.2f} |"
+            f"{per_adapter(r.apply_requests, 'write-adapters', r.k):15.2f}"
+            f"{per_adapter(r.apply_requests, 'write-events', r.k):15.2f}"
         )
     print(
-        "apply: `kubectl apply` itself; bare: the load calls alone, all pods (the limit for held"
-        " and Ready);\nheld: apply -> every pod lists all K; Ready: apply -> every LoRAAdapter"
-        " Ready N/N;\npod Ready: kill -> the pod Ready again; back: kill -> /v1/models lists"
-        " all K; limit: pod Ready + the bare loads of K on one pod;\nreq/adapter: the operator's"
-        " API requests other than watches over the quiet window, per adapter."
+        "apply: `kubectl apply` itself; bare: the load calls alone, all pods; held: apply -> every"
+        " pod lists all K;\nReady: apply -> every LoRAAdapter Ready N/N; writes/adapter: the"
+        " operator's writes to LoRAAdapters (kopf's\nfinalizer and status patches) from apply to"
+        " Ready, per adapter; events/adapter: its Event writes (creates and series patches)."
+    )
+    print(f"\n(b) a killed server back to all K; (c) at rest over {args.quiet:.0f} s; deletion")
+    print(
+        f"{'N':>3}{'K':>6} |{'pod Ready':>10}{'back':>8}{'limit':>8}{'back/limit':>11} |"
+        f"{'RSS MiB':>8}{'req/adapter':>12}{'watches':>8} |{'delete':>8}{'bare unload':>12}"
+        f"{'delete/bare':>12}"
+    )
+    for r in rows:
+        limit = r.pod_ready_s + r.bare_pod_s
+        print(
+            f"{r.n:3d}{r.k:6d} |{r.pod_ready_s:10.2f}{r.back_s:8.2f}{limit:8.2f}"
+            f"{r.back_s / limit:11.2f} |{r.rss_mib:8.0f}"
+            f"{per_adapter(r.requests, '', r.k) - per_adapter(r.requests, 'watch-', r.k):12.2f}"
+            f"{sum(v for key, v in (r.requests or {}).items() if key.startswith('watch-')):8d} |"
+            f"{r.delete_s:8.2f}{r.bare_unload_s:12.2f}{r.delete_s / r.bare_unload_s:12.2f}"
+        )
+    print(
+        "pod Ready: kill -> the pod Ready again; back: kill -> /v1/models lists all K; limit: pod"
+        " Ready + the bare loads\nof K on one pod; req/adapter: the operator's API requests other"
+        " than watches over the quiet window, per adapter;\ndelete: `kubectl delete --all` ->"
+        " every object gone and no pod holding one; bare unload: the unload calls alone."
     )
     print("\nDetail")
     for r in rows:
         req = {key: v for key, v in sorted((r.requests or {}).items()) if v}
         during = {key: v for key, v in sorted((r.apply_requests or {}).items()) if v}
-        writes = sum(v for key, v in during.items() if key.startswith("write-"))
         print(
             f"N={r.n} K={r.k}: apply -> Ready: operator CPU {r.apply_cpu_s:.2f} s"
-            f" ({r.apply_cpu_s / r.k * 1000:.0f} ms per adapter), {writes / r.k:.1f} API writes"
-            f" per adapter; requests {during}"
+            f" ({r.apply_cpu_s / r.k * 1000:.0f} ms per adapter); requests {during}"
         )
         print(
             f"N={r.n} K={r.k}: server /ready after kill {r.server_ready_s:.2f} s; bare per pod"
-            f" {r.bare_pod_s:.2f} s; delete -> unloaded everywhere {r.delete_s:.2f} s;"
-            f" requests in {r.quiet_s:.0f} s: {req or 'none'}"
+            f" {r.bare_pod_s:.2f} s; requests in {r.quiet_s:.0f} s: {req or 'none'}"
         )
 
 
@@ -425,71 +653,22 @@ def main() -> None:
     parser.add_argument("--settle", type=float, default=5.0, help="wait before the window")
     parser.add_argument("--timeout", type=float, default=900.0, help="per wait, seconds")
     parser.add_argument("--log-dir", type=Path, default=None, help="keep the operator's log here")
+    parser.add_argument(
+        "--staging", choices=("also", "only", "no"), default="also", help="(d), staging speed"
+    )
+    parser.add_argument(
+        "--staging-mib", type=parse_list, default=[64, 1024], help="file sizes for (d), MiB"
+    )
+    parser.add_argument("--staging-repeats", type=int, default=2, help="runs per row of (d)")
     args = parser.parse_args()
-    ns_values = args.pods or ([1, 3] if args.quick else [1, 3, 10])
-    ks = args.adapters or ([1, 50] if args.quick else [1, 50, 200])
 
     with tempfile.TemporaryDirectory(prefix="lora-bench-operator-") as scratch:
         work = Path(scratch)
-        started = time.perf_counter()
-        model = write_tiny_model(work / "models" / MODEL_NAME, "sd15")
-        cluster.readable_by_pods(work / "models")
-        pipe = DiffusionPipeline.from_pretrained(str(model))
-        volume = work / "volume"
-        for i in range(max(ks)):
-            write_random_adapter(
-                volume / NS / "src" / f"a-{i:04d}", pipe, base_model=MODEL_NAME, seed=i
-            )
-        del pipe
-        print(f"tiny model and {max(ks)} adapters written in {time.perf_counter() - started:.1f} s")
-        log_dir = args.log_dir or work
-        log_dir.mkdir(parents=True, exist_ok=True)
-        rows: list[Row] = []
-        with running_cluster() as h:
-            h.kubectl("apply", "-f", str(CRD))
-            h.kubectl(
-                "wait", "--for=condition=Established", "crd/loraadapters.lora.dev", "--timeout=60s"
-            )
-            h.create(
-                "/api/v1/namespaces",
-                {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NS}},
-            )
-            kubeconfig = operator_kubeconfig(h, work / "operator.kubeconfig")
-            admin_kubeconfig = os.environ["KUBECONFIG"]
-            os.environ["KUBECONFIG"] = str(kubeconfig)  # the operator's process only
-            op = cluster.Operator(
-                volume=volume,
-                namespaces=[NS],
-                log_path=log_dir / "operator.log",
-                extra=["--resync-seconds", "30"],  # the default; the tests' helper sets 5
-            )
-            op.start()
-            os.environ["KUBECONFIG"] = admin_kubeconfig
-            try:
-                h.apply(
-                    cluster.inference_deployment(
-                        h.image("inference"), "inference", 0, work / "models", volume
-                    ),
-                    NS,
-                )
-                for n in ns_values:
-                    h.kubectl("scale", "-n", NS, "deployment/inference", f"--replicas={n}")
-                    t0 = time.perf_counter()
-                    pods(h, n)
-                    print(f"N={n}: pods Ready in {time.perf_counter() - t0:.1f} s", flush=True)
-                    for k in ks:
-                        row = measure(h, op, volume, n, k, args)
-                        rows.append(row)
-                        print(
-                            f"  K={k}: held {row.held_s:.2f} s, Ready {row.ready_s:.2f} s, bare "
-                            f"{row.bare_s:.2f} s, back after kill {row.back_s:.2f} s",
-                            flush=True,
-                        )
-                totals = operator_requests(h)
-                if not totals:
-                    raise RuntimeError("the API server counted no request of the operator's")
-            finally:
-                op.stop()
+        if args.staging != "only":
+            rows, totals = measure_cluster(work, args)
+        if args.staging != "no":
+            print("(d) staging speed", flush=True)
+            staging_rows = measure_staging(work, args.staging_mib, args.staging_repeats)
         cpus = os.cpu_count()
         memory = psutil.virtual_memory().total / 2**30
         print(
@@ -498,8 +677,77 @@ def main() -> None:
             f"{datetime.date.today().isoformat()}; operator --resync-seconds 30, "
             "--max-concurrent-loads 16"
         )
-        print_table(rows, args)
-        print(f"the operator's API requests over the whole run: {dict(sorted(totals.items()))}")
+        if args.staging != "only":
+            print_table(rows, args)
+            print(f"the operator's API requests over the whole run: {dict(sorted(totals.items()))}")
+        if args.staging != "no":
+            print_staging(staging_rows)
+
+
+def measure_cluster(work: Path, args: argparse.Namespace) -> tuple[list[Row], dict[str, int]]:
+    ns_values = args.pods or ([1, 3] if args.quick else [1, 3, 10])
+    ks = args.adapters or ([1, 50] if args.quick else [1, 50, 200])
+    started = time.perf_counter()
+    model = write_tiny_model(work / "models" / MODEL_NAME, "sd15")
+    cluster.readable_by_pods(work / "models")
+    pipe = DiffusionPipeline.from_pretrained(str(model))
+    volume = work / "volume"
+    for i in range(max(ks)):
+        write_random_adapter(
+            volume / NS / "src" / f"a-{i:04d}", pipe, base_model=MODEL_NAME, seed=i
+        )
+    del pipe
+    print(f"tiny model and {max(ks)} adapters written in {time.perf_counter() - started:.1f} s")
+    log_dir = args.log_dir or work
+    log_dir.mkdir(parents=True, exist_ok=True)
+    rows: list[Row] = []
+    with running_cluster() as h:
+        h.kubectl("apply", "-f", str(CRD))
+        h.kubectl(
+            "wait", "--for=condition=Established", "crd/loraadapters.lora.dev", "--timeout=60s"
+        )
+        h.create(
+            "/api/v1/namespaces",
+            {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NS}},
+        )
+        kubeconfig = operator_kubeconfig(h, work / "operator.kubeconfig")
+        admin_kubeconfig = os.environ["KUBECONFIG"]
+        os.environ["KUBECONFIG"] = str(kubeconfig)  # the operator's process only
+        op = cluster.Operator(
+            volume=volume,
+            namespaces=[NS],
+            log_path=log_dir / "operator.log",
+            extra=["--resync-seconds", "30"],  # the default; the tests' helper sets 5
+        )
+        op.start()
+        os.environ["KUBECONFIG"] = admin_kubeconfig
+        try:
+            h.apply(
+                cluster.inference_deployment(
+                    h.image("inference"), "inference", 0, work / "models", volume
+                ),
+                NS,
+            )
+            for n in ns_values:
+                h.kubectl("scale", "-n", NS, "deployment/inference", f"--replicas={n}")
+                t0 = time.perf_counter()
+                pods(h, n)
+                print(f"N={n}: pods Ready in {time.perf_counter() - t0:.1f} s", flush=True)
+                for k in ks:
+                    row = measure(h, op, volume, n, k, args)
+                    rows.append(row)
+                    print(
+                        f"  K={k}: held {row.held_s:.2f} s, Ready {row.ready_s:.2f} s, bare "
+                        f"{row.bare_s:.2f} s, delete {row.delete_s:.2f} s, bare unload "
+                        f"{row.bare_unload_s:.2f} s, back after kill {row.back_s:.2f} s",
+                        flush=True,
+                    )
+            totals = operator_requests(h)
+            if not totals:
+                raise RuntimeError("the API server counted no request of the operator's")
+        finally:
+            op.stop()
+    return rows, totals
 
 
 if __name__ == "__main__":

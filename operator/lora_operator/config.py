@@ -58,6 +58,9 @@ class OperatorConfig:
     namespaces: tuple[str, ...] = ()  # empty: every namespace
     standalone: bool = True
     peering: str | None = None
+    # kopf's peering: a replica whose entry is older than this is dead, and the next one acts.
+    peering_lifetime_s: int = 20
+    peering_priority: int | None = None  # None: the older replica wins (peering.start_priority)
     health_port: int = 8080
     metrics_port: int = 9090
     max_concurrent_stagings: int = staging.DEFAULT_MAX_CONCURRENT
@@ -72,6 +75,11 @@ class OperatorConfig:
     # How long deletion waits for pods to unload before it lets the adapter go anyway.
     unload_grace_s: float = 60.0
     hf_endpoint: str | None = None
+    # How often status is written (status.WritePolicy), and how long a pod's worker acts before
+    # it reads the pod's /v1/models again, so status follows a long series of loads.
+    status_settle_s: float = 3.0
+    status_progress_s: float = 10.0
+    verify_every_s: float = 2.0
 
 
 def parse_args(argv: Sequence[str] | None = None) -> OperatorConfig:
@@ -82,6 +90,18 @@ def parse_args(argv: Sequence[str] | None = None) -> OperatorConfig:
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--standalone", action="store_true", help="no peering (one replica)")
     mode.add_argument("--peering", metavar="NAME", help="kopf peering object (several replicas)")
+    p.add_argument(
+        "--peering-lifetime-seconds",
+        type=int,
+        default=20,
+        help="with --peering: how long a silent replica counts as alive (takeover time)",
+    )
+    p.add_argument(
+        "--peering-priority",
+        type=int,
+        default=None,
+        help="with --peering: this replica's priority (default: the oldest replica acts)",
+    )
     p.add_argument(
         "--namespace",
         action="append",
@@ -132,12 +152,19 @@ def parse_args(argv: Sequence[str] | None = None) -> OperatorConfig:
             p.error(f"{flag} must be at least 1")
     if a.resync_seconds <= 0 or a.load_timeout_seconds <= 0:
         p.error("--resync-seconds and --load-timeout-seconds must be positive")
+    if a.peering and any(set(ns) & set("*?[]!") for ns in a.namespace):
+        p.error("with --peering, name each --namespace exactly (no patterns)")
+    if a.peering_lifetime_seconds < 15:
+        # kopf renews an entry 5-10 s before it expires: shorter lifetimes renew every second.
+        p.error("--peering-lifetime-seconds must be at least 15")
     return OperatorConfig(
         volume_root=a.volume_root,
         admin_token=token,
         namespaces=tuple(a.namespace),
         standalone=a.peering is None,
         peering=a.peering,
+        peering_lifetime_s=a.peering_lifetime_seconds,
+        peering_priority=a.peering_priority,
         health_port=a.health_port,
         metrics_port=a.metrics_port,
         max_concurrent_stagings=a.max_concurrent_stagings,

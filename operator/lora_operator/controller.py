@@ -1,48 +1,61 @@
 """The controller: stages adapters, keeps every inference pod's adapters equal to what it should
-hold, and writes each LoRAAdapter's status. kopf's handlers (handlers.py) feed it events; the
-decisions are pure functions (planning.py, status.py); this module does the I/O and the waiting.
+hold, and writes each LoRAAdapter's status and Events. kopf's handlers (handlers.py) feed it
+events; the decisions are pure functions (planning, podstate, status, events, peering); this
+module does the I/O and the waiting.
+
+State: one `AdapterRecord` per LoRAAdapter (its spec, its staging, its entry on each pod, the
+status last written) and one `PodRecord` per inference pod (its worker, its last report). The
+pod client, the volume store and the API client are injected, so tests can swap them.
 
 One worker per inference pod reconciles that pod, so calls to a pod never race; a semaphore
 bounds the calls in flight across pods. A worker runs when something it depends on changes (the
 pod: new, Ready, restarted, relabelled; an adapter of its namespace: staged, respecified,
 deleted), after a failure's backoff, and every `resync_s` otherwise. It reads the pod's
-`/v1/models`, plans, acts, and reads `/v1/models` again: what the pod reports is the only
-evidence a pod serves an adapter, and nothing is kept that a restart would need.
+`/v1/models`, plans, acts, and reads `/v1/models` again (every `verify_every_s` of a long series
+of calls, and at its end): what the pod reports is the only evidence that it serves an adapter,
+and nothing is kept that a restart would need.
+
+With several replicas (`--peering`), everything here waits while `peering.Mirror` says another
+replica acts; the first thing a replica does when it starts acting is to clean `.tmp/`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import datetime
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterable
+import uuid
+from collections import Counter
+from collections.abc import Callable, Collection, Coroutine, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import kopf
 
-from lora_operator import errors, gc, planning, sources, staging
+from lora_operator import errors, events, gc, peering, planning, podstate, sources, staging
 from lora_operator import status as status_mod
 from lora_operator.config import OperatorConfig
 from lora_operator.kube import ApiError, KubeApi
 from lora_operator.metrics import Metrics
 from lora_operator.model import AdapterInfo, PodInfo, StagedRef, adapter_info, object_ref
 from lora_operator.podclient import PodClient, PodError
+from lora_operator.podstate import PodEntry
 
 log = logging.getLogger("lora_operator")
 
 Key = tuple[str, str]  # (namespace, name)
+Body = kopf.Body | Mapping[str, Any]
+
+COALESCE_S = 0.1  # a burst of changes becomes one status computation per adapter
+UNHEARD_FAILURES = 3  # a pod that failed this many reads in a row no longer holds status back
 
 
-def now_iso() -> str:
-    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def backoff(attempt: int, cap: float) -> float:
-    """1 s, 2 s, 4 s ... capped: retries never storm, and never stop."""
-    return float(min(cap, 2 ** max(0, attempt - 1)))
+def now_iso(offset_s: float = 0.0) -> str:
+    moment = datetime.datetime.now(datetime.UTC) + datetime.timedelta(seconds=offset_s)
+    return moment.strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def needs_staging(
@@ -56,237 +69,395 @@ def needs_staging(
     )
 
 
+# -- what the controller talks to (injected) --------------------------------------------------
+
+
+class Pods(Protocol):
+    async def models(self, pod: PodInfo) -> planning.PodReport: ...
+
+    async def load(self, pod: PodInfo, want: planning.Want, *, inplace: bool) -> None: ...
+
+    async def unload(self, pod: PodInfo, name: str) -> None: ...
+
+    async def close(self) -> None: ...
+
+
+class Volume(Protocol):
+    async def stage(
+        self,
+        namespace: str,
+        name: str,
+        source: sources.Source,
+        *,
+        credentials: sources.Credentials | None = None,
+        sha256: str | None = None,
+        progress: staging.ProgressCallback | None = None,
+    ) -> staging.StagedRevision: ...
+
+    async def unpublish(self, namespace: str, name: str) -> bool: ...
+
+    async def collect(self, in_use: Collection[gc.RevisionRef]) -> tuple[gc.GcPlan, int]: ...
+
+    def current_revision(self, namespace: str, name: str) -> str | None: ...
+
+    def clean_tmp(self) -> int: ...
+
+
+class Api(peering.Watcher, Protocol):
+    async def patch_adapter_status(
+        self, namespace: str, name: str, status: Mapping[str, Any]
+    ) -> None: ...
+
+    async def read_secret(self, namespace: str, name: str) -> dict[str, str]: ...
+
+    async def create_event(
+        self, regarding: Mapping[str, str], name: str, type_: str, reason: str, note: str
+    ) -> None: ...
+
+    async def count_event(self, namespace: str, name: str, count: int) -> None: ...
+
+    async def close(self) -> None: ...
+
+
+# -- the records --------------------------------------------------------------------------------
+
+
 @dataclass
-class PodWorker:
+class AdapterRecord:
+    """Everything the controller knows about one LoRAAdapter."""
+
+    info: AdapterInfo
+    staging: status_mod.StagingState
+    pods: dict[str, PodEntry] = field(default_factory=dict)  # pod name -> entry
+    written: dict[str, Any] | None = None  # the status the object has
+    written_headline: status_mod.Headline | None = None
+    written_at: float = field(default_factory=time.monotonic)  # or when first seen
+    headline: tuple[str, str] | None = None  # what summarise says now
+    headline_since: float = field(default_factory=time.monotonic)
+    phase: str | None = None  # for the phase gauge
+    fingerprint: tuple[Any, ...] = ()
+    staging_task: asyncio.Task[None] | None = None
+    staging_generation: int | None = None
+    unpublished: bool = False  # deleting, and its `current` is gone
+    unloaded: asyncio.Event = field(default_factory=asyncio.Event)  # deleting: no pod holds it
+    # Load times an earlier process recorded in status.pods: (revision, loadedAt, loadSeconds).
+    recorded_loads: dict[str, tuple[str | None, str | None, float | None]] = field(
+        default_factory=dict
+    )
+
+    @property
+    def key(self) -> Key:
+        return self.info.key
+
+
+@dataclass
+class PodRecord:
+    """One inference pod: its worker and what it last reported."""
+
     info: PodInfo
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     task: asyncio.Task[None] | None = None
+    report: planning.PodReport | None = None
     retry_in: float | None = None  # a backoff after a failure, instead of the resync interval
     failures: int = 0  # consecutive failures to read the pod's /v1/models
-
-
-@dataclass
-class PodView:
-    """The last thing a pod reported, with the pod it came from."""
-
-    pod: PodInfo
-    report: planning.PodReport
+    heard: bool = False  # reported (or kept failing) since this replica began to act
+    entries: set[str] = field(default_factory=set)  # adapters with an entry for this pod
 
 
 class Controller:
-    def __init__(self, config: OperatorConfig, metrics: Metrics | None = None) -> None:
+    def __init__(
+        self,
+        config: OperatorConfig,
+        metrics: Metrics | None = None,
+        *,
+        pods: Pods | None = None,
+        volume: Volume | None = None,
+        api: Api | None = None,
+        identity: str | None = None,
+    ) -> None:
         self.config = config
         self.metrics = metrics or Metrics()
-        self.store = staging.Store(
+        self.volume: Volume = volume or staging.Store(
             config.volume_root,
             max_bytes=config.max_adapter_bytes,
             max_concurrent=config.max_concurrent_stagings,
             hf_endpoint=config.hf_endpoint,
         )
-        self.pods_client = PodClient(
+        self.pod_client: Pods = pods or PodClient(
             admin_token=config.admin_token, timeout_s=config.load_timeout_s
         )
-        self.kube: KubeApi | None = None
+        self.api: Api | None = api
+        self.identity = identity or peering.own_identity()
+        self.priority = (
+            config.peering_priority
+            if config.peering_priority is not None
+            else peering.start_priority()
+        )
+        self.policy = status_mod.WritePolicy(config.status_settle_s, config.status_progress_s)
         self._logged_in = asyncio.Event()
+        if api is not None:
+            self._logged_in.set()
+        self.active = asyncio.Event()
         self._pods_index: kopf.Index[str, PodInfo] | None = None
         self._adapters_index: kopf.Index[str, AdapterInfo] | None = None
+        self.adapters: dict[Key, AdapterRecord] = {}
+        self.pods: dict[Key, PodRecord] = {}
+        self._unloading: set[Key] = set()  # unpublished, waiting for no pod to hold them
         self._calls = asyncio.Semaphore(config.max_concurrent_loads)
-        # API writes in flight at once: status patches and Events (kube-apiserver's default
-        # client-side budget is small; a burst of hundreds must queue here, not time out).
-        self._status_slots = asyncio.Semaphore(8)
+        # API writes in flight at once (the API server's client-side budget is small: a burst of
+        # hundreds must queue here, not time out).
+        self._write_slots = asyncio.Semaphore(8)
         self._event_slots = asyncio.Semaphore(8)
-        self._status_locks: dict[Key, asyncio.Lock] = {}
-        self.workers: dict[Key, PodWorker] = {}
-        self.views: dict[Key, PodView] = {}
-        self.staging: dict[Key, status_mod.StagingState] = {}
-        self.entries: dict[Key, dict[str, status_mod.PodEntry]] = {}
-        self._fingerprints: dict[Key, tuple[Any, ...]] = {}
-        self._conditions: dict[Key, list[dict[str, Any]]] = {}
-        self._written: dict[Key, dict[str, Any]] = {}
-        self._phases: dict[Key, str] = {}
         self._dirty: set[Key] = set()
-        self._dirty_event = asyncio.Event()
+        self._due: dict[Key, float] = {}
+        self._writer_wake = asyncio.Event()
         self._collect_event = asyncio.Event()
-        self._background: list[asyncio.Task[None]] = []
-        self._on_stop: list[Callable[[], Awaitable[None]]] = []
+        self._series = events.Series()
+        self._phases: Counter[str] = Counter()
+        self._background: set[asyncio.Task[None]] = set()
+        self._on_stop: list[Callable[[], Coroutine[Any, Any, None]]] = []
 
     # -- lifecycle ----------------------------------------------------------------------------
 
     def use_credentials(self, info: kopf.ConnectionInfo) -> None:
-        old, self.kube = self.kube, KubeApi(info)
+        old, self.api = self.api, KubeApi(info, instance=self.identity)
         if old is not None:
-            self._background.append(asyncio.create_task(old.close()))
+            self._spawn(old.close())
         self._logged_in.set()
 
     def start(
-        self, pods_index: kopf.Index[str, PodInfo], adapters_index: kopf.Index[str, AdapterInfo]
+        self,
+        pods_index: kopf.Index[str, PodInfo] | None = None,
+        adapters_index: kopf.Index[str, AdapterInfo] | None = None,
     ) -> None:
-        self._pods_index, self._adapters_index = pods_index, adapters_index
-        removed = staging.clean_tmp(self.config.volume_root)
-        if removed:
-            log.info("action=clean-tmp removed=%d (stagings a previous run left)", removed)
-        self._background += [
-            asyncio.create_task(self._status_writer(), name="status-writer"),
-            asyncio.create_task(self._collector(), name="collector"),
-        ]
+        """Begin: at once when standalone, else when the peering says this replica acts.
 
-    def on_stop(self, callback: Callable[[], Awaitable[None]]) -> None:
+        kopf's indices are complete before its first event handler runs: the controller reads
+        them where a missing object would do harm (a pod's wants, collection)."""
+        self._pods_index, self._adapters_index = pods_index, adapters_index
+        self._spawn(self._writer(), name="status-writer")
+        self._spawn(self._collector(), name="collector")
+        if self.config.standalone:
+            self.set_active(True)
+        else:
+            assert self.config.peering is not None
+            mirror = peering.Mirror(
+                self._api_now,
+                peering.peering_paths(self.config.peering, self.config.namespaces),
+                self.identity,
+                self.priority,
+                self.set_active,
+            )
+            self._spawn(self._after_login(mirror.run()), name="peering")
+
+    def on_stop(self, callback: Callable[[], Coroutine[Any, Any, None]]) -> None:
         self._on_stop.append(callback)
 
     async def stop(self) -> None:
         for callback in self._on_stop:
             await callback()
-        tasks = [w.task for w in self.workers.values() if w.task] + self._background
+        tasks = [p.task for p in self.pods.values() if p.task]
+        tasks += [a.staging_task for a in self.adapters.values() if a.staging_task]
+        tasks += list(self._background)
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        await self.pods_client.close()
-        if self.kube is not None:
-            await self.kube.close()
+        await self.pod_client.close()
+        if self.api is not None:
+            await self.api.close()
+
+    def set_active(self, active: bool) -> None:
+        """Start acting (this replica leads, or stands alone), or stop (another one leads)."""
+        if active == self.active.is_set():
+            return
+        if not active:
+            self.active.clear()
+            log.info("action=standby identity=%s", self.identity)
+            for prec in self.pods.values():
+                _cancel(prec.task)
+                prec.task, prec.report, prec.heard, prec.failures = None, None, False, 0
+            for rec in self.adapters.values():
+                _cancel(rec.staging_task)
+            return
+        # Only the replica that acts may clean: another one's downloads live there too.
+        removed = self.volume.clean_tmp()
+        log.info(
+            "action=activate identity=%s priority=%d clean-tmp removed=%d",
+            self.identity,
+            self.priority,
+            removed,
+        )
+        self.active.set()
+        for prec in self.pods.values():
+            self._start_worker(prec)
+        for rec in self.adapters.values():
+            self._consider_staging(rec)
+            self._mark(rec.key)
 
     # -- what kopf tells us -------------------------------------------------------------------
 
-    def adapter_changed(self, body: kopf.Body | dict[str, Any], deleted: bool = False) -> None:
+    def adapter_changed(self, body: Body, deleted: bool = False) -> None:
         info = adapter_info(body)
         key = info.key
         if deleted:
-            self._forget_adapter(key)
+            self._forget(key)
             return
-        if key not in self.staging:
-            self._seed(key, info, body)
-        fingerprint = (
-            info.deleting,
-            info.staged,
-            info.scale,
-            info.pinned,
-            info.selector,
-            info.base_model,
-        )
-        if self._fingerprints.get(key) != fingerprint:
-            self._fingerprints[key] = fingerprint
-            self._wake_namespace(info.namespace)
+        rec = self.adapters.get(key)
+        if rec is None:
+            rec = self.adapters[key] = _seed(info, body)
+            generation_changed = True
+        else:
+            generation_changed = rec.info.generation != info.generation
+            rec.info = info
+        if not info.deleting and generation_changed:
+            self._consider_staging(rec)
+        fingerprint = (info.deleting, info.scale, info.pinned, info.selector, info.base_model)
+        if rec.fingerprint != fingerprint:
+            rec.fingerprint = fingerprint
+            if not info.deleting:  # a deletion wakes the pods once it has unpublished
+                self._wake_namespace(info.namespace)
             self._mark(key)
-
-    def _seed(self, key: Key, info: AdapterInfo, body: Any) -> None:
-        """After a restart: what the status says was staged (staging checks the volume)."""
-        st = dict(body.get("status") or {})
-        staged = st.get("staged") or {}
-        state = self.staging[key] = status_mod.StagingState(
-            staged=info.staged,
-            path=staged.get("path"),
-            staged_at=staged.get("stagedAt"),
-            observed_generation=st.get("observedGeneration"),
-        )
-        conditions = list(st.get("conditions") or [])
-        self._conditions[key] = conditions
-        # observedGeneration moves only on success or a permanent failure: a Staged=False
-        # condition of this generation is a permanent failure, not to be retried on resume.
-        failed = next((c for c in conditions if c.get("type") == "Staged"), None)
-        if (
-            failed is not None
-            and failed.get("status") == "False"
-            and state.observed_generation == info.generation
-        ):
-            state.permanent = True
-            state.error_reason, state.error_message = failed.get("reason"), failed.get("message")
 
     def pod_changed(self, info: PodInfo, deleted: bool = False) -> None:
         key = info.key
-        worker = self.workers.get(key)
+        prec = self.pods.get(key)
         if deleted:
-            if worker is not None and worker.task is not None:
-                worker.task.cancel()
-            self.workers.pop(key, None)
-            self.views.pop(key, None)
-            self._drop_pod_entries(info)
+            if prec is not None:
+                _cancel(prec.task)
+                del self.pods[key]
+                self._drop_entries(prec)
             return
-        if worker is None:
-            worker = self.workers[key] = PodWorker(info=info)
-            worker.task = asyncio.create_task(self._pod_loop(worker), name=f"pod {info.name}")
-            worker.wake.set()
+        if prec is None:
+            prec = self.pods[key] = PodRecord(info=info)
+            self._start_worker(prec)
             return
-        before, worker.info = worker.info, info
+        before, prec.info = prec.info, info
         if before != info:  # new IP, readiness, restart, labels, annotations...
             if before.uid != info.uid or before.restarts != info.restarts:
-                self.views.pop(key, None)  # a new process: what it held is gone
-            worker.wake.set()
+                prec.report = None  # a new process: what it held is gone
+            prec.wake.set()
 
-    # -- staging (called by the create/update/resume handlers) ---------------------------------
+    # -- staging ------------------------------------------------------------------------------
 
-    async def ensure_staged(self, body: kopf.Body | dict[str, Any]) -> None:
-        """Stage the spec's source unless the volume holds it; raise kopf's retry errors."""
-        info = adapter_info(body)
-        key = info.key
-        self.adapter_changed(body)
-        state = self.staging[key]
-        current = staging.current_revision(self.config.volume_root, info.namespace, info.name)
+    def _consider_staging(self, rec: AdapterRecord) -> None:
+        """Start staging the spec's source unless the volume holds it or it failed for good."""
+        info, state = rec.info, rec.staging
+        if not self.active.is_set() or info.deleting:
+            return
+        if rec.staging_task is not None and not rec.staging_task.done():
+            if rec.staging_generation == info.generation:
+                return
+            rec.staging_task.cancel()  # a new spec supersedes the staging in progress
+        if state.permanent and state.observed_generation == info.generation:
+            return  # refused for good: retried when the spec changes
+        current = self.volume.current_revision(info.namespace, info.name)
         if not needs_staging(info, state.observed_generation, current):
             return
-        spec = body["spec"]
-        source_spec = spec["source"]
+        if state.observed_generation != info.generation:
+            state.attempts, state.permanent = 0, False
+        rec.staging_generation = info.generation
         state.in_progress, state.bytes_so_far = True, 0
-        state.permanent = False
-        self._mark(key)
+        previous = rec.staging_task
+        rec.staging_task = asyncio.create_task(
+            self._stage(rec, previous), name=f"stage {info.namespace}/{info.name}"
+        )
+        self._mark(rec.key)
+
+    async def _stage(self, rec: AdapterRecord, previous: asyncio.Task[None] | None) -> None:
+        """Stage until it succeeds or fails for good, retrying with backoff; the phase stays
+        what the last attempt made it (Staging, then Degraded) through the retries."""
+        if previous is not None:
+            await asyncio.wait([previous])  # its publish finishes first
+        state = rec.staging
+        try:
+            while True:
+                state.in_progress = True
+                self._mark(rec.key)
+                try:
+                    await self._stage_once(rec)
+                    return
+                except errors.StagingError as e:
+                    delay = self._staging_failed(rec, e)
+                    if delay is None:
+                        return
+                    await asyncio.sleep(delay)
+        finally:
+            state.in_progress = False
+            self._mark(rec.key)
+
+    async def _stage_once(self, rec: AdapterRecord) -> None:
+        info, state = rec.info, rec.staging
         loop = asyncio.get_running_loop()
 
         def progress(n: int) -> None:  # may run on a worker thread (s3, volume copies)
             state.bytes_so_far = n
-            loop.call_soon_threadsafe(self._mark, key)
+            loop.call_soon_threadsafe(self._mark, rec.key)
 
         started = time.monotonic()
-        try:
-            source = sources.parse_source(source_spec["uri"], source_spec.get("revision"))
-            self._event(info, "Normal", "Staging", f"staging {sources.describe(source)}")
-            credentials = await self._credentials(info, source_spec)
-            staged = await self.store.stage(
-                info.namespace,
-                info.name,
-                source,
-                credentials=credentials,
-                sha256=source_spec.get("sha256"),
-                progress=progress,
-            )
-        except errors.StagingError as e:
-            raise await self._staging_failed(info, state, e) from e
+        source = sources.parse_source(info.source.uri, info.source.revision)
+        staged = await self.volume.stage(
+            info.namespace,
+            info.name,
+            source,
+            credentials=await self._credentials(info),
+            sha256=info.source.sha256,
+            progress=progress,
+        )
         seconds = time.monotonic() - started
-        state.in_progress = False
-        state.attempts, state.degraded, state.permanent = 0, False, False
-        state.error_reason = state.error_message = None
-        state.staged = StagedRef(sha256=staged.sha256, size=staged.size)
-        state.path, state.staged_at = str(staged.path), now_iso()
-        state.observed_generation = info.generation
+        state.succeeded(
+            StagedRef(sha256=staged.sha256, size=staged.size),
+            str(staged.path),
+            now_iso(),
+            info.generation,
+        )
         self.metrics.stagings.labels("ok").inc()
         self.metrics.staging_seconds.observe(seconds)
         if not staged.reused:
             self.metrics.staged_bytes.inc(staged.size)
         log.info(
-            "action=staged adapter=%s/%s sha256=%s bytes=%d reused=%s seconds=%.3f",
-            info.namespace,
-            info.name,
+            "action=staged adapter=%s/%s source=%s sha256=%s bytes=%d reused=%s seconds=%.3f",
+            *rec.key,
+            sources.describe(source),
             staged.sha256,
             staged.size,
             staged.reused,
             seconds,
         )
-        self._event(
-            info,
-            "Normal",
-            "Staged",
-            f"staged sha256 {staged.sha256} ({staged.size} bytes) in {seconds:.1f}s",
-        )
-        await self._write_status(key)  # pods act on status.staged, through the adapters index
+        self._wake_namespace(info.namespace)
         self._collect_event.set()
 
-    async def _credentials(
-        self, info: AdapterInfo, source_spec: dict[str, Any]
-    ) -> sources.Credentials:
-        ref = (source_spec.get("secretRef") or {}).get("name")
+    def _staging_failed(self, rec: AdapterRecord, e: errors.StagingError) -> float | None:
+        """Record a failure; the delay before the next attempt (None: permanent)."""
+        state = rec.staging
+        delay = (
+            None if e.permanent else podstate.backoff(state.attempts + 1, self.config.max_backoff_s)
+        )
+        state.failed(
+            permanent=e.permanent,
+            reason=e.reason,
+            message=e.message,
+            next_at=None if delay is None else now_iso(delay),
+        )
+        if e.permanent:
+            state.observed_generation = rec.info.generation
+        self.metrics.stagings.labels("permanent" if e.permanent else "transient").inc()
+        log.warning(
+            "action=stage adapter=%s/%s result=%s reason=%s attempts=%d message=%r",
+            *rec.key,
+            "permanent" if e.permanent else "transient",
+            e.reason,
+            state.attempts,
+            e.message,
+        )
+        return delay
+
+    async def _credentials(self, info: AdapterInfo) -> sources.Credentials:
+        ref = info.source.secret
         if not ref:
             return sources.Credentials()
-        await self._logged_in.wait()
-        assert self.kube is not None
+        api = await self._api()
         try:
-            data = await self.kube.read_secret(info.namespace, ref)
+            data = await api.read_secret(info.namespace, ref)
         except ApiError as e:
             if e.status == 404:
                 raise errors.SourceUnavailable(
@@ -296,366 +467,447 @@ class Controller:
             raise errors.SourceUnavailable(f"cannot read Secret {ref!r}: {e}") from e
         return sources.credentials_from_secret(data)
 
-    async def _staging_failed(
-        self, info: AdapterInfo, state: status_mod.StagingState, e: errors.StagingError
-    ) -> kopf.PermanentError | kopf.TemporaryError:
-        """Record and announce the failure; the kopf error that retries it (or not)."""
-        state.in_progress = False
-        state.error_reason, state.error_message = e.reason, e.message
-        log.warning(
-            "action=stage adapter=%s/%s result=%s reason=%s message=%r",
-            info.namespace,
-            info.name,
-            "permanent" if e.permanent else "transient",
-            e.reason,
-            e.message,
-        )
-        if e.permanent:
-            state.permanent = True
-            state.observed_generation = info.generation
-            self.metrics.stagings.labels("permanent").inc()
-            self._event(info, "Warning", e.reason, e.message)
-            await self._write_status(info.key)
-            return kopf.PermanentError(e.message)
-        state.attempts += 1
-        state.degraded = state.attempts >= self.config.retry_bound
-        delay = backoff(state.attempts, self.config.max_backoff_s)
-        self.metrics.stagings.labels("transient").inc()
-        self._event(info, "Warning", e.reason, f"{e.message} (retrying in {delay:.0f}s)")
-        await self._write_status(info.key)
-        return kopf.TemporaryError(e.message, delay=delay)
-
     # -- deletion (the finalizer) -------------------------------------------------------------
 
-    async def delete(self, body: kopf.Body | dict[str, Any]) -> None:
-        """Unload from every pod (gone pods are fine), unpublish, collect, then let go."""
+    async def delete(self, body: Body) -> None:
+        """Unpublish first (no pod resolves the name from then on), then unload from every pod
+        (gone pods are fine), collect, and let go."""
+        await self.active.wait()
+        self.adapter_changed(body)
         info = adapter_info(body)
-        self.adapter_changed(body)  # deleting: the pods' workers unload it
-        deadline = time.monotonic() + self.config.unload_grace_s
-        while holders := self._holders(info):
-            if time.monotonic() > deadline:
-                self._event(
-                    info,
+        rec = self.adapters[info.key]
+        if rec.staging_task is not None:
+            rec.staging_task.cancel()
+            await asyncio.wait([rec.staging_task])  # a publish in progress ends first
+        await self.volume.unpublish(info.namespace, info.name)
+        rec.unpublished = True
+        self._unloading.add(info.key)
+        log.info("action=unpublish adapter=%s/%s", *info.key)
+        self._wake_namespace(info.namespace)
+        self._check_unloaded(info.namespace)
+        try:
+            await asyncio.wait_for(rec.unloaded.wait(), self.config.unload_grace_s)
+        except TimeoutError:
+            holders = self._holders(info.namespace, info.name)
+            self._post_event(
+                info,
+                events.Note(
                     "Warning",
                     "UnloadIncomplete",
                     f"pods still report the adapter after {self.config.unload_grace_s:.0f}s: "
-                    f"{', '.join(holders)}; releasing it anyway",
-                )
-                break
-            await asyncio.sleep(0.2)
-        await self.store.unpublish(info.namespace, info.name)
-        log.info("action=delete adapter=%s/%s", info.namespace, info.name)
-        self._event(info, "Normal", "Deleted", "unloaded from every pod and unpublished")
-        self._forget_adapter(info.key)
+                    f"{status_mod.name_list(holders)}; releasing it anyway",
+                ),
+            )
+        log.info("action=delete adapter=%s/%s", *info.key)
+        self._forget(info.key)
         self._collect_event.set()
 
-    def _holders(self, info: AdapterInfo) -> list[str]:
+    def _holders(self, namespace: str, name: str) -> list[str]:
         return sorted(
-            v.pod.name
-            for k, v in self.views.items()
-            if k[0] == info.namespace and info.name in v.report.managed() and k in self.workers
+            p.info.name
+            for p in self._pods_in(namespace)
+            if p.report is not None and name in p.report.managed()
         )
 
-    def _forget_adapter(self, key: Key) -> None:
-        tables: tuple[dict[Key, Any], ...] = (
-            self._status_locks,
-            self.staging,
-            self.entries,
-            self._fingerprints,
-            self._conditions,
-            self._written,
-            self._phases,
-        )
-        for table in tables:
-            table.pop(key, None)
-        self._update_phase_gauge()
+    def _check_unloaded(self, namespace: str) -> None:
+        waiting = [self.adapters[k] for k in self._unloading if k[0] == namespace]
+        if not waiting:
+            return
+        held: set[str] = set()
+        for p in self._pods_in(namespace):
+            if p.report is not None:
+                held.update(p.report.managed())
+        for rec in waiting:
+            if rec.info.name not in held:
+                rec.unloaded.set()
+
+    def _forget(self, key: Key) -> None:
+        rec = self.adapters.pop(key, None)
+        self._unloading.discard(key)
+        if rec is None:
+            return
+        _cancel(rec.staging_task)
+        rec.unloaded.set()
+        self._series.forget(rec.info.uid)
+        self._set_phase(rec, None)
+        self._dirty.discard(key)
+        self._due.pop(key, None)
 
     # -- pods ---------------------------------------------------------------------------------
 
-    async def _pod_loop(self, worker: PodWorker) -> None:
+    def _start_worker(self, prec: PodRecord) -> None:
+        if self.active.is_set() and prec.task is None:
+            prec.task = asyncio.create_task(self._pod_loop(prec), name=f"pod {prec.info.name}")
+            prec.wake.set()
+
+    async def _pod_loop(self, prec: PodRecord) -> None:
         while True:
-            timeout = worker.retry_in if worker.retry_in is not None else self.config.resync_s
+            timeout = prec.retry_in if prec.retry_in is not None else self.config.resync_s
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(worker.wake.wait(), timeout)
-            worker.wake.clear()
+                await asyncio.wait_for(prec.wake.wait(), timeout)
+            prec.wake.clear()
             try:
-                await self._reconcile_pod(worker)
+                await self._reconcile_pod(prec)
             except asyncio.CancelledError:
                 raise
             except Exception:  # a bug must not end the pod's reconciliation for good
-                log.exception("reconciling pod %s/%s failed", *worker.info.key)
-                worker.retry_in = self.config.max_backoff_s
+                log.exception("reconciling pod %s/%s failed", *prec.info.key)
+                prec.retry_in = self.config.max_backoff_s
 
-    async def _reconcile_pod(self, worker: PodWorker) -> None:
-        pod = worker.info
+    async def _reconcile_pod(self, prec: PodRecord) -> None:
+        pod = prec.info
         started = time.monotonic()
         if not pod.reachable:
-            if self.views.pop(pod.key, None) is not None:
-                self._mark_namespace(pod.namespace)
-            worker.retry_in = None
+            prec.retry_in = None
+            if prec.report is not None or not prec.heard:
+                prec.report, prec.heard = None, True  # not targeted while it is not Ready
+                self._drop_entries(prec)
             return
-        try:
-            async with self._calls:
-                report = await self.pods_client.models(pod)
-        except PodError as e:
-            worker.failures += 1
-            worker.retry_in = backoff(worker.failures, self.config.max_backoff_s)
-            log.info("action=read-models pod=%s/%s result=error message=%r", *pod.key, e.message)
+        report = await self._read(prec)
+        if report is None:
             return
-        worker.failures = 0
-        wants = self._wants_for(pod, report.base_model)
-        actions = planning.plan_pod(wants, report)
+        wants, keep = self._wants_for(pod, report.base_model)
+        actions = planning.plan_pod(wants, report, keep)
+        verify_at = time.monotonic() + self.config.verify_every_s
         acted = False
         for action in actions:
-            if worker.info.uid != pod.uid or not worker.info.reachable:
+            if prec.info.uid != pod.uid or not prec.info.reachable or not self.active.is_set():
                 break  # the pod changed under us: the next pass starts over
             acted |= await self._act(pod, action)
-        if acted:
-            try:
-                async with self._calls:
-                    report = await self.pods_client.models(pod)
-            except PodError as e:
-                worker.retry_in = 1.0
-                log.info("action=verify pod=%s/%s result=error message=%r", *pod.key, e.message)
-                return
-        before = self.views.get(pod.key)
-        self.views[pod.key] = PodView(pod=pod, report=report)
-        retry = self._record_report(pod, report, wants)
-        worker.retry_in = retry
-        if before is None or before.report.managed() != report.managed():
-            self._collect_event.set()
-        self._mark_namespace(pod.namespace)
+            if acted and time.monotonic() >= verify_at:
+                if await self._read(prec) is None:
+                    return
+                acted, verify_at = False, time.monotonic() + self.config.verify_every_s
+        if acted and await self._read(prec) is None:
+            return
+        delays = [
+            d
+            for name in prec.entries
+            if (rec := self.adapters.get((pod.namespace, name))) is not None
+            and (entry := rec.pods.get(pod.name)) is not None
+            and (d := podstate.retry_delay(entry, self.config.max_backoff_s)) is not None
+        ]
+        prec.retry_in = min(delays, default=None)
         self.metrics.reconcile_seconds.observe(time.monotonic() - started)
 
-    def _wants_for(self, pod: PodInfo, base_model: str | None) -> dict[str, planning.Want]:
-        wants = {}
-        for a in self._adapters(pod.namespace):
-            if a.deleting or a.staged is None or not a.targets(pod, base_model):
-                continue
-            wants[a.name] = planning.Want(
-                name=a.name, sha256=a.staged.sha256, scale=a.scale, pinned=a.pinned
+    async def _read(self, prec: PodRecord) -> planning.PodReport | None:
+        """Read the pod's /v1/models and record it; None (and a backoff) when it fails."""
+        try:
+            async with self._calls:
+                report = await self.pod_client.models(prec.info)
+        except PodError as e:
+            prec.failures += 1
+            prec.retry_in = podstate.backoff(prec.failures, self.config.max_backoff_s)
+            if prec.failures >= UNHEARD_FAILURES and not prec.heard:
+                prec.heard = True
+                self._mark_namespace(prec.info.namespace)
+            log.info(
+                "action=read-models pod=%s/%s result=error message=%r", *prec.info.key, e.message
             )
-        return wants
+            return None
+        prec.failures = 0
+        self._record(prec, report)
+        return report
+
+    def _wants_for(
+        self, pod: PodInfo, base_model: str | None
+    ) -> tuple[dict[str, planning.Want], set[str]]:
+        """What the pod should hold, and what it may keep as it is (adapters whose revision is
+        not known yet, and deleted ones not unpublished yet)."""
+        wants: dict[str, planning.Want] = {}
+        keep: set[str] = set()
+        for indexed in self._indexed(pod.namespace):
+            rec = self.adapters.get(indexed.key)
+            info = rec.info if rec is not None else indexed
+            if info.deleting:
+                if rec is None or not rec.unpublished:
+                    keep.add(info.name)
+                continue
+            if not info.targets(pod, base_model):
+                continue
+            staged = rec.staging.staged if rec is not None else info.staged
+            if staged is None:
+                keep.add(info.name)
+                continue
+            wants[info.name] = planning.Want(
+                name=info.name, sha256=staged.sha256, scale=info.scale, pinned=info.pinned
+            )
+        return wants, keep
+
+    def _record(self, prec: PodRecord, report: planning.PodReport) -> None:
+        """Take in what the pod reported: every wanted adapter's entry on this pod."""
+        pod = prec.info
+        before, prec.report = prec.report, report
+        if not prec.heard:
+            prec.heard = True
+            self._mark_namespace(pod.namespace)
+        wants, _ = self._wants_for(pod, report.base_model)
+        for name, want in wants.items():
+            rec = self.adapters.get((pod.namespace, name))
+            if rec is not None:
+                self._apply(rec, pod, podstate.Reported(want, report.cards.get(name)))
+        for name in prec.entries - wants.keys():
+            rec = self.adapters.get((pod.namespace, name))
+            if rec is not None and rec.pods.pop(pod.name, None) is not None:
+                self._mark(rec.key)
+        prec.entries = set(wants)
+        if before is None or before.managed() != report.managed():
+            self._collect_event.set()
+            self._check_unloaded(pod.namespace)
+
+    def _apply(self, rec: AdapterRecord, pod: PodInfo, event: podstate.Event) -> PodEntry:
+        """One event of the adapter's entry on `pod` (podstate.transition decides)."""
+        entry = rec.pods.get(pod.name, PodEntry())
+        new = podstate.transition(entry, event, retry_bound=self.config.retry_bound)
+        if new.state == "Loaded" and new.loaded_at is None:
+            revision, at, seconds = rec.recorded_loads.get(pod.name, (None, None, None))
+            if revision == new.revision:  # loaded by an earlier process: keep its record
+                new = dataclasses.replace(new, loaded_at=at, load_seconds=seconds)
+        if new != entry:
+            rec.pods[pod.name] = new
+            self._mark(rec.key)
+        return new
+
+    def _drop_entries(self, prec: PodRecord) -> None:
+        for name in prec.entries:
+            rec = self.adapters.get((prec.info.namespace, name))
+            if rec is not None and rec.pods.pop(prec.info.name, None) is not None:
+                self._mark(rec.key)
+        prec.entries = set()
+        self._mark_namespace(prec.info.namespace)
+        self._check_unloaded(prec.info.namespace)
 
     async def _act(self, pod: PodInfo, action: planning.Action) -> bool:
         """Carry out one planned call; True when the pod may have changed."""
         if isinstance(action, planning.Unload):
             return await self._unload(pod, action.name)
-        entry = self.entries.setdefault((pod.namespace, action.name), {}).setdefault(
-            pod.name, status_mod.PodEntry()
-        )
+        rec = self.adapters.get((pod.namespace, action.name))
+        if rec is None:
+            return False
         if isinstance(action, planning.Conflict):
-            entry.state, entry.permanent, entry.failed_for = "Failed", True, action
-            entry.last_error = (
-                f"pod {pod.name} already serves an adapter named {action.name!r} that the "
-                "operator did not load (a --lora flag?); rename the LoRAAdapter or drop the flag"
+            self._apply(
+                rec,
+                pod,
+                podstate.Conflicted(
+                    action.want,
+                    f"pod {pod.name} already serves an adapter named {action.name!r} that the "
+                    "operator did not load (a --lora flag?); rename the LoRAAdapter or drop "
+                    "the flag",
+                ),
             )
             return False
         want = action.want
-        if entry.state == "Failed" and entry.failed_for == want and entry.permanent:
+        if not podstate.may_load(rec.pods.get(pod.name, PodEntry()), want):
             return False  # refused before: retried only when the spec or the revision changes
-        entry.state = "Loading"
-        self._mark((pod.namespace, want.name))
+        self._apply(rec, pod, podstate.Started(want))
         started = time.monotonic()
         try:
             async with self._calls:
-                await self.pods_client.load(pod, want, inplace=action.inplace)
+                await self.pod_client.load(pod, want, inplace=action.inplace)
         except PodError as e:
-            self._load_failed(pod, want, entry, e)
+            result = "permanent" if e.permanent else "transient"
+            self.metrics.loads.labels(result).inc()
+            log.warning(
+                "action=load pod=%s/%s adapter=%s revision=%s result=%s message=%r",
+                *pod.key,
+                want.name,
+                want.sha256,
+                result,
+                e.message,
+            )
+            self._apply(rec, pod, podstate.Failed(want, e.message, e.permanent))
             return True
         seconds = time.monotonic() - started
         self.metrics.loads.labels("ok").inc()
         self.metrics.load_seconds.observe(seconds)
-        entry.load_seconds, entry.loaded_at = round(seconds, 3), now_iso()
-        entry.attempts, entry.permanent, entry.failed_for, entry.last_error = 0, False, None, None
         log.info(
             "action=%s pod=%s/%s adapter=%s revision=%s result=ok seconds=%.3f",
             "load-inplace" if action.inplace else "load",
-            pod.namespace,
-            pod.name,
+            *pod.key,
             want.name,
             want.sha256,
             seconds,
         )
-        info = self._adapter(pod.namespace, want.name)
-        if info is not None:
-            self._event(
-                info,
-                "Normal",
-                "Loaded",
-                f"pod {pod.name} loaded revision {want.sha256[:12]} in {seconds:.2f}s",
-            )
+        self._apply(rec, pod, podstate.Succeeded(want, seconds, now_iso()))
         return True
-
-    def _load_failed(
-        self, pod: PodInfo, want: planning.Want, entry: status_mod.PodEntry, e: PodError
-    ) -> None:
-        entry.last_error = e.message
-        entry.failed_for = want
-        result = "permanent" if e.permanent else "transient"
-        self.metrics.loads.labels(result).inc()
-        log.warning(
-            "action=load pod=%s/%s adapter=%s revision=%s result=%s message=%r",
-            pod.namespace,
-            pod.name,
-            want.name,
-            want.sha256,
-            result,
-            e.message,
-        )
-        if e.permanent:
-            entry.state, entry.permanent = "Failed", True
-        else:
-            entry.attempts += 1
-            entry.permanent = False
-            entry.state = "Failed" if entry.attempts >= self.config.retry_bound else "Pending"
-        info = self._adapter(pod.namespace, want.name)
-        if info is not None and (e.permanent or entry.attempts == self.config.retry_bound):
-            self._event(info, "Warning", "LoadFailed", f"pod {pod.name}: {e.message}")
 
     async def _unload(self, pod: PodInfo, name: str) -> bool:
         try:
             async with self._calls:
-                await self.pods_client.unload(pod, name)
+                await self.pod_client.unload(pod, name)
         except PodError as e:
             self.metrics.unloads.labels("error").inc()
             log.warning(
                 "action=unload pod=%s/%s adapter=%s result=error message=%r",
-                pod.namespace,
-                pod.name,
+                *pod.key,
                 name,
                 e.message,
             )
             return True
         self.metrics.unloads.labels("ok").inc()
-        log.info("action=unload pod=%s/%s adapter=%s result=ok", pod.namespace, pod.name, name)
-        self.entries.get((pod.namespace, name), {}).pop(pod.name, None)
-        info = self._adapter(pod.namespace, name)
-        if info is not None:
-            self._event(info, "Normal", "Unloaded", f"unloaded from pod {pod.name}")
+        log.info("action=unload pod=%s/%s adapter=%s result=ok", *pod.key, name)
         return True
-
-    def _record_report(
-        self, pod: PodInfo, report: planning.PodReport, wants: dict[str, planning.Want]
-    ) -> float | None:
-        """Update the pod's entries from what it reported; the delay of a needed retry."""
-        retry: float | None = None
-        for name, want in wants.items():
-            entry = self.entries.setdefault((pod.namespace, name), {}).setdefault(
-                pod.name, status_mod.PodEntry()
-            )
-            card = report.cards.get(name)
-            if card is not None and planning.satisfied(want, card):
-                entry.state, entry.revision = "Loaded", card.revision
-                entry.attempts, entry.permanent, entry.last_error = 0, False, None
-                continue
-            entry.revision = card.revision if card is not None else None
-            if entry.state == "Failed" and entry.permanent:
-                continue
-            if entry.state != "Failed":  # e.g. Loaded before the container restarted empty
-                entry.state = "Pending"
-            delay = backoff(entry.attempts + 1, self.config.max_backoff_s)
-            retry = delay if retry is None else min(retry, delay)
-        # Adapters that no longer want this pod lose its entry.
-        for (namespace, name), per_pod in self.entries.items():
-            if namespace == pod.namespace and name not in wants and pod.name in per_pod:
-                del per_pod[pod.name]
-                self._mark((namespace, name))
-        return retry
-
-    def _drop_pod_entries(self, pod: PodInfo) -> None:
-        for (namespace, name), per_pod in self.entries.items():
-            if namespace == pod.namespace and per_pod.pop(pod.name, None) is not None:
-                self._mark((namespace, name))
-        self._mark_namespace(pod.namespace)
 
     # -- status -------------------------------------------------------------------------------
 
     def _mark(self, key: Key) -> None:
         self._dirty.add(key)
-        self._dirty_event.set()
+        self._writer_wake.set()
 
     def _mark_namespace(self, namespace: str) -> None:
-        for a in self._adapters(namespace):
-            self._mark(a.key)
+        for rec in self._adapters_in(namespace):
+            self._mark(rec.key)
 
-    async def _status_writer(self) -> None:
+    def targeted(self, rec: AdapterRecord) -> list[tuple[PodInfo, PodEntry]]:
+        """The Ready pods that reported their base model and that this adapter belongs on."""
+        return [
+            (p.info, rec.pods.get(p.info.name, PodEntry()))
+            for p in self._pods_in(rec.info.namespace)
+            if p.report is not None
+            and p.info.reachable
+            and rec.info.targets(p.info, p.report.base_model)
+        ]
+
+    def _heard(self, namespace: str) -> bool:
+        """Whether every Ready pod of the namespace has reported since this replica began to
+        act: until then a status could claim fewer pods than an earlier process had seen."""
+        for pod in self._indexed_pods(namespace):
+            prec = self.pods.get(pod.key)
+            if pod.reachable and (prec is None or not prec.heard):
+                return False
+        return True
+
+    async def _writer(self) -> None:
+        """Write the status of changed adapters: coalesced, paced by status.write_delay, and
+        each announced by at most one Event (events.plan_event)."""
         while True:
-            await self._dirty_event.wait()
-            await asyncio.sleep(0.1)  # coalesce a burst of changes into one patch per adapter
-            self._dirty_event.clear()
-            keys, self._dirty = self._dirty, set()
-            await asyncio.gather(*(self._write_status_or_retry(key) for key in sorted(keys)))
+            now = time.monotonic()
+            timeout = max(0.0, min(self._due.values()) - now) if self._due else None
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._writer_wake.wait(), timeout)
+            self._writer_wake.clear()
+            await asyncio.sleep(COALESCE_S)
+            if not self.active.is_set():
+                continue
+            now = time.monotonic()
+            keys = self._dirty | {k for k, t in self._due.items() if t <= now}
+            self._dirty = set()
+            heard: dict[str, bool] = {}
+            writes = []
+            for key in keys:
+                due = self._due.pop(key, None)
+                rec = self.adapters.get(key)
+                if rec is None or rec.info.deleting:
+                    continue  # a deleted adapter's status is no news to anyone
+                ns = key[0]
+                if not heard.setdefault(ns, self._heard(ns)):
+                    self._due[key] = now + 0.5
+                    continue
+                targeted = self.targeted(rec)
+                summary = status_mod.summarise(
+                    rec.info, rec.staging, targeted, retry_bound=self.config.retry_bound
+                )
+                self._set_phase(rec, summary.phase)
+                if rec.headline != summary.headline:
+                    rec.headline, rec.headline_since = summary.headline, now
+                elif due is not None and due > now:
+                    # A write is planned for this phase and reason already: it will take what
+                    # is new then (rendering every change of a Loading adapter costs CPU).
+                    self._due[key] = due
+                    continue
+                body = status_mod.render(
+                    rec.info,
+                    rec.staging,
+                    targeted,
+                    summary,
+                    (rec.written or {}).get("conditions") or [],
+                    now_iso(),
+                )
+                delay = status_mod.write_delay(
+                    rec.written,
+                    rec.written_headline,
+                    body,
+                    summary,
+                    since_headline=now - rec.headline_since,
+                    since_write=now - rec.written_at,
+                    policy=self.policy,
+                )
+                if delay is None:
+                    continue
+                if delay > 0:
+                    self._due[key] = now + delay
+                    continue
+                writes.append(self._write(rec, body, summary))
+            await asyncio.gather(*writes)
 
-    async def _write_status_or_retry(self, key: Key) -> None:
-        async with self._status_slots:
+    async def _write(
+        self, rec: AdapterRecord, body: dict[str, Any], summary: status_mod.Summary
+    ) -> None:
+        async with self._write_slots:
+            api = await self._api()
             try:
-                await self._write_status(key)
-            except Exception as e:  # the next change retries; never stop writing
-                log.warning("writing the status of %s/%s failed: %s", *key, e)
-                self._spawn(self._retry_mark(key))
-
-    async def _retry_mark(self, key: Key) -> None:
-        await asyncio.sleep(1.0)
-        self._mark(key)
-
-    def targeted(self, info: AdapterInfo) -> list[tuple[PodInfo, status_mod.PodEntry]]:
-        """The Ready pods this adapter belongs on, with its entry on each."""
-        per_pod = self.entries.setdefault(info.key, {})
-        out = []
-        for pod in self._pods(info.namespace):
-            view = self.views.get(pod.key)
-            if view is not None and pod.reachable and info.targets(pod, view.report.base_model):
-                out.append((pod, per_pod.setdefault(pod.name, status_mod.PodEntry())))
-        return out
-
-    async def _write_status(self, key: Key) -> None:
-        # One write per adapter at a time, each computed inside the lock: the last patch to land
-        # is always built from the newest state (the writer and the stage handler both write).
-        async with self._status_locks.setdefault(key, asyncio.Lock()):
-            await self._write_status_locked(key)
-
-    async def _write_status_locked(self, key: Key) -> None:
-        info = self._adapter(*key)
-        state = self.staging.get(key)
-        if info is None or state is None:
-            return
-        targeted = [] if info.deleting else self.targeted(info)
-        summary = status_mod.summarise(info, state, targeted)
-        body = status_mod.render(
-            info, state, targeted, summary, self._conditions.get(key, []), now_iso()
-        )
-        if body == self._written.get(key):
-            return
-        await self._logged_in.wait()
-        assert self.kube is not None
-        try:
-            await self.kube.patch_adapter_status(info.namespace, info.name, body)
-        except ApiError as e:
-            if e.status == 404:
-                return  # deleted meanwhile
-            raise
-        self._written[key] = body
-        self._conditions[key] = body["conditions"]
-        previous = self._phases.get(key)
-        self._phases[key] = summary.phase
-        self._update_phase_gauge()
-        if previous != summary.phase and summary.phase not in ("Staging",):
-            kind = "Warning" if summary.phase in status_mod.WARNING_PHASES else "Normal"
+                await api.patch_adapter_status(rec.info.namespace, rec.info.name, body)
+            except ApiError as e:
+                if e.status == 404:
+                    return  # deleted meanwhile
+                self._retry_write(rec.key, e)
+                return
+            except Exception as e:  # the next change or the retry writes it; never stop
+                self._retry_write(rec.key, e)
+                return
+        note = events.plan_event(rec.written_headline, summary)
+        rec.written, rec.written_headline = body, summary.headline
+        rec.written_at = time.monotonic()
+        if note is not None:
             log.info(
-                "action=phase adapter=%s/%s phase=%s ready=%s message=%r",
-                *key,
+                "action=phase adapter=%s/%s phase=%s reason=%s ready=%s message=%r",
+                *rec.key,
                 summary.phase,
+                summary.reason,
                 body["ready"],
                 summary.message,
             )
-            self._event(info, kind, summary.phase, summary.message or summary.phase)
+            self._post_event(rec.info, note)
 
-    def _update_phase_gauge(self) -> None:
-        counts: dict[str, int] = {}
-        for phase in self._phases.values():
-            counts[phase] = counts.get(phase, 0) + 1
-        self.metrics.set_phases(counts)
+    def _retry_write(self, key: Key, e: Exception) -> None:
+        log.warning("writing the status of %s/%s failed: %s", *key, e)
+        self._due[key] = time.monotonic() + 1.0
+        self._writer_wake.set()
+
+    def _set_phase(self, rec: AdapterRecord, phase: str | None) -> None:
+        if rec.phase == phase:
+            return
+        if rec.phase is not None:
+            self._phases[rec.phase] -= 1
+        if phase is not None:
+            self._phases[phase] += 1
+        rec.phase = phase
+        self.metrics.set_phases(dict(self._phases))
+
+    # -- Events -------------------------------------------------------------------------------
+
+    def _post_event(self, info: AdapterInfo, note: events.Note) -> None:
+        """Post in the background: a pod's loads never wait for the API server. A repeat of a
+        recent Event counts into its series."""
+        name, count = self._series.record(
+            (info.uid, note.type, note.reason, note.note),
+            time.monotonic(),
+            f"{info.name}.{uuid.uuid4().hex[:16]}",
+        )
+        self._spawn(self._send_event(object_ref(info), name, count, note))
+
+    async def _send_event(
+        self, regarding: dict[str, str], name: str, count: int, note: events.Note
+    ) -> None:
+        async with self._event_slots:
+            api = await self._api()
+            try:
+                if count == 1:
+                    await api.create_event(regarding, name, note.type, note.reason, note.note)
+                else:
+                    await api.count_event(regarding["namespace"], name, count)
+            except Exception as e:  # an Event is never worth a retry storm
+                log.warning("could not post event %s on %s: %s", note.reason, regarding["name"], e)
 
     # -- garbage collection -------------------------------------------------------------------
 
@@ -664,15 +916,18 @@ class Controller:
             await self._collect_event.wait()
             await asyncio.sleep(1.0)
             self._collect_event.clear()
-            if any(p.reachable and p.key not in self.views for p in self._all_pods()):
-                self._spawn(self._retry_collect())  # a pod we have not heard from may use any
+            if not self.active.is_set():
+                continue
+            if not self._all_reported():
+                self._spawn(self._retry_collect())  # a pod not heard from may use any revision
                 continue
             in_use = {
-                gc.RevisionRef(ns, name, sha)
-                for (ns, _), view in self.views.items()
-                for name, sha in view.report.managed().items()
+                gc.RevisionRef(p.info.namespace, name, sha)
+                for p in self.pods.values()
+                if p.report is not None
+                for name, sha in p.report.managed().items()
             }
-            plan, freed = await self.store.collect(in_use)
+            plan, freed = await self.volume.collect(in_use)
             if plan:
                 self.metrics.collected_bytes.inc(freed)
                 log.info(
@@ -688,45 +943,92 @@ class Controller:
 
     # -- helpers ------------------------------------------------------------------------------
 
-    def _pods(self, namespace: str) -> list[PodInfo]:
-        if self._pods_index is None:
-            return []
-        return list(self._pods_index.get(namespace, ()))
-
-    def _all_pods(self) -> list[PodInfo]:
-        return [p for ns in list(self._pods_index or ()) for p in self._pods(ns)]
-
-    def _adapters(self, namespace: str) -> Iterable[AdapterInfo]:
+    def _indexed(self, namespace: str) -> Iterable[AdapterInfo]:
+        """The namespace's adapters as kopf's index has them: complete from the first event on,
+        even while their own events are still being delivered."""
         if self._adapters_index is None:
-            return ()
+            return [r.info for r in self._adapters_in(namespace)]
         return list(self._adapters_index.get(namespace, ()))
 
-    def _adapter(self, namespace: str, name: str) -> AdapterInfo | None:
-        return next((a for a in self._adapters(namespace) if a.name == name), None)
+    def _indexed_pods(self, namespace: str) -> Iterable[PodInfo]:
+        if self._pods_index is None:
+            return [p.info for p in self._pods_in(namespace)]
+        return list(self._pods_index.get(namespace, ()))
+
+    def _all_reported(self) -> bool:
+        """Whether every Ready pod has a report (kopf's index lists every pod there is)."""
+        namespaces = set(self._pods_index or ()) | {k[0] for k in self.pods}
+        return all(
+            (prec := self.pods.get(pod.key)) is not None and prec.report is not None
+            for ns in namespaces
+            for pod in self._indexed_pods(ns)
+            if pod.reachable
+        )
+
+    def _adapters_in(self, namespace: str) -> list[AdapterRecord]:
+        return [r for k, r in self.adapters.items() if k[0] == namespace]
+
+    def _pods_in(self, namespace: str) -> list[PodRecord]:
+        return [p for k, p in self.pods.items() if k[0] == namespace]
 
     def _wake_namespace(self, namespace: str) -> None:
-        for pod in self._pods(namespace):
-            worker = self.workers.get(pod.key)
-            if worker is not None:
-                worker.wake.set()
+        for prec in self._pods_in(namespace):
+            prec.wake.set()
 
-    def _event(self, info: AdapterInfo, type_: str, reason: str, message: str) -> None:
-        """Post an Event in the background: a pod's loads must not wait for the API server."""
-        self._spawn(self._post_event(object_ref(info), type_, reason, message))
+    def _api_now(self) -> Api:
+        assert self.api is not None, "used only after login"
+        return self.api
 
-    async def _post_event(
-        self, regarding: dict[str, str], type_: str, reason: str, message: str
-    ) -> None:
-        async with self._event_slots:
-            await self._logged_in.wait()
-            assert self.kube is not None
-            await self.kube.post_event(regarding, type_, reason, message)
+    async def _api(self) -> Api:
+        await self._logged_in.wait()
+        return self._api_now()
 
-    def _spawn(self, coro: Any) -> None:
-        task = asyncio.create_task(coro)
-        self._background.append(task)
-        task.add_done_callback(self._forget_task)
+    async def _after_login(self, coro: Coroutine[Any, Any, None]) -> None:
+        await self._logged_in.wait()
+        await coro
 
-    def _forget_task(self, task: asyncio.Task[None]) -> None:
-        if task in self._background:
-            self._background.remove(task)
+    def _spawn(self, coro: Coroutine[Any, Any, None], name: str | None = None) -> None:
+        task = asyncio.create_task(coro, name=name)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+
+def _cancel(task: asyncio.Task[None] | None) -> None:
+    if task is not None:
+        task.cancel()
+
+
+def _seed(info: AdapterInfo, body: Body) -> AdapterRecord:
+    """A record for an adapter first seen: what its status says an earlier process (or another
+    replica) staged and wrote, so nothing is staged twice and no status goes backwards."""
+    st = dict(body.get("status") or {})
+    staged = st.get("staged") or {}
+    state = status_mod.StagingState(
+        staged=info.staged,
+        path=staged.get("path"),
+        staged_at=staged.get("stagedAt"),
+        observed_generation=st.get("observedGeneration"),
+    )
+    # observedGeneration moves only on success or a permanent failure: a Staged=False
+    # condition of this generation is a permanent failure, not to be retried on resume.
+    conditions = list(st.get("conditions") or [])
+    failed = next((c for c in conditions if c.get("type") == "Staged"), None)
+    if (
+        failed is not None
+        and failed.get("status") == "False"
+        and state.observed_generation == info.generation
+    ):
+        state.permanent = True
+        state.error_reason, state.error_message = failed.get("reason"), failed.get("message")
+    phase = st.get("phase")
+    return AdapterRecord(
+        info=info,
+        staging=state,
+        written=st or None,
+        written_headline=(str(phase), None) if phase else None,
+        recorded_loads={
+            str(p["name"]): (p.get("revision"), p.get("loadedAt"), p.get("loadSeconds"))
+            for p in st.get("pods") or []
+            if isinstance(p, dict) and "name" in p
+        },
+    )

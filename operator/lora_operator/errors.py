@@ -1,8 +1,8 @@
 """Domain errors of staging: permanent (fix the spec or the source) or transient (retry).
 
-The kopf handlers map them once: `PermanentStagingError` to `kopf.PermanentError` (phase Failed,
-no retry), `TransientStagingError` to `kopf.TemporaryError` (retry with backoff). Messages say
-what to fix and never contain credentials or signed URLs.
+The controller maps them once (`Controller._staging_failed`): `PermanentStagingError` makes the
+adapter Failed with no retry for its spec, `TransientStagingError` is retried with backoff.
+Messages say what to fix and never contain credentials or signed URLs.
 """
 
 from __future__ import annotations

@@ -1,11 +1,13 @@
 """kopf's handlers: thin, each hands one kind of event to the controller.
 
-    LoRAAdapter created / spec updated / operator resumed  ->  stage (kopf retries with backoff)
-    LoRAAdapter deleted (finalizer)                          ->  unload everywhere, unpublish, GC
-    LoRAAdapter or inference pod event                       ->  the indices, then wake the pods
+    LoRAAdapter or inference pod event   ->  the indices, then the controller (which stages a
+                                             new spec, with its own retries, and wakes the pods)
+    LoRAAdapter deleted (the finalizer)  ->  unpublish, unload everywhere, collect
 
 Both kinds of object are held in kopf indices keyed by namespace (`lora_adapters`,
-`inference_pods`); only pods with the `lora.dev/inference` label are watched at all.
+`inference_pods`), complete before the first event handler runs; only pods with the
+`lora.dev/inference` label are watched at all. kopf's only write to an adapter is its finalizer
+(added once, removed after deletion): no diff-base annotation, no handler progress, no Events.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Any
 
 import kopf
 
+from lora_operator.config import OperatorConfig
 from lora_operator.controller import Controller
 from lora_operator.metrics import serve as serve_metrics
 from lora_operator.model import (
@@ -56,7 +59,7 @@ def build_registry(controller: Controller) -> kopf.OperatorRegistry:
 
     @kopf.on.startup(id="startup", registry=registry)
     async def startup(settings: kopf.OperatorSettings, **kwargs: Any) -> None:
-        configure(settings)
+        configure(settings, controller.config)
         # kopf hands its (still empty, then live) indices to every handler, this one included.
         controller.start(kwargs["inference_pods"], kwargs["lora_adapters"])
         runner = await serve_metrics(controller.metrics, "0.0.0.0", controller.config.metrics_port)
@@ -85,12 +88,6 @@ def build_registry(controller: Controller) -> kopf.OperatorRegistry:
         controller.adapter_changed(body, deleted=type == "DELETED")
 
     # Sync handlers would run in threads: every handler here is async, in the operator's loop.
-    @kopf.on.resume(id="stage", **adapters)  # type: ignore[arg-type]
-    @kopf.on.create(id="stage", **adapters)  # type: ignore[arg-type]
-    @kopf.on.update(id="stage", field="spec", **adapters)  # type: ignore[arg-type]
-    async def stage(body: kopf.Body, **_: Any) -> None:
-        await controller.ensure_staged(body)
-
     @kopf.on.delete(id="unload", **adapters)  # type: ignore[arg-type]
     async def delete(body: kopf.Body, **_: Any) -> None:
         await controller.delete(body)
@@ -120,15 +117,27 @@ def in_cluster_login() -> kopf.ConnectionInfo | None:
     )
 
 
-def configure(settings: kopf.OperatorSettings) -> None:
+class NoDiffBase(kopf.AnnotationsDiffBaseStorage):
+    """No diff-base: the operator has no create or update handlers (the controller compares
+    generations itself), so storing the last spec would cost a write per change for nothing."""
+
+    def fetch(self, *, body: kopf.Body) -> kopf.BodyEssence | None:
+        return None
+
+    def store(self, *, body: kopf.Body, patch: kopf.Patch, essence: kopf.BodyEssence) -> None:
+        return None
+
+
+def configure(settings: kopf.OperatorSettings, config: OperatorConfig) -> None:
     """Keep kopf's own records in annotations (the CRD's status schema has no room for them)."""
     settings.persistence.finalizer = FINALIZER
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(
         prefix=ANNOTATION_PREFIX
     )
-    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+    settings.persistence.diffbase_storage = NoDiffBase(
         prefix=ANNOTATION_PREFIX, key="last-handled-configuration"
     )
+    settings.peering.lifetime = config.peering_lifetime_s
     # The controller posts its own Events, one per transition, with reasons users can grep.
     settings.posting.enabled = False
     # Reconnect watches quickly after the API server restarts or a connection silently dies.

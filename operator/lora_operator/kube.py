@@ -1,17 +1,18 @@
-"""The few Kubernetes API writes the controller makes outside kopf's handlers.
+"""The Kubernetes API calls the controller makes itself, outside kopf's handlers.
 
-kopf watches and patches what its handlers return; the controller also writes an adapter's
-status when a pod changes, posts Events and reads credential Secrets. It does so with the same
-credentials kopf logged in with (`kopf.ConnectionInfo`), over one aiohttp session.
+kopf watches and patches what its handlers return; the controller also writes adapters' status,
+posts Events (events.k8s.io/v1, with series for repeats), reads credential Secrets and watches
+kopf's peering object. It does so with the credentials kopf logged in with
+(`kopf.ConnectionInfo`), over one aiohttp session.
 """
 
 from __future__ import annotations
 
 import base64
 import datetime
+import json
 import logging
-import uuid
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 import aiohttp
@@ -21,6 +22,10 @@ from lora_operator.model import GROUP, PLURAL, VERSION
 
 log = logging.getLogger(__name__)
 
+EVENTS = "/apis/events.k8s.io/v1"
+REPORTING_CONTROLLER = "lora.dev/operator"
+WATCH_READ_TIMEOUT_S = 120.0  # a watch asks the server to end it sooner (timeoutSeconds)
+
 
 class ApiError(Exception):
     def __init__(self, status: int, message: str) -> None:
@@ -29,9 +34,9 @@ class ApiError(Exception):
 
 
 class KubeApi:
-    def __init__(self, info: kopf.ConnectionInfo, *, component: str = "lora-operator") -> None:
+    def __init__(self, info: kopf.ConnectionInfo, *, instance: str = "lora-operator") -> None:
         self.server = info.server.rstrip("/")
-        self.component = component
+        self.instance = instance  # this process, as the Events' reportingInstance
         self._session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(ssl=info.as_ssl_context()),
             headers=info.as_http_headers(),
@@ -69,27 +74,54 @@ class KubeApi:
         data = body.get("data") or {}
         return {k: base64.b64decode(v).decode() for k, v in data.items()}
 
-    async def post_event(
-        self, regarding: Mapping[str, str], type_: str, reason: str, message: str
+    async def create_event(
+        self, regarding: Mapping[str, str], name: str, type_: str, reason: str, note: str
     ) -> None:
-        """A core/v1 Event about `regarding`; failures are logged, never raised."""
-        now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        """An events.k8s.io/v1 Event about `regarding` (what `kubectl describe` lists)."""
         namespace = regarding["namespace"]
         body = {
-            "metadata": {
-                "namespace": namespace,
-                "name": f"{regarding['name']}.{uuid.uuid4().hex[:16]}",
-            },
-            "involvedObject": dict(regarding),
+            "apiVersion": "events.k8s.io/v1",
+            "kind": "Event",
+            "metadata": {"namespace": namespace, "name": name},
+            "eventTime": micro_time(),
+            "reportingController": REPORTING_CONTROLLER,
+            "reportingInstance": self.instance,
+            "action": "Reconcile",
+            "regarding": dict(regarding),
             "type": type_,
             "reason": reason,
-            "message": message[:1024],
-            "source": {"component": self.component},
-            "firstTimestamp": now,
-            "lastTimestamp": now,
-            "count": 1,
+            "note": note,
         }
-        try:
-            await self.request("POST", f"/api/v1/namespaces/{namespace}/events", body)
-        except (ApiError, aiohttp.ClientError, TimeoutError) as e:
-            log.warning("could not post event %s on %s: %s", reason, regarding["name"], e)
+        await self.request("POST", f"{EVENTS}/namespaces/{namespace}/events", body)
+
+    async def count_event(self, namespace: str, name: str, count: int) -> None:
+        """Count one more occurrence into an Event's series (instead of a new Event)."""
+        body = {"series": {"count": count, "lastObservedTime": micro_time()}}
+        await self.request(
+            "PATCH",
+            f"{EVENTS}/namespaces/{namespace}/events/{name}",
+            body,
+            "application/merge-patch+json",
+        )
+
+    async def watch(
+        self, collection: str, params: Mapping[str, str]
+    ) -> AsyncIterator[tuple[str, dict[str, Any]]]:
+        """The (type, object) events of one watch request on `collection`, until the server
+        ends it (`params` should carry timeoutSeconds and resourceVersion)."""
+        timeout = aiohttp.ClientTimeout(total=None, sock_read=WATCH_READ_TIMEOUT_S)
+        query = {**params, "watch": "1", "allowWatchBookmarks": "true"}
+        async with self._session.get(
+            self.server + collection, params=query, timeout=timeout
+        ) as resp:
+            if resp.status >= 400:
+                raise ApiError(resp.status, (await resp.text())[:300])
+            async for line in resp.content:
+                if line.strip():
+                    event = json.loads(line)
+                    yield str(event.get("type")), dict(event.get("object") or {})
+
+
+def micro_time() -> str:
+    """Now as a Kubernetes MicroTime (what events.k8s.io/v1 requires)."""
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")

@@ -146,6 +146,16 @@ class StagedRef:
 
 
 @dataclass(frozen=True)
+class SourceSpec:
+    """`spec.source`: what to stage."""
+
+    uri: str
+    revision: str | None = None
+    sha256: str | None = None
+    secret: str | None = None  # the name of the Secret with credentials (source.secretRef)
+
+
+@dataclass(frozen=True)
 class AdapterInfo:
     namespace: str
     name: str
@@ -156,7 +166,8 @@ class AdapterInfo:
     scale: float
     pinned: bool
     deleting: bool
-    staged: StagedRef | None  # from status: pods load only what the operator published
+    staged: StagedRef | None  # from status: what the operator published last
+    source: SourceSpec = SourceSpec("")
 
     @property
     def key(self) -> tuple[str, str]:
@@ -176,6 +187,7 @@ def adapter_info(body: Mapping[str, Any]) -> AdapterInfo:
     spec = body.get("spec") or {}
     staged = (body.get("status") or {}).get("staged") or {}
     sha = staged.get("sha256")
+    source = spec.get("source") or {}
     return AdapterInfo(
         namespace=str(meta.get("namespace", "")),
         name=str(meta.get("name", "")),
@@ -187,6 +199,12 @@ def adapter_info(body: Mapping[str, Any]) -> AdapterInfo:
         pinned=bool(spec.get("pinned", False)),
         deleting=meta.get("deletionTimestamp") is not None,
         staged=StagedRef(sha256=str(sha), size=int(staged.get("sizeBytes") or 0)) if sha else None,
+        source=SourceSpec(
+            uri=str(source.get("uri", "")),
+            revision=source.get("revision"),
+            sha256=source.get("sha256"),
+            secret=(source.get("secretRef") or {}).get("name") or None,
+        ),
     )
 
 

@@ -9,8 +9,8 @@ static (`--lora`) and hand-loaded adapters alone.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass, field
 from pathlib import PurePosixPath
 from typing import Any
 
@@ -45,10 +45,16 @@ class Card:
 class PodReport:
     base_model: str | None
     cards: Mapping[str, Card]
+    _managed: Mapping[str, str] = field(init=False, repr=False, compare=False)
 
-    def managed(self) -> dict[str, str]:
+    def __post_init__(self) -> None:
+        # Computed once: deletion and collection ask for it for every pod, often.
+        managed = {n: c.revision for n, c in self.cards.items() if c.revision is not None}
+        object.__setattr__(self, "_managed", managed)
+
+    def managed(self) -> Mapping[str, str]:
         """Adapter name -> revision, for the adapters the operator put on this pod."""
-        return {n: c.revision for n, c in self.cards.items() if c.revision is not None}
+        return self._managed
 
 
 def parse_models(payload: Any) -> PodReport:
@@ -96,28 +102,36 @@ class Unload:
 class Conflict:
     """The pod already serves an adapter of this name that the operator did not load."""
 
-    name: str
+    want: Want
+
+    @property
+    def name(self) -> str:
+        return self.want.name
 
 
 Action = Load | Unload | Conflict
 
 
-def plan_pod(wants: Mapping[str, Want], report: PodReport) -> list[Action]:
+def plan_pod(
+    wants: Mapping[str, Want], report: PodReport, keep: Collection[str] = ()
+) -> list[Action]:
     """The calls that make the pod hold exactly `wants` among the adapters the operator owns.
 
-    Unloads come first: they free GPU slots a pinned newcomer may need.
+    `keep`: adapters that exist but whose revision is not known yet (being staged, or not seen
+    since a restart): whatever the pod holds of them stays. Unloads come first: they free GPU
+    slots a pinned newcomer may need.
     """
     actions: list[Action] = [
         Unload(name)
         for name, card in sorted(report.cards.items())
-        if card.managed and name not in wants
+        if card.managed and name not in wants and name not in keep
     ]
     for name, want in sorted(wants.items()):
         card = report.cards.get(name)
         if card is None:
             actions.append(Load(want, inplace=False))
         elif not card.managed:
-            actions.append(Conflict(name))
+            actions.append(Conflict(want))
         elif not satisfied(want, card):
             actions.append(Load(want, inplace=True))
     return actions

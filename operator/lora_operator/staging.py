@@ -15,19 +15,22 @@ import contextlib
 import errno
 import hashlib
 import os
+import queue
 import shutil
 import struct
 import tempfile
+import threading
 from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, TypeVar
 
 from lora_inference import errors as inference_errors
 from lora_inference.adapters import files, layout
 
 from lora_operator import errors, fetchers, gc, sources
 
+_T = TypeVar("_T")
 ProgressCallback = Callable[[int], None]
 Fetch = Callable[[sources.Source, sources.Credentials, "Sink"], Awaitable[None]]
 
@@ -48,9 +51,17 @@ class StagedRevision:
 class Sink:
     """The temporary file a fetcher writes into: hashes, counts, enforces the size limit.
 
-    Synchronous on purpose, so thread-based fetchers (boto3, file copies) can call it; the
-    progress callback is called from whichever thread writes and must be quick.
+    `write` is synchronous, so thread-based fetchers (boto3, file copies) can call it too; it only
+    counts the chunk and queues it. A thread of the sink's own hashes and writes the chunks
+    (hashlib and file writes release the GIL), so that work overlaps reading the next chunk; at
+    most `depth` chunks wait, so memory stays flat in the file size, and a full queue makes the
+    caller wait for a chunk's worth of hashing. The data is synced every `SYNC_BYTES` as it goes,
+    so `finish`'s fsync has little left to do. The progress callback is called from whichever
+    thread writes and must be quick. Use it as a context manager: leaving stops the thread.
     """
+
+    SYNC_BYTES = 64 * 1024 * 1024
+    BATCH_BYTES = 4 * 1024 * 1024
 
     def __init__(
         self,
@@ -59,6 +70,7 @@ class Sink:
         max_bytes: int,
         description: str,
         progress: ProgressCallback | None = None,
+        depth: int = 4,
     ) -> None:
         self._file = file
         self._max = max_bytes
@@ -66,9 +78,25 @@ class Sink:
         self.description = description
         self._hash = hashlib.sha256()
         self.size = 0
+        self._chunks: queue.Queue[bytes | None] = queue.Queue(maxsize=depth)
+        self._thread: threading.Thread | None = None
+        self._failure: OSError | None = None
+        self._unsynced = 0
+        self._pending = bytearray()
+
+    def __enter__(self) -> Sink:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._thread is not None:
+            self._chunks.put(None)
+            self._thread.join()
+            self._thread = None
 
     def reset(self) -> None:
         """Start over (a retry after a failed attempt)."""
+        self._pending.clear()
+        self._drain()
         self._file.seek(0)
         self._file.truncate()
         self._hash = hashlib.sha256()
@@ -84,17 +112,70 @@ class Sink:
     def write(self, chunk: bytes) -> None:
         if self.size + len(chunk) > self._max:
             raise self._too_large(self.size + len(chunk))
-        try:
-            self._file.write(chunk)
-        except OSError as e:
-            raise disk_error(e) from e
-        self._hash.update(chunk)
+        self._raise_failure()
+        self._pending += chunk
         self.size += len(chunk)
+        if len(self._pending) >= self.BATCH_BYTES:
+            self._hand_over()
         if self._progress:
             self._progress(self.size)
 
-    def hexdigest(self) -> str:
+    def _hand_over(self) -> None:
+        """Queue what is pending for the thread: in batches, because every hand-over between
+        two threads costs a GIL switch (a TLS stream arrives in pieces of ~256 KiB)."""
+        if not self._pending:
+            return
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="sink", daemon=True)
+            self._thread.start()
+        self._chunks.put(bytes(self._pending))
+        self._pending.clear()
+
+    def finish(self) -> str:
+        """Wait for the queued chunks, flush and fsync; the SHA-256 of everything written."""
+        self._drain()
+        try:
+            self._file.flush()
+            os.fsync(self._file.fileno())
+        except OSError as e:
+            raise disk_error(e) from e
         return self._hash.hexdigest()
+
+    def _run(self) -> None:
+        while True:
+            chunk = self._chunks.get()
+            try:
+                if chunk is None:
+                    return
+                if self._failure is None:
+                    self._hash.update(chunk)
+                    self._file.write(chunk)
+                    self._unsynced += len(chunk)
+                    if self._unsynced >= self.SYNC_BYTES:
+                        # Start writing back what is written so far, without waiting for it.
+                        self._file.flush()
+                        end = self._file.tell()
+                        os.posix_fadvise(
+                            self._file.fileno(),
+                            end - self._unsynced,
+                            self._unsynced,
+                            os.POSIX_FADV_DONTNEED,
+                        )
+                        self._unsynced = 0
+            except OSError as e:
+                self._failure = e
+            finally:
+                self._chunks.task_done()
+
+    def _drain(self) -> None:
+        self._hand_over()
+        if self._thread is not None:
+            self._chunks.join()
+        self._raise_failure()
+
+    def _raise_failure(self) -> None:
+        if self._failure is not None:
+            raise disk_error(self._failure) from self._failure
 
     def _too_large(self, size: int) -> errors.TooLarge:
         return errors.TooLarge(
@@ -173,7 +254,9 @@ class Store:
                 # Checked under the lock: a collection cannot remove the object in between.
                 async with self._publish_lock:
                     if layout.object_path(self.root, pin).is_file():
-                        return await asyncio.to_thread(self._publish, namespace, name, pin, None)
+                        return await _to_thread_to_the_end(
+                            self._publish, namespace, name, pin, None
+                        )
             tmp_root = layout.tmp_dir(self.root)
             try:
                 tmp_root.mkdir(parents=True, exist_ok=True)
@@ -182,17 +265,14 @@ class Store:
                 raise disk_error(e) from e
             tmp = Path(tmp_name)
             try:
-                with os.fdopen(fd, "w+b") as f:
-                    sink = Sink(
+                with (
+                    os.fdopen(fd, "w+b") as f,
+                    Sink(
                         f, max_bytes=self.max_bytes, description=description, progress=progress
-                    )
+                    ) as sink,
+                ):
                     await self._fetch(source, credentials or sources.Credentials(), sink)
-                    try:
-                        f.flush()
-                        os.fsync(f.fileno())
-                    except OSError as e:
-                        raise disk_error(e) from e
-                digest = sink.hexdigest()
+                    digest = await asyncio.to_thread(sink.finish)
                 if pin is not None and digest != pin:
                     raise errors.ChecksumMismatch(
                         f"{description} has SHA-256 {digest}, but source.sha256 pins {pin}; "
@@ -200,9 +280,15 @@ class Store:
                     )
                 await asyncio.to_thread(verify_lora_file, tmp, description)
                 async with self._publish_lock:
-                    return await asyncio.to_thread(self._publish, namespace, name, digest, tmp)
+                    return await _to_thread_to_the_end(self._publish, namespace, name, digest, tmp)
             finally:
                 tmp.unlink(missing_ok=True)
+
+    def current_revision(self, namespace: str, name: str) -> str | None:
+        return current_revision(self.root, namespace, name)
+
+    def clean_tmp(self) -> int:
+        return clean_tmp(self.root)
 
     async def unpublish(self, namespace: str, name: str) -> bool:
         """Remove the adapter's `current` (its deletion); `collect` then frees its files."""
@@ -264,6 +350,18 @@ class Store:
             path=revision,
             reused=reused,
         )
+
+
+async def _to_thread_to_the_end(fn: Callable[..., _T], *args: object) -> _T:
+    """Run `fn` in a thread; a cancellation waits for it to finish before it propagates, so
+    whoever holds a lock around this call holds it until the volume is consistent again (an
+    unpublish after a cancelled staging never races the staging's publish)."""
+    task = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        await asyncio.wait([task])
+        raise
 
 
 def _point_current(volume_root: Path, ns_root: Path, name: str, digest: str) -> None:

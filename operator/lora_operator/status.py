@@ -1,42 +1,55 @@
-"""From what the operator knows about one adapter to its `.status` (pure).
+"""From what the operator knows about one adapter to its `.status`, and when to write it (pure).
 
-The controller keeps a `StagingState` per adapter and a `PodEntry` per (adapter, pod); `summarise`
-turns them into the phase and conditions, `render` into the status object. A pod counts as ready
-only when its own `/v1/models` reported the adapter at the staged revision.
+The controller keeps a `StagingState` per adapter and a `podstate.PodEntry` per (adapter, pod);
+`summarise` turns them into the phase, its reason and the conditions, `render` into the status
+object, `write_delay` decides when that object is worth an API write. A pod counts as ready only
+when its own `/v1/models` reported the adapter at the staged revision.
 
 Phases, in the order they are decided:
 
     Failed    a permanent error: staging (bad source, checksum, not a LoRA) or a pod refusing the
               adapter (incompatible with its base model); retried only when the spec changes
-    Staging   the source is being downloaded and verified
+    Degraded  staging failed `retry_bound` times in a row, or some pod's loads did: retries go
+              on, and the phase stays Degraded through them until an attempt succeeds
+    Staging   the source is being downloaded and verified (or retried, below the bound)
     Pending   nothing staged yet, or no Ready pod in the namespace matches the selector and serves
               the base model
-    Degraded  a transient error persisted past the retry bound (staging or some pod); retries go on
     Loading   staged; some targeted pods do not report it yet
     Ready     every targeted pod reports the staged revision
+
+The status stays small at any number of pods: `status.pods` lists at most `MAX_LISTED_PODS`
+(the ones not loaded first), `status.unlistedPods` counts the rest by state, and messages name
+at most `MAX_NAMED_PODS` pods.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from lora_operator.model import AdapterInfo, PodInfo, StagedRef
+from lora_operator.podstate import PodEntry
 
 Phase = Literal["Pending", "Staging", "Loading", "Ready", "Degraded", "Failed"]
-PodState = Literal["Pending", "Loading", "Loaded", "Failed"]
 WARNING_PHASES = ("Degraded", "Failed")
+# Reasons of a phase that are news but no trouble; every other reason is a Warning.
+NORMAL_REASONS = ("NotStaged", "Staging", "NoPods", "Loading", "Ready")
+
+MAX_LISTED_PODS = 32
+MAX_NAMED_PODS = 5
+MAX_ERROR_CHARS = 400
 
 
 @dataclass
 class StagingState:
-    """The controller's record of staging one adapter (mutable, owned by its handler)."""
+    """The controller's record of staging one adapter (mutable, owned by its adapter record)."""
 
     in_progress: bool = False
     bytes_so_far: int = 0
-    attempts: int = 0  # consecutive transient failures
-    degraded: bool = False  # transient failures past the bound
+    attempts: int = 0  # consecutive transient failures of this generation
+    next_attempt_at: str | None = None  # RFC 3339, while waiting to retry
     error_reason: str | None = None
     error_message: str | None = None
     permanent: bool = False
@@ -45,19 +58,22 @@ class StagingState:
     staged_at: str | None = None
     observed_generation: int | None = None
 
+    def failed(self, *, permanent: bool, reason: str, message: str, next_at: str | None) -> None:
+        self.in_progress = False
+        self.error_reason, self.error_message = reason, message
+        self.permanent = permanent
+        if permanent:
+            self.next_attempt_at = None
+        else:
+            self.attempts += 1
+            self.next_attempt_at = next_at
 
-@dataclass
-class PodEntry:
-    """One adapter on one pod."""
-
-    state: PodState = "Pending"
-    revision: str | None = None
-    last_error: str | None = None
-    loaded_at: str | None = None
-    load_seconds: float | None = None
-    attempts: int = 0  # consecutive transient failures
-    permanent: bool = False  # the last failure is permanent for `failed_for`
-    failed_for: Any = None  # the Want that failed: retried only when the want changes
+    def succeeded(self, staged: StagedRef, path: str, at: str, generation: int) -> None:
+        self.in_progress = False
+        self.attempts, self.permanent, self.next_attempt_at = 0, False, None
+        self.error_reason = self.error_message = None
+        self.staged, self.path, self.staged_at = staged, path, at
+        self.observed_generation = generation
 
 
 @dataclass(frozen=True)
@@ -71,106 +87,117 @@ class Condition:
 @dataclass(frozen=True)
 class Summary:
     phase: Phase
+    reason: str  # why the phase is what it is, a CamelCase word (the phase's Event reason)
+    message: str  # the same in words (the phase's Event note)
     desired: int
     ready: int
     conditions: tuple[Condition, ...] = field(default=())
-    message: str = ""  # why the phase is what it is, for the phase's Event
+
+    @property
+    def headline(self) -> tuple[str, str]:
+        return (self.phase, self.reason)
+
+    @property
+    def warning(self) -> bool:
+        return self.phase in WARNING_PHASES or self.reason not in NORMAL_REASONS
+
+
+Targeted = Sequence[tuple[PodInfo, PodEntry]]
+# The (phase, reason) a status was written with; the reason is None when another process of the
+# operator wrote it (then only the phase is known).
+Headline = tuple[str, str | None]
+
+
+def same_headline(previous: Headline | None, summary: Summary) -> bool:
+    return (
+        previous is not None
+        and previous[0] == summary.phase
+        and previous[1] in (None, summary.reason)
+    )
 
 
 def summarise(
-    info: AdapterInfo,
-    staging: StagingState,
-    targeted: Sequence[tuple[PodInfo, PodEntry]],
+    info: AdapterInfo, staging: StagingState, targeted: Targeted, *, retry_bound: int = 4
 ) -> Summary:
     staged = staging.staged
-    ready_pods = [p for p, e in targeted if _serves(e, staged)]
-    permanent = [(p, e) for p, e in targeted if e.state == "Failed" and e.permanent]
-    degraded_pods = [(p, e) for p, e in targeted if e.state == "Failed" and not e.permanent]
-    n, r = len(targeted), len(ready_pods)
+    n = len(targeted)
+    ready = sorted(p.name for p, e in targeted if e.serves(staged.sha256 if staged else None))
+    refused = sorted((p.name, e) for p, e in targeted if e.permanent)
+    retrying = sorted((p.name, e) for p, e in targeted if e.retrying)
+    r = len(ready)
 
     staged_c = _staged_condition(staging)
-    if staged is None:
-        ready_c = Condition("Ready", "False", "NotStaged", "waiting for the weights to be staged")
-    elif permanent:
-        pod, entry = permanent[0]
-        ready_c = Condition(
-            "Ready",
-            "False",
-            "LoadFailed",
-            f"{len(permanent)} pod(s) refused the adapter; {pod.name}: {entry.last_error}",
-        )
-    elif n == 0:
-        ready_c = Condition(
-            "Ready",
-            "False",
-            "NoPods",
-            f"no Ready inference pod in namespace {info.namespace} matches the selector and "
-            f"serves base model {info.base_model!r}",
-        )
-    elif r == n:
-        ready_c = Condition(
-            "Ready", "True", "Loaded", f"{r}/{n} pods serve revision {staged.sha256[:12]}"
-        )
-    else:
-        waiting = sorted(p.name for p, e in targeted if not _serves(e, staged))
-        ready_c = Condition(
-            "Ready",
-            "False",
-            "Loading",
-            f"{r}/{n} pods serve revision {staged.sha256[:12]}; waiting for {', '.join(waiting)}",
-        )
-
-    if staging.degraded:
+    ready_c = _ready_condition(info, staged, targeted, ready, refused)
+    staging_degraded = staging.attempts >= retry_bound and not staging.permanent
+    if staging_degraded:
         degraded_c = Condition(
             "Degraded",
             "True",
-            staging.error_reason or "StagingRetrying",
-            staging.error_message or "",
+            staging.error_reason or "StagingFailed",
+            f"staging failed {staging.attempts} times in a row: {staging.error_message}; "
+            f"{_next_attempt(staging)}",
         )
-    elif degraded_pods:
-        pod, entry = degraded_pods[0]
+    elif retrying:
+        pod, entry = retrying[0]
         degraded_c = Condition(
             "Degraded",
             "True",
             "LoadRetrying",
-            f"{len(degraded_pods)} pod(s) keep failing to load (retrying); "
-            f"{pod.name}: {entry.last_error}",
+            f"Failed on {len(retrying)}/{n} pods, retrying: {pod}: {_short(entry.last_error)}",
+        )
+    elif staging.attempts:
+        degraded_c = Condition(
+            "Degraded",
+            "False",
+            "Retrying",
+            f"staging failed {staging.attempts} time(s); it is retried, and the adapter counts "
+            f"as Degraded after {retry_bound} failures in a row",
         )
     else:
-        degraded_c = Condition("Degraded", "False", "AsExpected", "")
+        degraded_c = Condition(
+            "Degraded", "False", "AsExpected", "no staging or load failure is being retried"
+        )
 
     phase: Phase
     if staging.permanent:
-        phase, why = "Failed", staged_c
-    elif permanent:
-        phase, why = "Failed", ready_c
-    elif staging.in_progress:
-        phase, why = "Staging", staged_c
-    elif staging.degraded or degraded_pods:
-        phase, why = "Degraded", degraded_c
+        phase, reason, message = "Failed", staged_c.reason, staged_c.message
+    elif refused:
+        phase, reason, message = "Failed", ready_c.reason, ready_c.message
+    elif staging_degraded or retrying:
+        phase, reason, message = "Degraded", degraded_c.reason, degraded_c.message
+    elif staging.in_progress or staging.attempts:
+        phase, reason, message = "Staging", staged_c.reason, staged_c.message
     elif staged is None:
-        phase, why = "Pending", staged_c
+        phase, reason, message = "Pending", "NotStaged", staged_c.message
     elif n == 0:
-        phase, why = "Pending", ready_c
+        phase, reason, message = "Pending", ready_c.reason, ready_c.message
+    elif r == n:
+        phase, reason, message = "Ready", "Ready", ready_c.message
     else:
-        phase, why = ("Ready" if r == n else "Loading"), ready_c
+        phase, reason = "Loading", "Loading"
+        message = f"{staged_c.message}; {ready_c.message}"
     return Summary(
         phase=phase,
+        reason=reason,
+        message=message,
         desired=n,
         ready=r,
         conditions=(staged_c, ready_c, degraded_c),
-        message=why.message,
     )
 
 
-def _serves(entry: PodEntry, staged: StagedRef | None) -> bool:
-    return staged is not None and entry.state == "Loaded" and entry.revision == staged.sha256
-
-
 def _staged_condition(staging: StagingState) -> Condition:
-    if staging.permanent or (staging.error_reason and staging.staged is None):
+    if staging.permanent:
         return Condition(
             "Staged", "False", staging.error_reason or "StagingFailed", staging.error_message or ""
+        )
+    if staging.attempts:
+        # Through retries the reason stays the failure's: an attempt starting is no news.
+        return Condition(
+            "Staged",
+            "False",
+            staging.error_reason or "StagingFailed",
+            f"{staging.error_message}; {_next_attempt(staging)}",
         )
     if staging.in_progress:
         return Condition(
@@ -183,18 +210,76 @@ def _staged_condition(staging: StagingState) -> Condition:
             "Staged",
             f"sha256 {staging.staged.sha256} ({staging.staged.size} bytes)",
         )
-    return Condition("Staged", "False", "Pending", "staging has not started")
+    return Condition("Staged", "False", "Pending", "waiting to be staged")
+
+
+def _next_attempt(staging: StagingState) -> str:
+    if staging.in_progress:
+        return f"attempt {staging.attempts + 1} is running"
+    return f"attempt {staging.attempts + 1} at {staging.next_attempt_at}"
+
+
+def _ready_condition(
+    info: AdapterInfo,
+    staged: StagedRef | None,
+    targeted: Targeted,
+    ready: Sequence[str],
+    refused: Sequence[tuple[str, PodEntry]],
+) -> Condition:
+    n, r = len(targeted), len(ready)
+    if staged is None:
+        return Condition("Ready", "False", "NotStaged", "waiting for the weights to be staged")
+    revision = f"revision {staged.sha256[:12]}"
+    if refused:
+        pod, entry = refused[0]
+        return Condition(
+            "Ready",
+            "False",
+            "LoadFailed",
+            f"Failed on {len(refused)}/{n} pods: {pod}: {_short(entry.last_error)}; "
+            f"loaded on {r}/{n}",
+        )
+    if n == 0:
+        return Condition(
+            "Ready",
+            "False",
+            "NoPods",
+            f"no Ready inference pod in namespace {info.namespace} matches the selector and "
+            f"serves base model {info.base_model!r}",
+        )
+    if r == n:
+        return Condition("Ready", "True", "Loaded", f"Loaded on {r}/{n} pods ({revision})")
+    done = set(ready)
+    waiting = sorted(p.name for p, _ in targeted if p.name not in done)
+    return Condition(
+        "Ready",
+        "False",
+        "Loading",
+        f"Loaded on {r}/{n} pods ({revision}); waiting for {name_list(waiting)}",
+    )
+
+
+def name_list(names: Sequence[str], limit: int = MAX_NAMED_PODS) -> str:
+    """'a, b, c' or 'a, b, c and 7 more': a message never grows with the number of pods."""
+    shown = ", ".join(names[:limit])
+    return f"{shown} and {len(names) - limit} more" if len(names) > limit else shown
+
+
+def _short(text: str | None) -> str:
+    text = text or "no detail"
+    return text if len(text) <= MAX_ERROR_CHARS else text[: MAX_ERROR_CHARS - 3] + "..."
 
 
 def render(
     info: AdapterInfo,
     staging: StagingState,
-    targeted: Sequence[tuple[PodInfo, PodEntry]],
+    targeted: Targeted,
     summary: Summary,
     previous_conditions: Sequence[Mapping[str, Any]],
     now: str,
 ) -> dict[str, Any]:
-    """The whole `.status` object; a condition keeps its lastTransitionTime while unchanged."""
+    """The whole `.status` object; a condition keeps its lastTransitionTime while its status
+    is unchanged."""
     before = {c.get("type"): c for c in previous_conditions}
     conditions = []
     for c in summary.conditions:
@@ -210,15 +295,15 @@ def render(
                 "observedGeneration": info.generation,
             }
         )
+    listed, unlisted = _list_pods(targeted)
     status: dict[str, Any] = {
         "phase": summary.phase,
         "ready": f"{summary.ready}/{summary.desired}",
         "desiredPods": summary.desired,
         "readyPods": summary.ready,
         "conditions": conditions,
-        "pods": [
-            _pod_status(pod, entry) for pod, entry in sorted(targeted, key=lambda t: t[0].name)
-        ],
+        "pods": [_pod_status(pod, entry) for pod, entry in listed],
+        "unlistedPods": unlisted or None,
         "stagingBytes": staging.bytes_so_far if staging.in_progress else None,
         "staged": None,
     }
@@ -234,15 +319,72 @@ def render(
     return status
 
 
+_LISTING_ORDER = {"Failed": 0, "Loading": 1, "Pending": 2, "Loaded": 3}
+
+
+def _list_pods(
+    targeted: Targeted,
+) -> tuple[list[tuple[PodInfo, PodEntry]], dict[str, int]]:
+    """The pods `status.pods` lists (the not-loaded ones first, at most MAX_LISTED_PODS, by
+    name) and the count of the others by state."""
+    ranked = sorted(targeted, key=lambda t: (_LISTING_ORDER[t[1].state], t[0].name))
+    listed = sorted(ranked[:MAX_LISTED_PODS], key=lambda t: t[0].name)
+    return listed, dict(sorted(Counter(e.state for _, e in ranked[MAX_LISTED_PODS:]).items()))
+
+
 def _pod_status(pod: PodInfo, entry: PodEntry) -> dict[str, Any]:
     out: dict[str, Any] = {"name": pod.name, "state": entry.state}
     for key, value in (
         ("ip", pod.ip),
         ("revision", entry.revision),
-        ("lastError", entry.last_error),
+        ("lastError", _short(entry.last_error) if entry.last_error else None),
         ("loadedAt", entry.loaded_at),
         ("loadSeconds", entry.load_seconds),
     ):
         if value is not None:
             out[key] = value
     return out
+
+
+# -- when to write ---------------------------------------------------------------------------
+
+# Phases that end a piece of work (or need the user): written as soon as they are known.
+SETTLED_PHASES = ("Ready", "Degraded", "Failed")
+
+
+@dataclass(frozen=True)
+class WritePolicy:
+    """How often an adapter's status is written (seconds).
+
+    Work in progress (Pending, Staging, Loading) is written once it has lasted `settle_s`, so an
+    adapter that becomes Ready quickly costs one write; a change of progress only (the same
+    phase and reason: another pod loaded it, more bytes downloaded) at most every `progress_s`.
+    """
+
+    settle_s: float = 3.0
+    progress_s: float = 10.0
+
+
+def write_delay(
+    written: Mapping[str, Any] | None,
+    written_headline: Headline | None,
+    body: Mapping[str, Any],
+    summary: Summary,
+    *,
+    since_headline: float,
+    since_write: float,
+    policy: WritePolicy,
+) -> float | None:
+    """Seconds to wait before writing `body`, 0 for now, or None when it says nothing new.
+
+    `written`: the status on the object (None: none yet); `written_headline`: its headline;
+    `since_headline`: how long the adapter has been in `summary`'s (phase, reason);
+    `since_write`: since the status was last written (or first seen).
+    """
+    if written is not None and dict(body) == dict(written):
+        return None
+    if same_headline(written_headline, summary):
+        return max(0.0, policy.progress_s - since_write)
+    if summary.phase in SETTLED_PHASES or summary.warning or summary.reason == "NoPods":
+        return 0.0
+    return max(0.0, policy.settle_s - since_headline)

@@ -11,8 +11,10 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import datetime
 import hashlib
 import io
+import itertools
 import json
 import os
 import signal
@@ -28,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import yaml
 from aiohttp import web
 from lora_devcluster.harness import Harness
 from lora_inference.tools.random_adapters import write_random_adapter
@@ -55,12 +58,14 @@ class Operator:
     extra: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
     prefix: list[str] = field(default_factory=list)  # e.g. nsenter into the cluster's mounts
+    peering: str | None = None  # kopf's peering object: several replicas, one acts
     proc: subprocess.Popen[bytes] | None = None
     metrics_port: int = 0
 
     def start(self) -> Operator:
         self.metrics_port = free_port()
-        args = [*self.prefix, sys.executable, "-m", "lora_operator", "--standalone"]
+        mode = ["--peering", self.peering] if self.peering else ["--standalone"]
+        args = [*self.prefix, sys.executable, "-m", "lora_operator", *mode]
         for ns in self.namespaces:
             args += ["--namespace", ns]
         args += [
@@ -122,13 +127,24 @@ def readable_by_pods(root: Path) -> None:
 
 
 def inference_deployment(
-    image: str, name: str, replicas: int, model_dir: Path, volume: Path, labels: Obj | None = None
+    image: str,
+    name: str,
+    replicas: int,
+    model_dir: Path,
+    volume: Path,
+    labels: Obj | None = None,
+    *,
+    watched: bool = True,
+    readiness: bool = True,
 ) -> Obj:
     """Inference pods from the project's image, as the chart runs them (non-root, read-only
     root filesystem, /tmp on an emptyDir), with the model and the adapter volume from host
-    directories."""
-    pod_labels = {"app": name, "lora.dev/inference": "true", **(labels or {})}
-    return {
+    directories. `watched=False` leaves out the label the operator finds pods by;
+    `readiness=False` the readiness probe (the pod is Ready while its process runs)."""
+    pod_labels = {"app": name, **(labels or {})}
+    if watched:
+        pod_labels["lora.dev/inference"] = "true"
+    deployment = {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
         "metadata": {"name": name},
@@ -198,6 +214,9 @@ def inference_deployment(
             },
         },
     }
+    if not readiness:
+        del deployment["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]
+    return deployment
 
 
 def adapter(name: str, uri: str, **spec: Any) -> Obj:
@@ -395,10 +414,14 @@ def revisions(volume: Path, ns: str, name: str) -> list[str]:
     return sorted(p.name for p in d.iterdir()) if d.exists() else []
 
 
-def event_reasons(h: Harness, ns: str, name: str) -> set[str]:
-    """The reasons of the Events about the object `name` in `ns`."""
+def event_notes(h: Harness, ns: str, name: str, type_: str | None = None) -> dict[str, list[str]]:
+    """The Events about the object `name` in `ns`: reason -> their messages."""
     items = h.get(f"/api/v1/namespaces/{ns}/events")["items"]
-    return {str(e["reason"]) for e in items if e["involvedObject"].get("name") == name}
+    out: dict[str, list[str]] = {}
+    for e in items:
+        if e["involvedObject"].get("name") == name and type_ in (None, e["type"]):
+            out.setdefault(str(e["reason"]), []).append(str(e.get("message") or e.get("note")))
+    return out
 
 
 @dataclass(frozen=True)
@@ -423,3 +446,140 @@ def pod_ips(h: Harness, ns: str, n: int) -> dict[str, str]:
 def holds(ip: str, name: str, sha: str) -> bool:
     card = models(ip).get(name)
     return card is not None and card["root"].endswith(f"/{name}/revisions/{sha}")
+
+
+def adapter_names(prefix: str, k: int) -> list[str]:
+    return [f"{prefix}-{i:03d}" for i in range(k)]
+
+
+def many_adapters(models: Models, volume: Path, ns: str, names: list[str]) -> list[Obj]:
+    """LoRAAdapters for `names`, each from its own directory; four distinct weights files,
+    hard-linked, so writing hundreds takes no time (the store keeps each content once)."""
+    distinct = [
+        write_adapter(models, volume / ns / "src" / f"distinct-{i}", seed=i)[0] for i in range(4)
+    ]
+    out = []
+    for i, name in enumerate(names):
+        directory = volume / ns / "src" / name
+        directory.mkdir(parents=True, exist_ok=True)
+        weights = directory / "pytorch_lora_weights.safetensors"
+        if not weights.exists():
+            os.link(distinct[i % 4] / "pytorch_lora_weights.safetensors", weights)
+        out.append(adapter(name, str(directory)))
+    return out
+
+
+def adapters_ready(h: Harness, ns: str, names: list[str], ready: str) -> bool:
+    items = h.get(f"/apis/lora.dev/v1alpha1/namespaces/{ns}/loraadapters")["items"]
+    done = {
+        i["metadata"]["name"]
+        for i in items
+        if (i.get("status") or {}).get("phase") == "Ready"
+        and (i.get("status") or {}).get("ready") == ready
+    }
+    return set(names) <= done
+
+
+PHASE_ORDER = {"Pending": 0, "Staging": 1, "Loading": 2, "Ready": 3}
+
+
+class StatusRecorder:
+    """Lists the LoRAAdapters of a namespace every `period` seconds in a thread and remembers
+    each one's status over time, to check that none ever goes backwards."""
+
+    def __init__(self, h: Harness, ns: str, period: float = 0.3) -> None:
+        self.h, self.ns, self.period = h, ns, period
+        self.seen: dict[str, list[tuple[str, int, int]]] = {}  # name -> (phase, ready, gen)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def start(self) -> StatusRecorder:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(30)
+        self._sample()  # what the caller saw last is seen here too
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period):
+            self._sample()
+
+    def __enter__(self) -> StatusRecorder:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def _sample(self) -> None:
+        try:
+            items = self.h.get(f"/apis/lora.dev/v1alpha1/namespaces/{self.ns}/loraadapters")
+        except Exception:  # the API server restarting: the next round reads again
+            return
+        for item in items["items"]:
+            st = item.get("status") or {}
+            if "phase" not in st:
+                continue
+            sample = (
+                st["phase"],
+                int(st.get("readyPods") or 0),
+                int(st.get("observedGeneration") or 0),
+            )
+            history = self.seen.setdefault(item["metadata"]["name"], [])
+            if not history or history[-1] != sample:
+                history.append(sample)
+
+    def backwards(self) -> dict[str, list[tuple[str, int, int]]]:
+        """The adapters whose phase, ready pods or observed generation ever went back."""
+        out = {}
+        for name, history in self.seen.items():
+            for before, after in itertools.pairwise(history):
+                if (
+                    PHASE_ORDER.get(after[0], -1) < PHASE_ORDER.get(before[0], -1)
+                    or after[1] < before[1]
+                    or after[2] < before[2]
+                ):
+                    out[name] = history
+        return out
+
+
+def peering_crds(h: Harness) -> None:
+    """kopf's peering CRDs, as the chart renders them for several operator replicas."""
+    chart = Path(__file__).resolve().parents[2] / "charts" / "lora-operator"
+    rendered = h.run(
+        [
+            *("helm", "template", "t", str(chart), "--set", "operator.replicas=2"),
+            *("--show-only", "templates/crds.yaml"),
+        ]
+    )
+    crds = [
+        d
+        for d in yaml.safe_load_all(rendered)
+        if d and d.get("kind") == "CustomResourceDefinition" and d["spec"]["group"] == "kopf.dev"
+    ]
+    h.apply(crds)
+    for crd in crds:
+        h.kubectl(
+            "wait", "--for=condition=Established", f"crd/{crd['metadata']['name']}", "--timeout=60s"
+        )
+
+
+def log_times(log: str, needle: str) -> list[datetime.datetime]:
+    """When the operator logged lines containing `needle` (its log's asctime, local time)."""
+    return [
+        datetime.datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f")
+        for line in log.splitlines()
+        if needle in line and line[:4].isdigit()
+    ]
+
+
+def registrations(h: Harness, ns: str, pod: str) -> dict[str, int]:
+    """How many times the pod's server registered each adapter (its log says so each time)."""
+    counts: dict[str, int] = {}
+    for line in h.kubectl("logs", "-n", ns, pod).splitlines():
+        marker = "registered adapter "
+        if marker in line and not line.split(marker, 1)[0].endswith("un"):
+            name = line.split(marker, 1)[1].split()[0]
+            counts[name] = counts.get(name, 0) + 1
+    return counts

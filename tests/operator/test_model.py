@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 from lora_operator import model
-from lora_operator.controller import backoff, needs_staging
+from lora_operator.controller import needs_staging
 
 
 def pod_body(**over: Any) -> dict[str, Any]:
@@ -102,7 +102,3 @@ def test_staging_is_skipped_only_when_the_volume_holds_this_generations_revision
     assert needs_staging(staged, observed_generation=2, volume_current="f" * 64)  # new spec
     assert needs_staging(staged, observed_generation=3, volume_current=None)  # volume lost it
     assert needs_staging(model.adapter_info(adapter_body()), 3, "f" * 64)  # never staged
-
-
-def test_backoff_doubles_and_is_capped() -> None:
-    assert [backoff(n, 10) for n in range(1, 7)] == [1, 2, 4, 8, 10, 10]

@@ -16,7 +16,7 @@ from lora_inference.tools.random_adapters import write_random_adapter
 from lora_inference.tools.tiny_models import build_tiny_pipeline
 
 from tests.operator import cluster
-from tests.operator.cluster import Models, Operator, Origin
+from tests.operator.cluster import Models, Operator, Origin, StatusRecorder
 
 
 @pytest.fixture
@@ -92,8 +92,11 @@ def test_bad_sources_get_the_documented_phase_and_reason_and_harm_no_other_adapt
             },
             ns,
         )
+        recorder = StatusRecorder(h, ns).start()
+        refused = f"https://127.0.0.1:{cluster.free_port()}/nobody-listens.safetensors"
         h.apply(
             [
+                cluster.adapter("refused", refused),
                 cluster.adapter("missing", server.url("/nothing.safetensors")),
                 cluster.adapter("flaky", flaky),
                 cluster.adapter("truncated", server.serve_truncated("/t.safetensors", weights)),
@@ -141,11 +144,34 @@ def test_bad_sources_get_the_documented_phase_and_reason_and_harm_no_other_adapt
         # Permanent failures are not retried: one download attempt each.
         assert server.hits.get("/m.safetensors") == 1
         assert "/adapter.bin" not in server.hits
-        warnings = {
-            e["reason"] for e in h.get(f"/api/v1/namespaces/{ns}/events")["items"]
-            if e["type"] == "Warning"
-        }  # fmt: skip
-        assert {"SourceNotFound", "ChecksumMismatch", "LoadFailed", "Failed"} <= warnings
+        # One Warning per permanent failure, with its own reason (no second, generic one).
+        for name, reason in (
+            ("missing", "SourceNotFound"),
+            ("mismatch", "ChecksumMismatch"),
+            ("pickle", "PickleRefused"),
+            ("wrong-shapes", "LoadFailed"),
+        ):
+            assert list(cluster.event_notes(h, ns, name, "Warning")) == [reason], name
+            assert len(cluster.event_notes(h, ns, name, "Warning")[reason]) == 1, name
+        # A source that refuses connections: Staging, then Degraded for good, never back to
+        # Staging or Pending while it retries; the message says when the next attempt is; one
+        # Warning when it first failed and one when it became Degraded.
+        obj = cluster.wait_phase(h, ns, "refused", "Degraded", timeout=180)
+        h.wait_for(
+            "two more attempts",
+            lambda: op.log().count("adapter=" + ns + "/refused result=transient") >= 6,
+            120,
+        )
+        recorder.stop()
+        phases = [phase for phase, _, _ in recorder.seen["refused"]]
+        first = phases.index("Degraded")
+        assert set(phases[first:]) == {"Degraded"}, phases
+        assert set(phases[:first]) <= {"Pending", "Staging"}, phases
+        assert obj["status"]["phase"] == "Degraded"
+        warned = cluster.event_notes(h, ns, "refused", "Warning")
+        assert warned.keys() == {"SourceUnavailable"} and len(warned["SourceUnavailable"]) <= 2
+        (note,) = [n for n in warned["SourceUnavailable"] if "in a row" in n]
+        assert "staging failed 4 times in a row" in note and "attempt 5 at 20" in note, note
         # The adapter that was there all along is untouched.
         cluster.wait_phase(h, ns, "good", "Ready", "1/1", timeout=30)
         assert np.array_equal(cluster.generate(f"http://{ip}:8000", "good"), before)

@@ -91,8 +91,14 @@ def test_unwanted_managed_adapters_are_unloaded_first_and_static_ones_never() ->
     ]
 
 
+def test_adapters_kept_as_they_are_are_neither_loaded_nor_unloaded() -> None:
+    # Being staged, or deleted but not unpublished yet: what the pod holds of them stays.
+    r = report(card("restaging", SHA1), card("deleting", SHA1), card("gone", SHA1))
+    assert planning.plan_pod({}, r, keep={"restaging", "deleting"}) == [Unload("gone")]
+
+
 def test_a_static_adapter_with_the_wanted_name_is_a_conflict_not_a_replacement() -> None:
-    assert planning.plan_pod({"s": want("s")}, report(card("s", None))) == [Conflict("s")]
+    assert planning.plan_pod({"s": want("s")}, report(card("s", None))) == [Conflict(want("s"))]
 
 
 def test_load_path_is_the_revision_directory_as_the_pod_sees_it() -> None:

@@ -112,10 +112,13 @@ async def test_restart_after_a_kill_completes(tmp_path: Path) -> None:
 
 @pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
 def test_a_full_volume_is_transient() -> None:
-    with open("/dev/full", "wb", buffering=0) as f:
-        sink = staging.Sink(f, max_bytes=1 << 20, description="x")
-        with pytest.raises(errors.DiskFull, match="volume is full") as e:
-            sink.write(b"\0" * 4096)
+    with (
+        open("/dev/full", "wb", buffering=0) as f,
+        staging.Sink(f, max_bytes=1 << 20, description="x") as sink,
+        pytest.raises(errors.DiskFull, match="volume is full") as e,
+    ):
+        sink.write(b"\0" * 4096)
+        sink.finish()  # the write fails on the sink's thread, and says so here at the latest
     assert not e.value.permanent
 
 

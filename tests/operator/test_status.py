@@ -1,11 +1,26 @@
-"""From the controller's records to phase, conditions and .status (pure)."""
+"""From the controller's records to phase, conditions, .status and when to write it (pure)."""
 
 from __future__ import annotations
 
+import json
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from lora_operator import model
-from lora_operator.status import PodEntry, StagingState, render, summarise
+from lora_operator.podstate import PodEntry, PodState
+from lora_operator.status import (
+    MAX_LISTED_PODS,
+    StagingState,
+    Summary,
+    WritePolicy,
+    render,
+    summarise,
+    write_delay,
+)
 
 SHA = "a" * 64
+POLICY = WritePolicy(settle_s=3.0, progress_s=10.0)
 
 
 def adapter(namespace: str = "ns") -> model.AdapterInfo:
@@ -34,46 +49,73 @@ def loaded() -> PodEntry:
     return PodEntry(state="Loaded", revision=SHA)
 
 
-def conditions(s: object) -> dict[str, str]:
-    return {c.type: c.status for c in s.conditions}  # type: ignore[attr-defined]
+def conditions(s: Summary) -> dict[str, str]:
+    return {c.type: c.status for c in s.conditions}
 
 
 def test_ready_only_when_every_targeted_pod_reports_the_staged_revision() -> None:
     s = summarise(adapter(), staged(), [(pod("a"), loaded()), (pod("b"), loaded())])
-    assert (s.phase, s.ready, s.desired) == ("Ready", 2, 2)
+    assert (s.phase, s.reason, s.ready, s.desired) == ("Ready", "Ready", 2, 2)
+    assert s.message == "Loaded on 2/2 pods (revision aaaaaaaaaaaa)"
     assert conditions(s) == {"Staged": "True", "Ready": "True", "Degraded": "False"}
     old = PodEntry(state="Loaded", revision="b" * 64)  # still on the previous revision
     s = summarise(adapter(), staged(), [(pod("a"), loaded()), (pod("b"), old)])
     assert (s.phase, s.ready) == ("Loading", 1)
-    assert "waiting for b" in s.message
+    assert "Loaded on 1/2 pods" in s.message and "waiting for b" in s.message
+    assert f"sha256 {SHA}" in s.message  # the Loading Event says what was staged
+
+
+def test_a_healthy_degraded_condition_says_why() -> None:
+    s = summarise(adapter(), staged(), [(pod("a"), loaded())])
+    degraded = next(c for c in s.conditions if c.type == "Degraded")
+    assert (degraded.status, degraded.reason) == ("False", "AsExpected")
+    assert degraded.message == "no staging or load failure is being retried"
 
 
 def test_no_pods_is_pending_and_says_which_pods_would_count() -> None:
     s = summarise(adapter(), staged(), [])
-    assert (s.phase, s.ready, s.desired) == ("Pending", 0, 0)
+    assert (s.phase, s.reason, s.ready, s.desired) == ("Pending", "NoPods", 0, 0)
     assert "serves base model 'sd'" in s.message
 
 
 def test_staging_phases() -> None:
-    assert summarise(adapter(), StagingState(), []).phase == "Pending"
+    assert summarise(adapter(), StagingState(), []).headline == ("Pending", "NotStaged")
     s = summarise(adapter(), StagingState(in_progress=True, bytes_so_far=42), [])
-    assert s.phase == "Staging" and "42 bytes" in s.message
+    assert s.headline == ("Staging", "Staging") and "42 bytes" in s.message
     failed = StagingState(permanent=True, error_reason="ChecksumMismatch", error_message="fix it")
     s = summarise(adapter(), failed, [])
-    assert (s.phase, s.message) == ("Failed", "fix it")
-    assert s.conditions[0].reason == "ChecksumMismatch"
-    retrying = StagingState(degraded=True, error_reason="SourceUnavailable", error_message="503")
-    s = summarise(adapter(), retrying, [])
-    assert s.phase == "Degraded" and conditions(s)["Degraded"] == "True"
+    assert (s.phase, s.reason, s.message) == ("Failed", "ChecksumMismatch", "fix it")
+    assert s.warning
+
+
+def test_a_source_in_backoff_never_flips_back_to_staging_or_pending() -> None:
+    """Each failure and each retry: the phase only moves forward, and the message says when
+    the next attempt is."""
+    state = StagingState(in_progress=True)
+    seen = []
+    for attempt in range(1, 7):
+        state.failed(
+            permanent=False, reason="SourceUnavailable", message="refused", next_at=f"T{attempt}"
+        )
+        waiting = summarise(adapter(), state, [], retry_bound=4)
+        state.in_progress = True  # the retry runs
+        running = summarise(adapter(), state, [], retry_bound=4)
+        seen += [waiting.headline, running.headline]
+        assert f"attempt {attempt + 1} at T{attempt}" in waiting.message
+        assert f"attempt {attempt + 1} is running" in running.message
+    assert seen == [("Staging", "SourceUnavailable")] * 6 + [("Degraded", "SourceUnavailable")] * 6
+    degraded = next(c for c in running.conditions if c.type == "Degraded")
+    assert degraded.status == "True" and "failed 6 times in a row" in degraded.message
 
 
 def test_a_permanent_pod_refusal_is_failed_and_a_persistent_transient_one_degraded() -> None:
-    refused = PodEntry(state="Failed", permanent=True, last_error="422: wrong shapes")
+    refused = PodEntry(state="Failed", refused=object(), last_error="422: wrong shapes")  # type: ignore[arg-type]
     s = summarise(adapter(), staged(), [(pod("a"), loaded()), (pod("b"), refused)])
-    assert s.phase == "Failed" and "b: 422: wrong shapes" in s.message
-    flaky = PodEntry(state="Failed", permanent=False, last_error="timeout")
+    assert (s.phase, s.reason) == ("Failed", "LoadFailed")
+    assert s.message.startswith("Failed on 1/2 pods: b: 422: wrong shapes")
+    flaky = PodEntry(state="Failed", attempts=4, last_error="timeout")
     s = summarise(adapter(), staged(), [(pod("a"), loaded()), (pod("b"), flaky)])
-    assert s.phase == "Degraded" and "timeout" in s.message
+    assert (s.phase, s.reason) == ("Degraded", "LoadRetrying") and "timeout" in s.message
     assert s.ready == 1
 
 
@@ -98,7 +140,111 @@ def test_render_keeps_transition_times_of_unchanged_conditions() -> None:
         "revision": SHA,
     }
     assert again["staged"]["sha256"] == SHA
+    assert again["unlistedPods"] is None
     s2 = summarise(adapter(), staged(), [(pod("a"), PodEntry())])
     changed = render(adapter(), staged(), [(pod("a"), PodEntry())], s2, first["conditions"], "T3")
     times = {c["type"]: c["lastTransitionTime"] for c in changed["conditions"]}
     assert times == {"Staged": "T1", "Ready": "T3", "Degraded": "T1"}
+
+
+STATES: list[PodState] = ["Pending", "Loading", "Loaded", "Failed"]
+
+
+def test_the_status_of_500_pods_stays_small() -> None:
+    long_error = "x" * 5000
+    targeted = []
+    for i in range(500):
+        state = STATES[i % 4] if i < 40 else "Loaded"
+        entry = PodEntry(
+            state=state,
+            revision=SHA,
+            attempts=4 if state == "Failed" else 0,
+            last_error=long_error if state in ("Failed", "Pending") else None,
+            loaded_at="2026-01-01T00:00:00Z",
+            load_seconds=0.123,
+        )
+        targeted.append((pod(f"inference-{i:03d}-abcdefghij"), entry))
+    s = summarise(adapter(), staged(), targeted)
+    body = render(adapter(), staged(), targeted, s, [], "2026-01-01T00:00:00Z")
+    size = len(json.dumps(body))
+    assert size < 24 * 1024, size  # the API server's limit is 1.5 MiB per object
+    assert len(body["pods"]) == MAX_LISTED_PODS
+    # The 30 pods not loaded are all listed (the Loaded ones fill up); every pod is either
+    # listed or counted.
+    assert sum(p["state"] != "Loaded" for p in body["pods"]) == 30
+    assert sum(body["unlistedPods"].values()) + MAX_LISTED_PODS == 500
+    assert body["desiredPods"] == 500 and body["readyPods"] == 460 + 10
+    assert max(len(c["message"]) for c in body["conditions"]) < 600
+
+
+@given(st.lists(st.sampled_from(STATES), max_size=200))
+def test_listed_and_unlisted_pods_account_for_every_pod(states: list[PodState]) -> None:
+    targeted = [(pod(f"p{i:03d}"), PodEntry(state=s)) for i, s in enumerate(states)]
+    s = summarise(adapter(), staged(), targeted)
+    body = render(adapter(), staged(), targeted, s, [], "T")
+    counted = {p["state"]: 0 for p in body["pods"]}
+    for p in body["pods"]:
+        counted[p["state"]] += 1
+    for state, n in (body["unlistedPods"] or {}).items():
+        counted[state] = counted.get(state, 0) + n
+    assert counted == {state: states.count(state) for state in set(states)}
+    assert [p["name"] for p in body["pods"]] == sorted(p["name"] for p in body["pods"])
+
+
+def summary(phase: str, reason: str) -> Summary:
+    return Summary(phase=phase, reason=reason, message="m", desired=1, ready=0)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("written", "now", "since_headline", "since_write", "expected"),
+    [
+        pytest.param(None, ("Ready", "Ready"), 0.0, 0.0, 0.0, id="ready-at-once"),
+        pytest.param(None, ("Failed", "NotALora"), 0.0, 0.0, 0.0, id="failed-at-once"),
+        pytest.param(None, ("Pending", "NoPods"), 0.0, 0.0, 0.0, id="no-pods-at-once"),
+        pytest.param(None, ("Staging", "SourceUnavailable"), 0.0, 0.0, 0.0, id="a-failure-at-once"),
+        pytest.param(None, ("Loading", "Loading"), 1.0, 1.0, 2.0, id="loading-settles"),
+        pytest.param(None, ("Staging", "Staging"), 5.0, 5.0, 0.0, id="long-staging"),
+        pytest.param(
+            ("Loading", "Loading"), ("Loading", "Loading"), 9.0, 4.0, 6.0, id="progress-paced"
+        ),
+        pytest.param(("Ready", None), ("Ready", "Ready"), 0.0, 12.0, 0.0, id="taken-over-progress"),
+        pytest.param(
+            ("Ready", None), ("Loading", "Loading"), 0.0, 0.0, 3.0, id="taken-over-new-phase"
+        ),
+    ],
+)
+def test_write_delay(
+    written: tuple[str, str | None] | None,
+    now: tuple[str, str],
+    since_headline: float,
+    since_write: float,
+    expected: float,
+) -> None:
+    body = {"phase": now[0], "n": 2}
+    previous = None if written is None else {"phase": written[0], "n": 1}
+    delay = write_delay(
+        previous,
+        written,
+        body,
+        summary(*now),
+        since_headline=since_headline,
+        since_write=since_write,
+        policy=POLICY,
+    )
+    assert delay == expected
+
+
+def test_an_unchanged_status_is_never_written() -> None:
+    body = {"phase": "Ready"}
+    assert (
+        write_delay(
+            body,
+            ("Ready", "Ready"),
+            dict(body),
+            summary("Ready", "Ready"),
+            since_headline=100,
+            since_write=100,
+            policy=POLICY,
+        )
+        is None
+    )

@@ -176,10 +176,10 @@ namespace (templates/rbac.yaml). Each comment says why the operator needs the ru
 - apiGroups: [""]
   resources: [secrets]
   verbs: [get]
-# Events on the LoRAAdapters (Staged, Loaded, LoadFailed, Ready... and why), so
-# `kubectl describe lora` shows them. The operator creates one core/v1 Event per transition and
-# never reads, updates or deletes events.
-- apiGroups: [""]
+# Events on the LoRAAdapters (Ready, Degraded, LoadFailed... and why), so `kubectl describe lora`
+# shows them: one events.k8s.io Event per transition, and a patch of its series count when the
+# same transition repeats. It never reads, lists or deletes events.
+- apiGroups: [events.k8s.io]
   resources: [events]
-  verbs: [create]
+  verbs: [create, patch]
 {{- end }}
