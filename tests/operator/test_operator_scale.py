@@ -7,7 +7,9 @@ an adapter twice.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import json
 from pathlib import Path
 
 from lora_devcluster.harness import Harness
@@ -29,6 +31,12 @@ def loaded_once_on_every_pod(h: Harness, ns: str, names: list[str]) -> None:
         assert set(names) <= set(counts), f"{pod} never registered {set(names) - set(counts)}"
 
 
+def peers(h: Harness, ns: str) -> dict[str, object]:
+    """The replicas the peering object lists (kopf writes each one's priority and liveness)."""
+    obj = json.loads(h.kubectl("get", "-n", ns, "kopfpeering", PEERING, "-o", "json"))
+    return dict(obj.get("status") or {})
+
+
 def test_a_standby_takes_over_when_the_active_replica_dies_mid_apply(
     crd: Harness, devcluster_namespace: str, volume: Path, models: Models, tmp_path: Path
 ) -> None:
@@ -48,8 +56,12 @@ def test_a_standby_takes_over_when_the_active_replica_dies_mid_apply(
         )
 
     first, second = replica("first"), replica("second")
-    with first.running(), second.running():
+    # The replicas start one after the other, as a rollout or a restart starts them: the older
+    # one acts. (Started at the same instant, either may be the older.)
+    with first.running(), contextlib.ExitStack() as later:
         h.wait_for("the first replica to act", lambda: "action=activate" in first.log(), 120)
+        h.wait_for("the first replica's entry in the peering object", lambda: peers(h, ns), 60)
+        later.enter_context(second.running())
         # Started second, it is the standby: it neither acts nor cleans the shared .tmp/.
         h.wait_for(
             "the second replica to stand by",
