@@ -30,6 +30,11 @@ class ServerConfig:
     max_cpu_loras: int = 32
     max_lora_rank: int = 128
     admin_token: str | None = None
+    # Bearer token for generation and the read endpoints (/v1/models, /v1/adapters); the admin
+    # token is accepted there too. None: those endpoints are open.
+    client_token: str | None = None
+    # Whether a generation request may register an adapter itself (`lora.local_path`).
+    allow_request_adapters: bool = True
     device: str = "cpu"
     dtype: str = "auto"
     max_batch_size: int = 4

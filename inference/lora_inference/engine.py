@@ -280,6 +280,13 @@ class Engine:
 
     async def register_from_request(self, name: str, local_path: str) -> AdapterRecord:
         """The request-level path (`lora.local_path`): same checks and cache as the API."""
+        if not self.config.allow_request_adapters:
+            raise errors.Forbidden(
+                "this server does not let requests register adapters (lora.local_path): name "
+                "an adapter it serves in 'model' (GET /v1/models), or start the server with "
+                "--allow-request-adapters (the chart's inference.allowRequestAdapters)",
+                param="lora.local_path",
+            )
         resolved = layout.resolve_allowed(
             local_path, self.config.path_roots, param="lora.local_path"
         )

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from tests.inference.conftest import Assets, Server
+import pytest
+
+from tests.inference.conftest import ADMIN_TOKEN, Assets, Server
 from tests.inference.test_http_api import assert_error
 
 
@@ -44,3 +46,71 @@ async def test_a_published_name_replaces_a_request_registration(
     await server.load("b", assets.adapter_b)
     assert (await server.image(model="pixel") == await server.image(model="b")).all()
     assert server.engine.registry.get("pixel").origin == "resolver"
+
+
+async def test_request_adapters_can_be_turned_off(start_server: Any, assets: Assets) -> None:
+    server = await start_server(allow_request_adapters=False)
+    status, body = await server.post(
+        "/v1/images/generations",
+        {
+            "prompt": "x",
+            "size": "32x32",
+            "lora": {"name": "x", "local_path": str(assets.adapter_a)},
+        },
+        token=None,
+    )
+    error = assert_error(status, body, 403, param="lora.local_path")
+    assert "--allow-request-adapters" in error["message"]
+    # Names the server serves still work.
+    await server.load("a", assets.adapter_a)
+    await server.image(model="a")
+
+
+CLIENT_TOKEN = "client-secret"
+READS = ["/v1/models", "/v1/adapters"]
+
+
+@pytest.mark.parametrize("token", [None, "wrong-token"], ids=["missing", "wrong"])
+async def test_the_client_token_guards_generation_and_reads(
+    start_server: Any, token: str | None
+) -> None:
+    server = await start_server(client_token=CLIENT_TOKEN)
+    for path in READS:
+        status, body = await server.get(path, token=token)
+        assert "client token" in assert_error(status, body, 401)["message"]
+    status, body = await server.post(
+        "/v1/images/generations", {"prompt": "x", "size": "32x32"}, token=token
+    )
+    assert "client token" in assert_error(status, body, 401)["message"]
+
+
+@pytest.mark.parametrize("token", [CLIENT_TOKEN, ADMIN_TOKEN], ids=["client", "admin"])
+async def test_the_client_or_admin_token_is_accepted(start_server: Any, token: str) -> None:
+    server = await start_server(client_token=CLIENT_TOKEN)
+    for path in READS:
+        status, body = await server.get(path, token=token)
+        assert status == 200, body
+    status, body = await server.post(
+        "/v1/images/generations",
+        {"prompt": "x", "size": "32x32", "num_inference_steps": 2},
+        token=token,
+    )
+    assert status == 200, body
+
+
+async def test_probes_and_metrics_stay_open(start_server: Any) -> None:
+    server = await start_server(client_token=CLIENT_TOKEN)
+    for path in ["/health", "/ready"]:
+        assert (await server.get(path))[0] == 200
+    async with server.session.get(server.url("/metrics")) as resp:
+        assert resp.status == 200
+
+
+async def test_the_client_token_does_not_open_load(start_server: Any, assets: Assets) -> None:
+    server = await start_server(client_token=CLIENT_TOKEN)
+    status, body = await server.post(
+        "/v1/load_lora_adapter",
+        {"lora_name": "a", "lora_path": str(assets.adapter_a)},
+        token=CLIENT_TOKEN,
+    )
+    assert "admin token" in assert_error(status, body, 401)["message"]
