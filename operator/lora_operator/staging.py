@@ -510,7 +510,7 @@ def check_volume(volume_root: Path) -> None:
 
 
 def _check_not_other_namespace(volume_root: Path, path: Path, namespace: str) -> None:
-    """A volume path must lie in the adapter's own namespace folder or in `shared/`: a
+    """A volume path must lie in the adapter's own namespace folder or in `_shared/`: a
     namespace's folder is what its pods read, and no other namespace may copy from it."""
     try:
         parts = path.resolve().relative_to(volume_root.resolve()).parts

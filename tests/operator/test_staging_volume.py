@@ -91,7 +91,7 @@ def test_a_killed_staging_leaves_only_a_temp_file(tmp_path: Path) -> None:
     )
     proc = subprocess.run([sys.executable, "-c", script], timeout=60, capture_output=True)
     assert proc.returncode == 9, proc.stderr.decode()
-    assert visible(tmp_path) == ["shared", "shared/w.safetensors"]
+    assert visible(tmp_path) == ["_shared", "_shared/w.safetensors"]
     assert len(tmp_entries(tmp_path)) == 1
     assert staging.clean_tmp(tmp_path) == 1
     assert tmp_entries(tmp_path) == []
@@ -133,7 +133,7 @@ async def test_another_namespaces_folder_is_out_of_reach(tmp_path: Path) -> None
     dropped = tmp_path / "team-b" / "src" / "w.safetensors"  # a file team-b's pods can read
     dropped.parent.mkdir(parents=True)
     dropped.write_bytes(data)
-    loose = tmp_path / "loose.safetensors"  # top level: neither a namespace nor shared/
+    loose = tmp_path / "loose.safetensors"  # top level: neither a namespace nor _shared/
     loose.write_bytes(data)
     for path in (current, theirs.path / layout.WEIGHTS_FILE, dropped, loose):
         with pytest.raises(errors.InvalidSource, match="outside this namespace's folder"):

@@ -12,7 +12,7 @@ own namespace as `--adapter-root`. Next to the namespaces, the operator keeps it
 
     <volume-root>/.objects/sha256/<sha256>.safetensors   each content stored once
     <volume-root>/.tmp/                                  downloads in progress, cleared at start
-    <volume-root>/shared/                                files any namespace may stage from
+    <volume-root>/_shared/                               files any namespace may stage from
 
 and every revision directory holds a hard link to its object named
 `pytorch_lora_weights.safetensors`. A plain adapter directory or `<name>.safetensors` file
@@ -33,8 +33,10 @@ CURRENT = "current"
 REVISIONS = "revisions"
 OBJECTS = ".objects"
 # A folder of the volume that every namespace's LoRAAdapters may copy from (volume-path
-# sources); everything else a volume path may name lies in the adapter's own namespace.
-SHARED = "shared"
+# sources); everything else a volume path may name lies in the adapter's own namespace. It
+# starts with `_`, which no Kubernetes namespace name can: a namespace called `shared` would
+# otherwise have this folder as its adapter root.
+SHARED = "_shared"
 TMP = ".tmp"
 # The name diffusers' training scripts use; `files.find_weights_file` looks for it first.
 WEIGHTS_FILE = "pytorch_lora_weights.safetensors"
