@@ -33,6 +33,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--adapter-root", type=Path, help="shared adapter volume (see docs/architecture.md)"
     )
     serve.add_argument(
+        "--pod-labels-file",
+        type=Path,
+        help="this pod's labels (a Downward API metadata.labels file): resolve from the adapter "
+        "root only adapters whose LoRAAdapter selects them",
+    )
+    serve.add_argument(
         "--allowed-root",
         type=Path,
         action="append",
@@ -131,6 +137,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         model=args.model,
         served_model_name=args.served_model_name,
         adapter_root=args.adapter_root,
+        pod_labels_file=args.pod_labels_file,
         allowed_roots=tuple(args.allowed_roots),
         static_loras=tuple(args.static_loras),
         accepted_base_models=tuple(args.accepted_base_models),

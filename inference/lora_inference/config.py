@@ -21,6 +21,9 @@ class ServerConfig:
     model: Path
     served_model_name: str = ""
     adapter_root: Path | None = None
+    # This pod's labels (a Downward API `metadata.labels` file): with it, the resolver serves
+    # only adapters whose published target matches them; without it, every adapter on the root.
+    pod_labels_file: Path | None = None
     allowed_roots: tuple[Path, ...] = ()
     static_loras: tuple[StaticLora, ...] = ()
     # base_model_name_or_path values (from adapter_config.json) accepted besides the model's own

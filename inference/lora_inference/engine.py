@@ -34,7 +34,7 @@ from typing import Any, TypeVar
 from PIL import Image
 
 from lora_inference import errors, scheduling
-from lora_inference.adapters import cache, files, layout
+from lora_inference.adapters import cache, files, layout, targeting
 from lora_inference.adapters.registry import (
     AdapterRecord,
     Origin,
@@ -258,8 +258,12 @@ class Engine:
         if record is not None and record.origin != "request":
             return record
         layout.check_adapter_name(name, param=param)
-        root = self.config.adapter_root
-        found = layout.resolve_on_root(root, name) if root is not None else None
+        try:
+            found = self._published(name, param=param)
+        except errors.AdapterNotFound:
+            if record is not None:
+                return record  # published, but for other pods: the request's adapter stays
+            raise
         if found is None and record is not None:
             return record
         if found is None:
@@ -277,6 +281,38 @@ class Engine:
             if record is None:
                 raise
             return record
+
+    def _published(self, name: str, *, param: str) -> Path | None:
+        """The adapter `name` on the adapter root, if it is there and meant for this pod.
+
+        Published for other pods (their LoRAAdapter's selector or base model does not match
+        this one): AdapterNotFound, as for an unknown name, saying why. A server that does not
+        know its labels, or an adapter without a target (a volume filled by hand), serves it.
+        """
+        root = self.config.adapter_root
+        found = layout.resolve_on_root(root, name) if root is not None else None
+        labels_file = self.config.pod_labels_file
+        if found is None or root is None or labels_file is None:
+            return found
+        target = layout.read_target(root, name)
+        if target is None:
+            return found
+        try:
+            labels = targeting.parse_pod_labels(labels_file.read_text())
+        except OSError as e:
+            raise errors.AdapterNotFound(
+                f"the model '{name}' cannot be resolved: this pod's labels ({labels_file}) "
+                f"cannot be read: {e}",
+                param=param,
+            ) from e
+        reason = targeting.refusal(target, labels, self.config.model_id)
+        if reason is not None:
+            raise errors.AdapterNotFound(
+                f"the model '{name}' is not served by this pod: {reason}; send the request to "
+                "a pod its LoRAAdapter selects",
+                param=param,
+            )
+        return found
 
     async def register_from_request(self, name: str, local_path: str) -> AdapterRecord:
         """The request-level path (`lora.local_path`): same checks and cache as the API."""

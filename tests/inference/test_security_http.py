@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
+from lora_inference.adapters.targeting import Target, parse_selector
 
 from tests.inference.conftest import ADMIN_TOKEN, Assets, Server
 from tests.inference.test_http_api import assert_error
@@ -67,6 +69,7 @@ async def test_request_adapters_can_be_turned_off(start_server: Any, assets: Ass
 
 
 CLIENT_TOKEN = "client-secret"
+GPU, CPU = {"matchLabels": {"tier": "gpu"}}, {"matchLabels": {"tier": "cpu"}}
 READS = ["/v1/models", "/v1/adapters"]
 
 
@@ -114,3 +117,42 @@ async def test_the_client_token_does_not_open_load(start_server: Any, assets: As
         token=CLIENT_TOKEN,
     )
     assert "admin token" in assert_error(status, body, 401)["message"]
+
+
+def publish(root: Path, name: str, adapter: Path, target: Target | None) -> None:
+    """Lay `adapter` out on `root` as the operator does, with its target when given."""
+    revision = root / name / "revisions" / ("0" * 64)
+    revision.parent.mkdir(parents=True)
+    revision.symlink_to(adapter)
+    if target is not None:
+        (root / name / "target.json").write_text(target.to_json())
+    (root / name / "current").symlink_to("revisions/" + "0" * 64)
+
+
+async def test_the_resolver_serves_only_adapters_meant_for_the_pod(
+    start_server: Any, assets: Assets, tmp_path: Path
+) -> None:
+    root = tmp_path / "volume"
+    model = assets.model.name
+    publish(root, "mine", assets.adapter_a, Target(model, parse_selector(GPU)))
+    publish(root, "theirs", assets.adapter_a, Target(model, parse_selector(CPU)))
+    publish(root, "other-base", assets.adapter_a, Target("flux-dev"))
+    publish(root, "by-hand", assets.adapter_a, None)
+    labels = tmp_path / "labels"
+    labels.write_text('app.kubernetes.io/component="inference"\ntier="gpu"\n')
+    server = await start_server(adapter_root=root, pod_labels_file=labels)
+    await server.image(model="mine")
+    await server.image(model="by-hand")
+    for name, reason in [("theirs", "selector"), ("other-base", "base model 'flux-dev'")]:
+        status, body = await server.post(
+            "/v1/images/generations", {"prompt": "x", "size": "32x32", "model": name}, token=None
+        )
+        message = assert_error(status, body, 404, param="model")["message"]
+        assert "not served by this pod" in message and reason in message, message
+    # The labels follow the pod (the Downward API rewrites the file).
+    labels.write_text('tier="cpu"\n')
+    await server.image(model="theirs")
+    # A lone server, without labels, resolves everything.
+    lone = await start_server(adapter_root=root)
+    await lone.image(model="mine")
+    await lone.image(model="other-base")
