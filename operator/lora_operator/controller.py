@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import kopf
-from lora_inference.adapters.targeting import Target
+from lora_inference.adapters import targeting
 
 from lora_operator import errors, events, gc, peering, planning, podstate, sources, staging
 from lora_operator import status as status_mod
@@ -93,10 +93,10 @@ class Volume(Protocol):
         credentials: sources.Credentials | None = None,
         sha256: str | None = None,
         progress: staging.ProgressCallback | None = None,
-        target: Target | None = None,
+        target: targeting.Target | None = None,
     ) -> staging.StagedRevision: ...
 
-    def publish_target(self, namespace: str, name: str, target: Target) -> bool: ...
+    def publish_target(self, namespace: str, name: str, target: targeting.Target) -> bool: ...
 
     async def unpublish(self, namespace: str, name: str) -> bool: ...
 
