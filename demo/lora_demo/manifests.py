@@ -17,6 +17,8 @@ import shlex
 from pathlib import PurePosixPath
 from typing import Any
 
+from lora_inference.adapters import layout
+
 Obj = dict[str, Any]
 
 RELEASE = "lora-operator"  # the chart's fullname is then the release name
@@ -26,7 +28,6 @@ MODEL_CLAIM = "models"
 MODEL_NAME = "tiny-sd15"
 MODELS_MOUNT = PurePosixPath("/models")
 VOLUME_ROOT = PurePosixPath("/var/lib/lora/adapters")  # the chart's default volumeRoot
-SHARED = "shared"  # the volume folder every namespace's adapters may copy from
 INFERENCE_LABELS = "app.kubernetes.io/component=inference"
 PROMPT = "a lighthouse on a cliff at dusk"
 NON_ROOT = {
@@ -46,7 +47,7 @@ class AdapterSource:
     name: str
     seed: int
     text_encoder: bool = False
-    folder: str = SHARED
+    folder: str = layout.SHARED  # the volume folder every namespace's adapters may copy from
     rank: int = 8
     strength: float = 0.8
 

@@ -2,7 +2,9 @@
 
 `create_app(config)` returns an application that starts answering /health at once and loads the
 pipeline in the background; /ready turns 200 when the model and the static adapters are loaded.
-Route handlers only parse (api), authorise and delegate to the engine; domain errors become HTTP
+Route handlers only parse (api), authorise (the admin token for load/unload, the client token for
+generation and reads; /health, /ready and /metrics stay open for probes and Prometheus) and
+delegate to the engine; domain errors become HTTP
 errors in `error_middleware` and nowhere else.
 """
 
@@ -83,17 +85,32 @@ def _engine(request: web.Request) -> Engine:
 
 
 def _authorise(request: web.Request) -> None:
+    """Load and unload: the admin token, when one is configured."""
     token = request.app[CONFIG].admin_token
-    if not token:
-        return
-    header = request.headers.get("Authorization", "")
-    scheme, _, given = header.partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(
-        given.strip().encode(), token.encode()
-    ):
+    if token and not _bearer_is(request, token):
         raise errors.Unauthorized(
             "this endpoint needs 'Authorization: Bearer <token>' with the server's admin token"
         )
+
+
+def _authorise_client(request: web.Request) -> None:
+    """Generation and the read endpoints: the client token, when one is configured, or the
+    admin token (the operator reads /v1/models with it)."""
+    config = request.app[CONFIG]
+    if not config.client_token:
+        return
+    if not any(_bearer_is(request, t) for t in (config.client_token, config.admin_token) if t):
+        raise errors.Unauthorized(
+            "this endpoint needs 'Authorization: Bearer <token>' with the server's client "
+            "token (or its admin token)"
+        )
+
+
+def _bearer_is(request: web.Request, token: str) -> bool:
+    scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(
+        given.strip().encode(), token.encode()
+    )
 
 
 async def load_adapter(request: web.Request) -> web.Response:
@@ -118,6 +135,7 @@ async def unload_adapter(request: web.Request) -> web.Response:
 
 
 async def list_models(request: web.Request) -> web.Response:
+    _authorise_client(request)
     config = request.app[CONFIG]
     created = int(request.app[STARTED_AT])
     cards = [_card(config.model_id, str(config.model), None, created)]
@@ -143,6 +161,7 @@ def _card(model_id: str, root: str, parent: str | None, created: int) -> dict[st
 
 
 async def list_adapters(request: web.Request) -> web.Response:
+    _authorise_client(request)
     engine = _engine(request)
     data = []
     for record in engine.registry.records():
@@ -165,6 +184,7 @@ async def list_adapters(request: web.Request) -> web.Response:
 
 
 async def generate_images(request: web.Request) -> web.Response:
+    _authorise_client(request)
     engine = _engine(request)
     backend = engine.backend
     params, choice = api.parse_generation(

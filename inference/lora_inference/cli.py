@@ -33,6 +33,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--adapter-root", type=Path, help="shared adapter volume (see docs/architecture.md)"
     )
     serve.add_argument(
+        "--pod-labels-file",
+        type=Path,
+        help="this pod's labels (a Downward API metadata.labels file): resolve from the adapter "
+        "root only adapters whose LoRAAdapter selects them",
+    )
+    serve.add_argument(
         "--allowed-root",
         type=Path,
         action="append",
@@ -67,6 +73,18 @@ def build_parser() -> argparse.ArgumentParser:
         "--admin-token-file",
         type=Path,
         help="file holding the bearer token for load/unload (or set LORA_ADMIN_TOKEN)",
+    )
+    serve.add_argument(
+        "--client-token-file",
+        type=Path,
+        help="file holding the bearer token for generation, /v1/models and /v1/adapters "
+        "(or set LORA_CLIENT_TOKEN); the admin token is accepted there too",
+    )
+    serve.add_argument(
+        "--allow-request-adapters",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="let generation requests register adapters with lora.local_path (default: on)",
     )
     serve.add_argument(
         "--device", default=None, help="torch device (default: cuda if available, else cpu)"
@@ -105,10 +123,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _admin_token(path: Path | None) -> str | None:
+def _token(path: Path | None, env: str) -> str | None:
+    """A token from its file (mounted from a Secret), else from the environment variable."""
     if path is not None:
         return path.read_text().strip() or None
-    return os.environ.get("LORA_ADMIN_TOKEN") or None
+    return os.environ.get(env) or None
 
 
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
@@ -118,13 +137,16 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         model=args.model,
         served_model_name=args.served_model_name,
         adapter_root=args.adapter_root,
+        pod_labels_file=args.pod_labels_file,
         allowed_roots=tuple(args.allowed_roots),
         static_loras=tuple(args.static_loras),
         accepted_base_models=tuple(args.accepted_base_models),
         max_loras=args.max_loras,
         max_cpu_loras=args.max_cpu_loras,
         max_lora_rank=args.max_lora_rank,
-        admin_token=_admin_token(args.admin_token_file),
+        admin_token=_token(args.admin_token_file, "LORA_ADMIN_TOKEN"),
+        client_token=_token(args.client_token_file, "LORA_CLIENT_TOKEN"),
+        allow_request_adapters=args.allow_request_adapters,
         device=args.device or default_device(),
         dtype=args.dtype,
         max_batch_size=args.max_batch_size,

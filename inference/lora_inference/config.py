@@ -21,6 +21,9 @@ class ServerConfig:
     model: Path
     served_model_name: str = ""
     adapter_root: Path | None = None
+    # This pod's labels (a Downward API `metadata.labels` file): with it, the resolver serves
+    # only adapters whose published target matches them; without it, every adapter on the root.
+    pod_labels_file: Path | None = None
     allowed_roots: tuple[Path, ...] = ()
     static_loras: tuple[StaticLora, ...] = ()
     # base_model_name_or_path values (from adapter_config.json) accepted besides the model's own
@@ -30,6 +33,11 @@ class ServerConfig:
     max_cpu_loras: int = 32
     max_lora_rank: int = 128
     admin_token: str | None = None
+    # Bearer token for generation and the read endpoints (/v1/models, /v1/adapters); the admin
+    # token is accepted there too. None: those endpoints are open.
+    client_token: str | None = None
+    # Whether a generation request may register an adapter itself (`lora.local_path`).
+    allow_request_adapters: bool = True
     device: str = "cpu"
     dtype: str = "auto"
     max_batch_size: int = 4

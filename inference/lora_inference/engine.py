@@ -34,8 +34,14 @@ from typing import Any, TypeVar
 from PIL import Image
 
 from lora_inference import errors, scheduling
-from lora_inference.adapters import cache, files, layout
-from lora_inference.adapters.registry import AdapterRecord, Origin, Registry, next_version
+from lora_inference.adapters import cache, files, layout, targeting
+from lora_inference.adapters.registry import (
+    AdapterRecord,
+    Origin,
+    Registry,
+    next_version,
+    plan_register,
+)
 from lora_inference.config import ServerConfig
 from lora_inference.metrics import Metrics
 from lora_inference.pipeline import BatchOutcome, DiffusionBackend, ImageJob, ParsedAdapter
@@ -177,17 +183,9 @@ class Engine:
             )
         async with self._register_lock:
             existing = self.registry.get(name)
-            if existing is not None and not load_inplace:
-                raise errors.AdapterConflict(
-                    f"adapter {name!r} is already loaded (from {existing.path}); unload it first "
-                    "or pass load_inplace: true to replace it",
-                    param="lora_name",
-                )
-            if existing is not None and existing.origin == "static" and origin != "static":
-                raise errors.AdapterConflict(
-                    f"adapter {name!r} was given on the command line and cannot be replaced",
-                    param="lora_name",
-                )
+            decision = plan_register(existing, origin, resolved, load_inplace=load_inplace)
+            if decision == "reuse" and existing is not None:
+                return existing
             if pinned and (existing is None or not existing.pinned):
                 pinned_now = len(self.registry.pinned())
                 if pinned_now >= self.config.max_loras:
@@ -251,13 +249,23 @@ class Engine:
         return record
 
     async def resolve(self, name: str, *, param: str = "model") -> AdapterRecord:
-        """The record for `name`: registered, or found on the adapter root and registered now."""
+        """The record for `name`: registered, or found on the adapter root and registered now.
+
+        A name a request registered is looked up on the adapter root too: what the operator
+        published under that name replaces it.
+        """
         record = self.registry.get(name)
-        if record is not None:
+        if record is not None and record.origin != "request":
             return record
         layout.check_adapter_name(name, param=param)
-        root = self.config.adapter_root
-        found = layout.resolve_on_root(root, name) if root is not None else None
+        try:
+            found = self._published(name, param=param)
+        except errors.AdapterNotFound:
+            if record is not None:
+                return record  # published, but for other pods: the request's adapter stays
+            raise
+        if found is None and record is not None:
+            return record
         if found is None:
             raise errors.AdapterNotFound(
                 f"the model '{name}' does not exist: it is neither the base model "
@@ -274,28 +282,55 @@ class Engine:
                 raise
             return record
 
+    def _published(self, name: str, *, param: str) -> Path | None:
+        """The adapter `name` on the adapter root, if it is there and meant for this pod.
+
+        Published for other pods (their LoRAAdapter's selector or base model does not match
+        this one): AdapterNotFound, as for an unknown name, saying why. A server that does not
+        know its labels, or an adapter without a target (a volume filled by hand), serves it.
+        """
+        root = self.config.adapter_root
+        found = layout.resolve_on_root(root, name) if root is not None else None
+        labels_file = self.config.pod_labels_file
+        if found is None or root is None or labels_file is None:
+            return found
+        target = layout.read_target(root, name)
+        if target is None:
+            return found
+        try:
+            labels = targeting.parse_pod_labels(labels_file.read_text())
+        except OSError as e:
+            raise errors.AdapterNotFound(
+                f"the model '{name}' cannot be resolved: this pod's labels ({labels_file}) "
+                f"cannot be read: {e}",
+                param=param,
+            ) from e
+        reason = targeting.refusal(target, labels, self.config.model_id)
+        if reason is not None:
+            raise errors.AdapterNotFound(
+                f"the model '{name}' is not served by this pod: {reason}; send the request to "
+                "a pod its LoRAAdapter selects",
+                param=param,
+            )
+        return found
+
     async def register_from_request(self, name: str, local_path: str) -> AdapterRecord:
         """The request-level path (`lora.local_path`): same checks and cache as the API."""
+        if not self.config.allow_request_adapters:
+            raise errors.Forbidden(
+                "this server does not let requests register adapters (lora.local_path): name "
+                "an adapter it serves in 'model' (GET /v1/models), or start the server with "
+                "--allow-request-adapters (the chart's inference.allowRequestAdapters)",
+                param="lora.local_path",
+            )
         resolved = layout.resolve_allowed(
             local_path, self.config.path_roots, param="lora.local_path"
         )
         existing = self.registry.get(name)
-        if existing is not None:
-            if existing.path == resolved:
-                return existing
-            raise errors.AdapterConflict(
-                f"adapter {name!r} is already loaded from {existing.path}, not {resolved}; "
-                "use another name or replace it with load_lora_adapter and load_inplace",
-                param="lora.name",
-            )
-        try:
-            async with self._admission():
-                return await self.register(name, resolved, origin="request")
-        except errors.AdapterConflict:
-            record = self.registry.get(name)
-            if record is not None and record.path == resolved:
-                return record
-            raise
+        if plan_register(existing, "request", resolved) == "reuse" and existing is not None:
+            return existing
+        async with self._admission():
+            return await self.register(name, resolved, origin="request")
 
     def tier_of(self, record: AdapterRecord) -> str:
         if record.key in self.gpu:

@@ -36,11 +36,15 @@ class Unauthorized(InferenceError):
     error_type = "AuthenticationError"
 
 
-class PathForbidden(InferenceError):
-    """A path outside every allowed root (after resolving symlinks and `..`)."""
+class Forbidden(InferenceError):
+    """Something this server was started not to allow (request-level adapter registration)."""
 
     status = 403
     error_type = "PermissionDeniedError"
+
+
+class PathForbidden(Forbidden):
+    """A path outside every allowed root (after resolving symlinks and `..`)."""
 
 
 class AdapterNotFound(InferenceError):

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import kopf
+from lora_inference.adapters import targeting
 
 from lora_operator import errors, events, gc, peering, planning, podstate, sources, staging
 from lora_operator import status as status_mod
@@ -92,7 +93,10 @@ class Volume(Protocol):
         credentials: sources.Credentials | None = None,
         sha256: str | None = None,
         progress: staging.ProgressCallback | None = None,
+        target: targeting.Target | None = None,
     ) -> staging.StagedRevision: ...
+
+    def publish_target(self, namespace: str, name: str, target: targeting.Target) -> bool: ...
 
     async def unpublish(self, namespace: str, name: str) -> bool: ...
 
@@ -352,6 +356,9 @@ class Controller:
             return  # refused for good: retried when the spec changes
         current = self.volume.current_revision(info.namespace, info.name)
         if not needs_staging(info, state.observed_generation, current):
+            # Staged already, perhaps by a release that published no target: the pods'
+            # resolvers must still learn which of them it is for.
+            self._publish_target(info)
             return
         if state.observed_generation != info.generation:
             state.attempts, state.permanent = 0, False
@@ -402,6 +409,7 @@ class Controller:
             credentials=await self._credentials(info),
             sha256=info.source.sha256,
             progress=progress,
+            target=info.target,
         )
         seconds = time.monotonic() - started
         state.succeeded(
@@ -425,6 +433,14 @@ class Controller:
         )
         self._wake_namespace(info.namespace)
         self._collect_event.set()
+
+    def _publish_target(self, info: AdapterInfo) -> None:
+        try:
+            if self.volume.publish_target(info.namespace, info.name, info.target):
+                log.info("action=published-target adapter=%s/%s", *info.key)
+        except errors.StagingError as e:
+            # Pods keep the previous target (or none) until the next try: the next change.
+            log.warning("action=published-target adapter=%s/%s error=%s", *info.key, e)
 
     def _staging_failed(self, rec: AdapterRecord, e: errors.StagingError) -> float | None:
         """Record a failure; the delay before the next attempt (None: permanent)."""

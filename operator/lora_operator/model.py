@@ -19,6 +19,13 @@ from dataclasses import dataclass, field
 from pathlib import PurePosixPath
 from typing import Any
 
+# Label selectors are shared with the inference server, which checks the same selectors against
+# its own labels before it resolves an adapter from the volume; re-exported for the operator.
+from lora_inference.adapters.targeting import Requirement as Requirement
+from lora_inference.adapters.targeting import Selector as Selector
+from lora_inference.adapters.targeting import Target
+from lora_inference.adapters.targeting import parse_selector as parse_selector
+
 INFERENCE_LABEL = "lora.dev/inference"
 PORT_ANNOTATION = "lora.dev/port"
 ADAPTER_ROOT_ANNOTATION = "lora.dev/adapter-root"
@@ -29,55 +36,6 @@ GROUP = "lora.dev"
 VERSION = "v1alpha1"
 PLURAL = "loraadapters"
 KIND = "LoRAAdapter"
-
-
-@dataclass(frozen=True)
-class Requirement:
-    """One `matchExpressions` entry of a LabelSelector."""
-
-    key: str
-    operator: str  # In, NotIn, Exists, DoesNotExist (the CRD allows nothing else)
-    values: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True)
-class Selector:
-    """A Kubernetes LabelSelector; the empty selector matches every pod."""
-
-    match_labels: tuple[tuple[str, str], ...] = ()
-    expressions: tuple[Requirement, ...] = ()
-
-    def matches(self, labels: Mapping[str, str]) -> bool:
-        if any(labels.get(k) != v for k, v in self.match_labels):
-            return False
-        return all(_satisfies(r, labels) for r in self.expressions)
-
-
-def _satisfies(r: Requirement, labels: Mapping[str, str]) -> bool:
-    present = r.key in labels
-    if r.operator == "In":
-        return present and labels[r.key] in r.values
-    if r.operator == "NotIn":
-        return not present or labels[r.key] not in r.values
-    if r.operator == "Exists":
-        return present
-    if r.operator == "DoesNotExist":
-        return not present
-    raise ValueError(f"unknown label selector operator {r.operator!r}")
-
-
-def parse_selector(raw: Mapping[str, Any] | None) -> Selector:
-    raw = raw or {}
-    labels = tuple(sorted((str(k), str(v)) for k, v in (raw.get("matchLabels") or {}).items()))
-    expressions = tuple(
-        Requirement(
-            key=str(e["key"]),
-            operator=str(e["operator"]),
-            values=tuple(str(v) for v in e.get("values") or ()),
-        )
-        for e in raw.get("matchExpressions") or ()
-    )
-    return Selector(match_labels=labels, expressions=expressions)
 
 
 @dataclass(frozen=True)
@@ -172,6 +130,11 @@ class AdapterInfo:
     @property
     def key(self) -> tuple[str, str]:
         return (self.namespace, self.name)
+
+    @property
+    def target(self) -> Target:
+        """What the operator publishes next to the staged adapter for the pods' resolvers."""
+        return Target(base_model=self.base_model, selector=self.selector)
 
     def targets(self, pod: PodInfo, pod_base_model: str | None) -> bool:
         """Whether this adapter belongs on `pod` (a Ready pod whose base model is known)."""

@@ -3,7 +3,8 @@
 Owns every write to the volume (layout in `lora_inference.adapters.layout`). A download streams
 into `<volume>/.tmp/` while it is hashed and counted; only a verified file is hard-linked into
 the content store `.objects/sha256/<hex>.safetensors`, a revision directory is built in `.tmp/`
-and renamed into place, and `current` is a new symlink renamed over the old one. So a kill at any
+and renamed into place, the adapter's target (which pods it is for) is a file renamed into place,
+and `current` is a new symlink renamed over the old one. So a kill at any
 point leaves at most files under `.tmp/` (removed by `clean_tmp`), never a partial revision.
 Fetching is injected (`fetchers.fetch` by default); nothing here speaks a network protocol.
 """
@@ -26,7 +27,7 @@ from pathlib import Path
 from typing import BinaryIO, TypeVar
 
 from lora_inference import errors as inference_errors
-from lora_inference.adapters import files, layout
+from lora_inference.adapters import files, layout, targeting
 
 from lora_operator import errors, fetchers, gc, sources
 
@@ -237,10 +238,12 @@ class Store:
         credentials: sources.Credentials | None = None,
         sha256: str | None = None,
         progress: ProgressCallback | None = None,
+        target: targeting.Target | None = None,
     ) -> StagedRevision:
         """Make `source` the current revision of `namespace/name`; idempotent.
 
-        With a `sha256` pin whose content is already stored, nothing is downloaded.
+        With a `sha256` pin whose content is already stored, nothing is downloaded. `target`
+        (the pods the adapter is for) is published before `current`.
         """
         _check_name(namespace, "namespace")
         _check_name(name, "adapter name")
@@ -255,7 +258,7 @@ class Store:
                 async with self._publish_lock:
                     if layout.object_path(self.root, pin).is_file():
                         return await _to_thread_to_the_end(
-                            self._publish, namespace, name, pin, None
+                            self._publish, namespace, name, pin, None, target
                         )
             tmp_root = layout.tmp_dir(self.root)
             try:
@@ -280,7 +283,9 @@ class Store:
                     )
                 await asyncio.to_thread(verify_lora_file, tmp, description)
                 async with self._publish_lock:
-                    return await _to_thread_to_the_end(self._publish, namespace, name, digest, tmp)
+                    return await _to_thread_to_the_end(
+                        self._publish, namespace, name, digest, tmp, target
+                    )
             finally:
                 tmp.unlink(missing_ok=True)
 
@@ -289,6 +294,17 @@ class Store:
 
     def clean_tmp(self) -> int:
         return clean_tmp(self.root)
+
+    def publish_target(self, namespace: str, name: str, target: targeting.Target) -> bool:
+        """Replace the target of an adapter already staged (a selector changed, or a staging
+        that published none); whether anything was written. Nothing when it has no `current`."""
+        ns_root = layout.namespace_root(self.root, namespace)
+        if not layout.current_link(ns_root, name).is_symlink():
+            return False
+        try:
+            return _write_target(self.root, ns_root, name, target)
+        except OSError as e:
+            raise disk_error(e) from e
 
     async def unpublish(self, namespace: str, name: str) -> bool:
         """Remove the adapter's `current` (its deletion); `collect` then frees its files."""
@@ -304,14 +320,26 @@ class Store:
             freed = await asyncio.to_thread(gc.apply_gc, self.root, plan) if plan else 0
         return plan, freed
 
-    def _publish(self, namespace: str, name: str, digest: str, tmp: Path | None) -> StagedRevision:
+    def _publish(
+        self,
+        namespace: str,
+        name: str,
+        digest: str,
+        tmp: Path | None,
+        target: targeting.Target | None,
+    ) -> StagedRevision:
         try:
-            return self._publish_unchecked(namespace, name, digest, tmp)
+            return self._publish_unchecked(namespace, name, digest, tmp, target)
         except OSError as e:
             raise disk_error(e) from e
 
     def _publish_unchecked(
-        self, namespace: str, name: str, digest: str, tmp: Path | None
+        self,
+        namespace: str,
+        name: str,
+        digest: str,
+        tmp: Path | None,
+        target: targeting.Target | None,
     ) -> StagedRevision:
         obj = layout.object_path(self.root, digest)
         obj.parent.mkdir(parents=True, exist_ok=True)
@@ -341,6 +369,9 @@ class Store:
                 _fsync_dir(revision.parent)
             finally:
                 shutil.rmtree(building, ignore_errors=True)
+        if target is not None:
+            # Before `current`: a pod that sees the adapter also sees which pods it is for.
+            _write_target(self.root, ns_root, name, target)
         _point_current(self.root, ns_root, name, digest)
         return StagedRevision(
             namespace=namespace,
@@ -380,6 +411,28 @@ def _point_current(volume_root: Path, ns_root: Path, name: str, digest: str) -> 
     _fsync_dir(link.parent)
 
 
+def _write_target(volume_root: Path, ns_root: Path, name: str, target: targeting.Target) -> bool:
+    """Publish `target` next to the adapter, atomically (written in .tmp/, renamed over)."""
+    path = layout.target_file(ns_root, name)
+    text = target.to_json()
+    with contextlib.suppress(OSError):
+        if path.read_text() == text:
+            return False
+    tmp = layout.tmp_dir(volume_root) / f"target-{os.urandom(8).hex()}"
+    try:
+        with tmp.open("w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o444)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    _fsync_dir(path.parent)
+    return True
+
+
 def current_revision(volume_root: Path, namespace: str, name: str) -> str | None:
     """The SHA-256 `current` points at, or None when the adapter has none."""
     link = layout.current_link(layout.namespace_root(volume_root, namespace), name)
@@ -390,10 +443,13 @@ def current_revision(volume_root: Path, namespace: str, name: str) -> str | None
 
 def remove_current(volume_root: Path, namespace: str, name: str) -> bool:
     """Unpublish an adapter (its deletion): pods stop resolving it; GC then frees its files."""
-    link = layout.current_link(layout.namespace_root(volume_root, namespace), name)
+    ns_root = layout.namespace_root(volume_root, namespace)
+    link = layout.current_link(ns_root, name)
     if not link.is_symlink():
         return False
     link.unlink()
+    # After the link: a pod never sees a published adapter without its target.
+    layout.target_file(ns_root, name).unlink(missing_ok=True)
     _fsync_dir(link.parent)
     return True
 
@@ -510,7 +566,7 @@ def check_volume(volume_root: Path) -> None:
 
 
 def _check_not_other_namespace(volume_root: Path, path: Path, namespace: str) -> None:
-    """A volume path must lie in the adapter's own namespace folder or in `shared/`: a
+    """A volume path must lie in the adapter's own namespace folder or in `_shared/`: a
     namespace's folder is what its pods read, and no other namespace may copy from it."""
     try:
         parts = path.resolve().relative_to(volume_root.resolve()).parts

@@ -93,8 +93,9 @@ class Server:
             except ValueError:
                 return resp.status, text
 
-    async def get(self, path: str) -> tuple[int, Any]:
-        async with self.session.get(self.url(path)) as resp:
+    async def get(self, path: str, *, token: str | None = None) -> tuple[int, Any]:
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        async with self.session.get(self.url(path), headers=headers) as resp:
             return resp.status, await resp.json(content_type=None)
 
     async def load(self, name: str, path: Path, **extra: Any) -> None:

@@ -12,6 +12,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -172,3 +173,21 @@ def test_serve_exits_when_the_model_cannot_load(tmp_path: Path) -> None:
     )
     assert result.returncode == 1
     assert "startup failed" in result.stderr
+
+
+def test_serve_reads_the_client_token_and_the_request_adapter_switch(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from lora_inference.cli import build_parser, config_from_args
+
+    def config(*extra: str) -> Any:
+        return config_from_args(build_parser().parse_args(["serve", "--model", "m", *extra]))
+
+    monkeypatch.delenv("LORA_CLIENT_TOKEN", raising=False)
+    assert config().client_token is None and config().allow_request_adapters
+    assert not config("--no-allow-request-adapters").allow_request_adapters
+    monkeypatch.setenv("LORA_CLIENT_TOKEN", "from-env")
+    assert config().client_token == "from-env"
+    token = tmp_path / "token"
+    token.write_text("from-file\n")
+    assert config("--client-token-file", str(token)).client_token == "from-file"

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from lora_inference.adapters import layout, targeting
 from lora_operator import errors, planning, staging
 from lora_operator.config import OperatorConfig
 from lora_operator.controller import Controller, needs_staging
@@ -435,3 +436,36 @@ def test_the_fakes_speak_the_real_interfaces() -> None:
                 assert list(inspect.signature(getattr(fake, name)).parameters) == list(
                     inspect.signature(getattr(real, name)).parameters
                 ), name
+
+
+async def test_the_target_is_published_with_the_adapter_and_after_a_restart(
+    tmp_path: Path,
+) -> None:
+    selector = {"matchLabels": {"tier": "gpu"}}
+    target_file = layout.target_file(layout.namespace_root(tmp_path / "volume", NS), "a")
+    async with Rig(tmp_path) as rig:
+        rig.controller.start()
+        body = adapter(rig.volume, "a", selector=selector)
+        rig.controller.adapter_changed(body)
+        await until("staged", lambda: any(s.get("staged") for s in rig.api.status.get("a", [])))
+        assert targeting.parse_target(target_file.read_text()) == targeting.Target(
+            "sd", targeting.parse_selector(selector)
+        )
+        status = next(s for s in reversed(rig.api.status["a"]) if s.get("staged"))
+    # Staged by a release that published no target: a restarted operator publishes it without
+    # staging again.
+    target_file.unlink()
+    restarted = Controller(
+        OperatorConfig(volume_root=rig.volume, **FAST),
+        pods=FakePods(rig.log),
+        volume=rig.store,
+        api=FakeApi(),
+        identity="me",
+    )
+    restarted.start()
+    try:
+        restarted.adapter_changed({**body, "status": status})
+        await until("target published", target_file.exists)
+        assert restarted.adapters[(NS, "a")].staging_task is None
+    finally:
+        await restarted.stop()

@@ -146,7 +146,7 @@ def test_the_api_server_refuses_mistakes_and_says_what_to_fix(
         {"uri": "hf://acme/styles/pixel/pytorch_lora_weights.safetensors"},
         {"uri": "https://example.com/pixel.safetensors", "sha256": "ab" * 32},
         {"uri": "s3://my-bucket/loras/pixel.safetensors", "secretRef": {"name": "s3"}},
-        {"uri": "/adapters/shared/pixel"},
+        {"uri": "/adapters/_shared/pixel"},
     ],
     ids=["hf-revision", "hf-file", "https-pinned", "s3", "volume-path"],
 )

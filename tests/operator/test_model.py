@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import pytest
 from lora_operator import model
 from lora_operator.controller import needs_staging
 
@@ -43,33 +42,6 @@ def test_pod_defaults_and_unready_or_deleting_pods_are_not_reachable() -> None:
     body = pod_body()
     body["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:00Z"
     assert model.pod_info(body).reachable is False
-
-
-@pytest.mark.parametrize(
-    ("selector", "matches"),
-    [
-        ({}, True),
-        ({"matchLabels": {"tier": "gpu"}}, True),
-        ({"matchLabels": {"tier": "cpu"}}, False),
-        ({"matchExpressions": [{"key": "tier", "operator": "In", "values": ["gpu", "x"]}]}, True),
-        ({"matchExpressions": [{"key": "tier", "operator": "NotIn", "values": ["gpu"]}]}, False),
-        ({"matchExpressions": [{"key": "zone", "operator": "NotIn", "values": ["a"]}]}, True),
-        ({"matchExpressions": [{"key": "tier", "operator": "Exists"}]}, True),
-        ({"matchExpressions": [{"key": "tier", "operator": "DoesNotExist"}]}, False),
-        (
-            {
-                "matchLabels": {"tier": "gpu"},
-                "matchExpressions": [{"key": "zone", "operator": "Exists"}],
-            },
-            False,
-        ),
-    ],
-)
-def test_label_selectors(selector: dict[str, Any], matches: bool) -> None:
-    assert (
-        model.parse_selector(selector).matches({"lora.dev/inference": "true", "tier": "gpu"})
-        is matches
-    )
 
 
 def adapter_body(**status: Any) -> dict[str, Any]:

@@ -8,11 +8,11 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from lora_inference.adapters import files, layout
+from lora_inference.adapters import files, layout, targeting
 from lora_operator import errors, sources, staging
 
 from tests.operator.conftest import lora_bytes, sha
-from tests.operator.test_staging_https import NS, tmp_entries, visible
+from tests.operator.test_staging_https import NS, make_store, tmp_entries, visible
 
 
 def shared(volume: Path) -> Path:
@@ -91,7 +91,7 @@ def test_a_killed_staging_leaves_only_a_temp_file(tmp_path: Path) -> None:
     )
     proc = subprocess.run([sys.executable, "-c", script], timeout=60, capture_output=True)
     assert proc.returncode == 9, proc.stderr.decode()
-    assert visible(tmp_path) == ["shared", "shared/w.safetensors"]
+    assert visible(tmp_path) == ["_shared", "_shared/w.safetensors"]
     assert len(tmp_entries(tmp_path)) == 1
     assert staging.clean_tmp(tmp_path) == 1
     assert tmp_entries(tmp_path) == []
@@ -133,10 +133,43 @@ async def test_another_namespaces_folder_is_out_of_reach(tmp_path: Path) -> None
     dropped = tmp_path / "team-b" / "src" / "w.safetensors"  # a file team-b's pods can read
     dropped.parent.mkdir(parents=True)
     dropped.write_bytes(data)
-    loose = tmp_path / "loose.safetensors"  # top level: neither a namespace nor shared/
+    loose = tmp_path / "loose.safetensors"  # top level: neither a namespace nor _shared/
     loose.write_bytes(data)
     for path in (current, theirs.path / layout.WEIGHTS_FILE, dropped, loose):
         with pytest.raises(errors.InvalidSource, match="outside this namespace's folder"):
             await store.stage("team-a", "copy", sources.VolumeSource(path))
     mine = await store.stage("team-b", "copy", sources.VolumeSource(current))
     assert mine.sha256 == theirs.sha256
+
+
+async def test_the_target_is_published_before_current_and_follows_the_spec(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (shared(tmp_path) / "w.safetensors").write_bytes(lora_bytes(1))
+    source = sources.VolumeSource(shared(tmp_path) / "w.safetensors")
+    ns_root = layout.namespace_root(tmp_path, NS)
+    gpu = targeting.Target("sd", targeting.parse_selector({"matchLabels": {"tier": "gpu"}}))
+    seen_first: list[targeting.Target | None] = []
+    point_current = staging._point_current
+
+    def checking(volume_root: Path, ns: Path, name: str, digest: str) -> None:
+        seen_first.append(layout.read_target(ns, name))
+        point_current(volume_root, ns, name, digest)
+
+    monkeypatch.setattr(staging, "_point_current", checking)
+    store = make_store(tmp_path)
+    await store.stage(NS, "x", source, target=gpu)
+    assert seen_first == [gpu]
+    assert layout.read_target(ns_root, "x") == gpu
+    # A selector change with the same weights: the target alone is replaced.
+    cpu = targeting.Target("sd", targeting.parse_selector({"matchLabels": {"tier": "cpu"}}))
+    assert store.publish_target(NS, "x", cpu) is True
+    assert store.publish_target(NS, "x", cpu) is False  # unchanged: nothing written
+    assert layout.read_target(ns_root, "x") == cpu
+    assert tmp_entries(tmp_path) == []
+    # Unpublished: neither `current` nor the target, and the leftover directory is not
+    # mistaken for a hand-filled adapter.
+    assert await store.unpublish(NS, "x")
+    assert layout.read_target(ns_root, "x") is None
+    assert layout.resolve_on_root(ns_root, "x") is None
+    assert store.publish_target(NS, "x", cpu) is False  # nothing to describe

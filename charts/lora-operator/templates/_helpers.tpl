@@ -95,6 +95,10 @@ Where the admin token Secret is mounted, in the operator and in inference pods.
 /var/run/lora/admin-token
 {{- end }}
 
+{{- define "lora-operator.clientTokenDir" -}}
+/var/run/lora/client-token
+{{- end }}
+
 {{- define "lora-operator.image" -}}
 {{- printf "%s:%s" .image.repository (default .chart.AppVersion .image.tag) }}
 {{- end }}

@@ -5,14 +5,18 @@ layout is defined here, once, for both sides (this module imports no torch):
 
     <adapter-root>/<name>/current            symlink -> revisions/<sha256>
     <adapter-root>/<name>/revisions/<sha256>/  the adapter's files, never changed once published
+    <adapter-root>/<name>/target.json        which pods it is for (adapters.targeting.Target)
 
 `current` is replaced atomically (a new symlink renamed over the old one), so a reader sees either
-the old revision or the new one, never a half-written directory. A pod is given the root of its
+the old revision or the new one, never a half-written directory. `target.json` is replaced the
+same way (a file renamed over the old one), and written before `current` first points anywhere,
+so a resolver never sees a published adapter without it; it is outside the revision because a
+selector can change while the weights do not. A pod is given the root of its
 own namespace as `--adapter-root`. Next to the namespaces, the operator keeps its own folders:
 
     <volume-root>/.objects/sha256/<sha256>.safetensors   each content stored once
     <volume-root>/.tmp/                                  downloads in progress, cleared at start
-    <volume-root>/shared/                                files any namespace may stage from
+    <volume-root>/_shared/                               files any namespace may stage from
 
 and every revision directory holds a hard link to its object named
 `pytorch_lora_weights.safetensors`. A plain adapter directory or `<name>.safetensors` file
@@ -26,15 +30,19 @@ from pathlib import Path, PurePath
 from typing import TypeVar
 
 from lora_inference import errors
+from lora_inference.adapters import targeting
 
 _P = TypeVar("_P", bound=PurePath)
 
 CURRENT = "current"
+TARGET = "target.json"
 REVISIONS = "revisions"
 OBJECTS = ".objects"
 # A folder of the volume that every namespace's LoRAAdapters may copy from (volume-path
-# sources); everything else a volume path may name lies in the adapter's own namespace.
-SHARED = "shared"
+# sources); everything else a volume path may name lies in the adapter's own namespace. It
+# starts with `_`, which no Kubernetes namespace name can: a namespace called `shared` would
+# otherwise have this folder as its adapter root.
+SHARED = "_shared"
 TMP = ".tmp"
 # The name diffusers' training scripts use; `files.find_weights_file` looks for it first.
 WEIGHTS_FILE = "pytorch_lora_weights.safetensors"
@@ -66,6 +74,26 @@ def current_link(root: Path, name: str) -> Path:
     return root / name / CURRENT
 
 
+def target_file(root: Path, name: str) -> Path:
+    return root / name / TARGET
+
+
+def read_target(root: Path, name: str) -> targeting.Target | None:
+    """The pods `name` is meant for, or None when the volume does not say (filled by hand)."""
+    try:
+        text = target_file(root, name).read_text()
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise errors.AdapterNotFound(f"reading the target of adapter {name!r} failed: {e}") from e
+    try:
+        return targeting.parse_target(text)
+    except ValueError as e:
+        raise errors.AdapterNotFound(
+            f"the target of adapter {name!r} on the volume is damaged ({e}); stage it again"
+        ) from e
+
+
 def namespace_root(volume_root: Path, namespace: str) -> Path:
     """The adapter root of one namespace: what its pods get as `--adapter-root`."""
     return volume_root / namespace
@@ -87,7 +115,10 @@ def resolve_on_root(root: Path, name: str) -> Path | None:
     if link.exists():
         return link.resolve()
     for candidate in (root / name, root / f"{name}.safetensors"):
-        if candidate.exists() and not (candidate / REVISIONS).exists():
+        # An adapter directory the operator manages is never a hand-filled adapter, even
+        # when it has no `current` (unpublished, not collected yet).
+        managed = (candidate / REVISIONS).exists() or (candidate / TARGET).exists()
+        if candidate.exists() and not managed:
             return candidate.resolve()
     return None
 

@@ -4,6 +4,10 @@ Registration is unlimited and cheap: a record is a path and a hash. Records are 
 in-place swap registers a new record under the same name with a new `version`, so requests that
 were admitted before the swap keep the record they resolved and finish with the old weights.
 
+Who may take a name is decided here too (`plan_register`): names the operator manages (loaded
+through the admin API, resolved from the volume it publishes, or given on the command line) always
+win over names a client registered in a generation request.
+
 Imports no torch: it is pure bookkeeping.
 """
 
@@ -15,7 +19,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from lora_inference import errors
+
 Origin = Literal["static", "api", "resolver", "request"]
+# What `plan_register` tells the engine to do with a name: register a new record (`add`),
+# register one over the existing record (`replace`: the old one is retired and leaves every tier
+# once no request holds it), or answer with the existing record (`reuse`).
+Registration = Literal["add", "replace", "reuse"]
 
 _versions = itertools.count(1)
 
@@ -47,6 +57,58 @@ class AdapterRecord:
         adapter must coexist with its predecessor for a moment; a version-derived key gives both.
         """
         return f"lora_v{self.version}"
+
+
+def plan_register(
+    existing: AdapterRecord | None,
+    origin: Origin,
+    path: Path,
+    *,
+    load_inplace: bool = False,
+) -> Registration:
+    """Decide what registering `path` as a name held by `existing` does (pure: changes nothing).
+
+    Raises AdapterConflict, saying what to do instead, when the registration must be refused.
+    A request (`lora.local_path`) never takes or replaces a name the server or its operator
+    manages (`static`, `api`, `resolver`): otherwise a client could shadow an adapter before the
+    operator loads it and make that load fail. The other way round, an admin load or a
+    resolver hit replaces a request's registration without `load_inplace`: the operator must not
+    see a conflict it did not cause.
+    """
+    if existing is None:
+        return "add"
+    name = existing.name
+    if origin == "request":
+        if existing.path == path:
+            return "reuse"
+        if existing.origin != "request":
+            raise errors.AdapterConflict(
+                f"adapter {name!r} is managed by the server (loaded through the admin API, "
+                f"from the adapter volume or the command line); a request cannot replace it: "
+                "name it in 'model' without 'lora.local_path', or use another name",
+                param="lora.name",
+            )
+        raise errors.AdapterConflict(
+            f"adapter {name!r} is already loaded from {existing.path}, not {path}; "
+            "use another name or replace it with load_lora_adapter and load_inplace",
+            param="lora.name",
+        )
+    if existing.origin == "static":
+        raise errors.AdapterConflict(
+            f"adapter {name!r} was given on the command line and cannot be replaced",
+            param="lora_name",
+        )
+    if existing.origin == "request":
+        return "replace"
+    if origin == "resolver":
+        return "reuse"  # another request resolved the same name first
+    if not load_inplace:
+        raise errors.AdapterConflict(
+            f"adapter {name!r} is already loaded (from {existing.path}); unload it first "
+            "or pass load_inplace: true to replace it",
+            param="lora_name",
+        )
+    return "replace"
 
 
 @dataclass
