@@ -74,7 +74,7 @@ build kube-scheduler k8s k8s.io/kubernetes/cmd/kube-scheduler "$kver"
 build kubelet k8s k8s.io/kubernetes/cmd/kubelet "$kver"
 build kube-proxy k8s k8s.io/kubernetes/cmd/kube-proxy "$kver"
 build kubectl k8s k8s.io/kubernetes/cmd/kubectl "$kver"
-build coredns coredns github.com/coredns/coredns ""
+build coredns coredns . ""
 build local-path-provisioner local-path github.com/rancher/local-path-provisioner ""
 build helm helm helm.sh/helm/v3/cmd/helm "-X helm.sh/helm/v3/internal/version.version=$HELM_VERSION"
 

@@ -382,7 +382,7 @@ WORK_RULES = [
     {"apiGroups": ["lora.dev"], "resources": ["loraadapters/status"], "verbs": ["get", "patch"]},
     {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
     {"apiGroups": [""], "resources": ["secrets"], "verbs": ["get"]},
-    {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},
+    {"apiGroups": ["events.k8s.io"], "resources": ["events"], "verbs": ["create", "patch"]},
 ]
 CRD_RULE = {
     "apiGroups": ["apiextensions.k8s.io"],
