@@ -136,11 +136,13 @@ def inference_deployment(
     *,
     watched: bool = True,
     readiness: bool = True,
+    model: str = MODEL_NAME,
 ) -> Obj:
     """Inference pods from the project's image, as the chart runs them (non-root, read-only
     root filesystem, /tmp on an emptyDir), with the model and the adapter volume from host
     directories. `watched=False` leaves out the label the operator finds pods by;
-    `readiness=False` the readiness probe (the pod is Ready while its process runs)."""
+    `readiness=False` the readiness probe (the pod is Ready while its process runs); `model`
+    names the folder under `model_dir` the pods serve."""
     pod_labels = {"app": name, **(labels or {})}
     if watched:
         pod_labels["lora.dev/inference"] = "true"
@@ -180,7 +182,7 @@ def inference_deployment(
                             "args": [
                                 "serve",
                                 "--model",
-                                f"/models/{MODEL_NAME}",
+                                f"/models/{model}",
                                 "--adapter-root",
                                 f"{POD_VOLUME}/$(POD_NAMESPACE)",
                                 "--device",

@@ -1,6 +1,7 @@
-"""The operator on the local cluster: a real API server, real inference pods (tiny SD 1.5 run by
-the process kubelet), the operator as a real process, the adapter volume as a host directory the
-pods mount. Nothing here touches a LoRAAdapter except to apply, update or delete it.
+"""The operator on the local cluster: a real API server, real inference pods (tiny SD 1.5 in the
+project's image, on the real kubelet), the operator as a real process, the adapter volume as a
+host directory the pods mount. Nothing here touches a LoRAAdapter except to apply, update or
+delete it.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from pathlib import Path
 
 import numpy as np
 from lora_devcluster.harness import Harness
+from lora_inference.tools.random_adapters import write_random_adapter
+from lora_inference.tools.tiny_models import write_tiny_model
 
 from tests.operator import cluster
 from tests.operator.cluster import MODEL_NAME, TOKEN, Models, Operator
@@ -134,14 +137,19 @@ def test_adapter_follows_replicas_restarts_updates_and_deletion(
             lambda: all(cluster.holds(ip, "pixel", sha_b) for ip in ips.values()),
             timeout=180,
         )
-        obj = cluster.wait_phase(h, ns, "pixel", "Ready", "3/3", timeout=60)
+        # (Status writes are paced: the pods may serve the new revision a moment before the
+        # status says so.)
+        h.wait_for(
+            "the status to show the new revision Ready 3/3",
+            lambda: new_revision_ready(cluster.get_adapter(h, ns, "pixel"), sha_b, "3/3"),
+            timeout=60,
+        )
         after = served[0]
         h.wait_for("requests after the update", lambda: served[0] >= after + len(ips), 60)
     finally:
         stop.set()
         thread.join(120)
     assert failures == [], failures[:3]
-    assert obj["status"]["staged"]["sha256"] == sha_b
     h.wait_for(
         "the old revision to be collected",
         lambda: cluster.revisions(volume, ns, "pixel") == [sha_b],
@@ -172,6 +180,12 @@ def test_adapter_follows_replicas_restarts_updates_and_deletion(
     )
     metrics = operator.metrics()
     assert 'lora_operator_pod_loads_total{result="ok"}' in metrics
+
+
+def new_revision_ready(obj: cluster.Obj | None, sha: str, ready: str) -> cluster.Obj | None:
+    st = (obj or {}).get("status") or {}
+    staged = (st.get("staged") or {}).get("sha256")
+    return obj if (st.get("phase"), st.get("ready"), staged) == ("Ready", ready, sha) else None
 
 
 def test_deletion_unpublishes_first_so_no_pod_resolves_an_adapter_being_deleted(
@@ -227,3 +241,37 @@ def test_deletion_unpublishes_first_so_no_pod_resolves_an_adapter_being_deleted(
     )
     assert "pixel" not in cluster.models(target["status"]["podIP"])
     assert "other" in cluster.models(target["status"]["podIP"])
+
+
+def test_two_base_models_each_adapter_lands_on_the_pods_of_its_model(
+    devcluster: Harness, devcluster_namespace: str, operator: Operator, volume: Path, models: Models
+) -> None:
+    """The documented pattern for a second base model: a second Deployment of the same pod
+    contract serving another model; each adapter goes to the pods serving its `baseModel`."""
+    h, ns = devcluster, devcluster_namespace
+    other = "tiny-sd15-other"
+    write_tiny_model(models.root / other, "sd15", seed=1)
+    cluster.readable_by_pods(models.root)
+    for name, model in (("inference", MODEL_NAME), ("inference-other", other)):
+        h.apply(
+            cluster.inference_deployment(
+                h.image("inference"), name, 1, models.root, volume, model=model
+            ),
+            ns,
+        )
+    src, _ = cluster.write_adapter(models, volume / ns / "src" / "mine", seed=1)
+    theirs = write_random_adapter(
+        volume / ns / "src" / "theirs", models.pipe, base_model=other, seed=2
+    )
+    cluster.readable_by_pods(theirs)
+    h.apply(cluster.adapter("mine", str(src)), ns)
+    h.apply(cluster.adapter("theirs", str(theirs), baseModel=other), ns)
+    cluster.wait_phase(h, ns, "mine", "Ready", "1/1", timeout=240)
+    cluster.wait_phase(h, ns, "theirs", "Ready", "1/1", timeout=240)
+    (pod,) = cluster.ready_pods(h, ns, "app=inference", 1)
+    (other_pod,) = cluster.ready_pods(h, ns, "app=inference-other", 1)
+    served = cluster.models(pod["status"]["podIP"])
+    served_other = cluster.models(other_pod["status"]["podIP"])
+    assert "mine" in served and "theirs" not in served, served
+    assert "theirs" in served_other and "mine" not in served_other, served_other
+    assert MODEL_NAME in served and other in served_other
