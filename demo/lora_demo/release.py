@@ -106,16 +106,32 @@ def adapter_status(h: Harness, namespace: str, name: str) -> Obj:
 
 
 def wait_adapter_ready(
-    h: Harness, namespace: str, name: str, ready: str, timeout: float = 240
+    h: Harness,
+    namespace: str,
+    name: str,
+    ready: str,
+    timeout: float = 240,
+    sha256: str | None = None,
 ) -> Obj:
+    """Wait for the status to say Ready `ready` (and, given `sha256`, for that revision).
+
+    The operator paces its status writes, so after a source change the pods may already serve
+    the new revision while the status still shows the old one Ready: name the revision to wait
+    for it.
+    """
+
     def check() -> Obj | None:
         st = adapter_status(h, namespace, name)
         if st.get("phase") == "Failed":
             raise RuntimeError(f"{namespace}/{name} failed: {json.dumps(st.get('conditions'))}")
+        staged = (st.get("staged") or {}).get("sha256")
+        if sha256 is not None and staged != sha256:
+            return None
         return st if st.get("phase") == "Ready" and st.get("ready") == ready else None
 
+    what = f"{namespace}/{name} to be Ready {ready}" + (f" at {sha256[:12]}" if sha256 else "")
     try:
-        return h.wait_for(f"{namespace}/{name} to be Ready {ready}", check, timeout=timeout)
+        return h.wait_for(what, check, timeout=timeout)
     except AssertionError as e:
         raise AssertionError(
             f"{e}; status: {json.dumps(adapter_status(h, namespace, name))}"

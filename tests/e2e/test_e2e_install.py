@@ -120,8 +120,7 @@ def test_install_apply_generate_reconcile_update_delete_uninstall(
             lambda: all(holds(h, ns, p, shas["b"]) for p in current),
             timeout=180,
         )
-        st = release.wait_adapter_ready(h, ns, "pixel-art", f"{N}/{N}", timeout=60)
-        assert st["staged"]["sha256"] == shas["b"]
+        release.wait_adapter_ready(h, ns, "pixel-art", f"{N}/{N}", timeout=60, sha256=shas["b"])
 
         # Deleted: unloaded from every pod, then the object is gone.
         h.kubectl("delete", "loraadapter", "pixel-art", "-n", ns, "--timeout=90s")
