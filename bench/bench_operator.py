@@ -11,14 +11,22 @@ and prints one table with, for each N pods and K adapters:
   (b) restart: SIGKILL one pod's server process and time it until the pod's /v1/models lists all
       K again, against the pod's own restart-to-Ready time plus the bare load of K on one pod;
   (c) at rest: the operator's RSS, and its requests to the API server over a quiet window after
-      everything is Ready, per adapter (target: none beyond watches).
+      everything is Ready, per adapter (target: none beyond watches); then deletion: from
+      `kubectl delete --all` to every object gone and no pod holding one, against the bare
+      POST /v1/unload_lora_adapter calls for the same K on the same N pods;
+  (d) staging: one large adapter file (64 MiB and 1 GiB by default) staged by the operator's
+      store from a local https origin and from a local S3 server (moto), against curl of the
+      same bytes to a file, with the staging process's peak RSS.
 
 The operator authenticates as a ServiceAccount of its own, and FlowSchemas that match only that
 account (by verb class and resource) let the API server count its requests exactly
-(apiserver_flowcontrol_dispatched_requests_total), apart from the kubelet's and this script's.
+(apiserver_flowcontrol_dispatched_requests_total), apart from the kubelet's and this script's:
+the table gives API writes to LoRAAdapters and Event writes per adapter from apply to Ready.
 
-    .venv/bin/python bench/bench_operator.py            # N in 1,3,10; K in 1,50,200
-    .venv/bin/python bench/bench_operator.py --quick    # N in 1,3;    K in 1,50
+    .venv/bin/python bench/bench_operator.py                          # N in 1,3,10; K in 1,50,200
+    .venv/bin/python bench/bench_operator.py --pods 10 --adapters 1000  # the 1000-adapter row
+    .venv/bin/python bench/bench_operator.py --quick                  # N in 1,3;    K in 1,50
+    .venv/bin/python bench/bench_operator.py --staging only           # (d) alone, no cluster
 
 Needs root and the devcluster binaries (`make binaries`), like the cluster tests. Results go in
 docs/benchmarks.md together with the command.
