@@ -4,7 +4,12 @@
 # the Go module proxy, pinned by the wrapper modules beside this script (hack/k8s, hack/etcd,
 # hack/helm, hack/coredns, hack/local-path: their go.mod/go.sum are the pins), into a cache
 # directory keyed by version outside the repository. Idempotent: a binary already in the
-# cache is not rebuilt, so a warm machine returns in about a second.
+# cache is not rebuilt, so a warm machine returns in about a second; a binary whose wrapper
+# module changed since it was built (a pin, or CoreDNS's plugin list) is rebuilt.
+#
+# helm, CoreDNS and local-path-provisioner are pinned to the Kubernetes build's versions of
+# every module they share with it (hack/align-go-modules.py), so Go's build cache compiles
+# client-go and the rest once for all binaries.
 #
 #   hack/build-binaries.sh            build what is missing, print the directory at the end
 #   hack/build-binaries.sh --print-dir   print the directory only (builds nothing)
@@ -46,37 +51,57 @@ mkdir -p "$out"
 start=$SECONDS
 built=0
 
-# build NAME MODULE_DIR PACKAGE LDFLAGS
+# build MODULE_DIR LDFLAGS NAME=PACKAGE...: the binaries of one wrapper module that are not
+# cached yet, in one `go build`, so its packages are loaded once and one binary's link runs
+# beside another's compiles. Several packages are written under their own names (cmd/NAME).
 build() {
-    local name=$1 moddir=$2 pkg=$3 ldflags=$4
-    if [[ -x "$out/$name" ]]; then
-        log "$name: cached"
-        return 0
-    fi
-    log "$name: building $pkg (cold builds take minutes)"
+    local moddir=$1 ldflags=$2
+    shift 2
+    # The wrapper module's files (go.mod, go.sum, any main.go) are what the build is keyed on
+    # besides the versions in the directory name.
+    local pins pair name
+    pins=$(cd "$here/$moddir" && { cat go.mod go.sum ./*.go 2>/dev/null || true; } | sha256sum | cut -c1-16)
+    local names=() pkgs=()
+    for pair in "$@"; do
+        name=${pair%%=*}
+        if [[ -x "$out/$name" && "$(cat "$out/.$name.pins" 2>/dev/null)" == "$pins" ]]; then
+            log "$name: cached"
+        else
+            names+=("$name")
+            pkgs+=("${pair#*=}")
+        fi
+    done
+    ((${#names[@]} > 0)) || return 0
+    log "${names[*]}: building (cold builds take minutes)"
     local t0=$SECONDS
-    # Build to a temporary name and rename, so an interrupted build never leaves a binary
+    # Build into a scratch directory and rename, so an interrupted build never leaves a binary
     # that a later run would take for a finished one.
+    local tmp="$out/.building-$moddir"
+    rm -rf "$tmp"
+    mkdir -p "$tmp"
+    local dest="$tmp/"
+    ((${#names[@]} > 1)) || dest="$tmp/${names[0]}"
     (cd "$here/$moddir" && "$GO" build -p "$jobs" -trimpath -tags=selinux,notest \
-        -ldflags "-s -w $ldflags" -o "$out/.$name.tmp" "$pkg")
-    mv -f "$out/.$name.tmp" "$out/$name"
-    log "$name: built in $((SECONDS - t0)) s"
-    built=$((built + 1))
+        -ldflags "-s -w $ldflags" -o "$dest" "${pkgs[@]}")
+    for name in "${names[@]}"; do
+        mv -f "$tmp/$name" "$out/$name"
+        echo "$pins" >"$out/.$name.pins"
+    done
+    rm -rf "$tmp"
+    log "${names[*]}: built in $((SECONDS - t0)) s"
+    built=$((built + ${#names[@]}))
 }
 
 kver="-X k8s.io/component-base/version.gitVersion=$K8S_VERSION -X k8s.io/component-base/version.gitTreeState=clean"
 kver="$kver -X k8s.io/client-go/pkg/version.gitVersion=$K8S_VERSION"
+kcmd=k8s.io/kubernetes/cmd
 
-build etcd etcd go.etcd.io/etcd/server/v3 ""
-build kube-apiserver k8s k8s.io/kubernetes/cmd/kube-apiserver "$kver"
-build kube-controller-manager k8s k8s.io/kubernetes/cmd/kube-controller-manager "$kver"
-build kube-scheduler k8s k8s.io/kubernetes/cmd/kube-scheduler "$kver"
-build kubelet k8s k8s.io/kubernetes/cmd/kubelet "$kver"
-build kube-proxy k8s k8s.io/kubernetes/cmd/kube-proxy "$kver"
-build kubectl k8s k8s.io/kubernetes/cmd/kubectl "$kver"
-build coredns coredns . ""
-build local-path-provisioner local-path github.com/rancher/local-path-provisioner ""
-build helm helm helm.sh/helm/v3/cmd/helm "-X helm.sh/helm/v3/internal/version.version=$HELM_VERSION"
+build etcd "" etcd=go.etcd.io/etcd/server/v3
+build k8s "$kver" kube-apiserver=$kcmd/kube-apiserver kube-controller-manager=$kcmd/kube-controller-manager \
+    kube-scheduler=$kcmd/kube-scheduler kubelet=$kcmd/kubelet kube-proxy=$kcmd/kube-proxy kubectl=$kcmd/kubectl
+build coredns "" coredns=.
+build local-path "" local-path-provisioner=github.com/rancher/local-path-provisioner
+build helm "-X helm.sh/helm/v3/internal/version.version=$HELM_VERSION" helm=helm.sh/helm/v3/cmd/helm
 
 if ((built > 0)); then
     log "built $built binaries in $((SECONDS - start)) s; $(du -sh "$out" | cut -f1) in $out"

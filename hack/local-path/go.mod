@@ -9,57 +9,129 @@ tool github.com/rancher/local-path-provisioner
 require (
 	github.com/Sirupsen/logrus v0.11.0 // indirect
 	github.com/beorn7/perks v1.0.1 // indirect
-	github.com/cespare/xxhash/v2 v2.1.2 // indirect
-	github.com/davecgh/go-spew v1.1.1 // indirect
-	github.com/emicklei/go-restful/v3 v3.11.0 // indirect
-	github.com/go-logr/logr v1.4.1 // indirect
-	github.com/go-openapi/jsonpointer v0.19.6 // indirect
-	github.com/go-openapi/jsonreference v0.20.2 // indirect
-	github.com/go-openapi/swag v0.22.3 // indirect
-	github.com/gogo/protobuf v1.3.2 // indirect
-	github.com/golang/groupcache v0.0.0-20210331224755-41bb18bfe9da // indirect
-	github.com/golang/protobuf v1.5.4 // indirect
-	github.com/google/gnostic-models v0.6.8 // indirect
-	github.com/google/go-cmp v0.6.0 // indirect
-	github.com/google/gofuzz v1.2.0 // indirect
-	github.com/google/uuid v1.3.0 // indirect
-	github.com/imdario/mergo v0.3.6 // indirect
-	github.com/josharian/intern v1.0.0 // indirect
+	github.com/cespare/xxhash/v2 v2.3.0 // indirect
+	github.com/davecgh/go-spew v1.1.2-0.20180830191138-d8f796af33cc // indirect
+	github.com/emicklei/go-restful/v3 v3.13.0 // indirect
+	github.com/fxamacker/cbor/v2 v2.9.1 // indirect
+	github.com/go-logr/logr v1.4.3 // indirect
+	github.com/go-openapi/jsonpointer v1.0.0 // indirect
+	github.com/go-openapi/jsonreference v1.0.0 // indirect
+	github.com/go-openapi/swag v0.27.1 // indirect
+	github.com/go-openapi/swag/cmdutils v0.27.1 // indirect
+	github.com/go-openapi/swag/conv v0.27.1 // indirect
+	github.com/go-openapi/swag/fileutils v0.27.1 // indirect
+	github.com/go-openapi/swag/jsonutils v0.27.1 // indirect
+	github.com/go-openapi/swag/loading v0.27.1 // indirect
+	github.com/go-openapi/swag/mangling v0.27.1 // indirect
+	github.com/go-openapi/swag/netutils v0.27.1 // indirect
+	github.com/go-openapi/swag/pools v0.27.1 // indirect
+	github.com/go-openapi/swag/stringutils v0.27.1 // indirect
+	github.com/go-openapi/swag/typeutils v0.27.1 // indirect
+	github.com/go-openapi/swag/yamlutils v0.27.1 // indirect
+	github.com/google/gnostic-models v0.7.0 // indirect
+	github.com/google/uuid v1.6.0 // indirect
 	github.com/json-iterator/go v1.1.12 // indirect
-	github.com/mailru/easyjson v0.7.7 // indirect
-	github.com/matttproud/golang_protobuf_extensions v1.0.1 // indirect
 	github.com/miekg/dns v1.1.29 // indirect
 	github.com/modern-go/concurrent v0.0.0-20180306012644-bacd9c7ef1dd // indirect
-	github.com/modern-go/reflect2 v1.0.2 // indirect
+	github.com/modern-go/reflect2 v1.0.3-0.20250322232337-35a7c28c31ee // indirect
 	github.com/munnerz/goautoneg v0.0.0-20191010083416-a7dc8b61c822 // indirect
 	github.com/pkg/errors v0.9.1 // indirect
-	github.com/prometheus/client_golang v1.11.1 // indirect
-	github.com/prometheus/client_model v0.3.0 // indirect
-	github.com/prometheus/common v0.32.1 // indirect
-	github.com/prometheus/procfs v0.8.0 // indirect
+	github.com/pmezard/go-difflib v1.0.1-0.20181226105442-5d4384ee4fb2 // indirect
+	github.com/prometheus/client_golang v1.23.2 // indirect
+	github.com/prometheus/client_model v0.6.2 // indirect
+	github.com/prometheus/common v0.70.0 // indirect
+	github.com/prometheus/procfs v0.21.1 // indirect
 	github.com/rancher/local-path-provisioner v0.0.30 // indirect
-	github.com/spf13/pflag v1.0.5 // indirect
+	github.com/spf13/pflag v1.0.10 // indirect
 	github.com/urfave/cli v1.19.1 // indirect
-	golang.org/x/crypto v0.25.0 // indirect
-	golang.org/x/net v0.27.0 // indirect
-	golang.org/x/oauth2 v0.10.0 // indirect
-	golang.org/x/sys v0.22.0 // indirect
-	golang.org/x/term v0.22.0 // indirect
-	golang.org/x/text v0.16.0 // indirect
-	golang.org/x/time v0.3.0 // indirect
-	google.golang.org/appengine v1.6.7 // indirect
-	google.golang.org/protobuf v1.34.2 // indirect
+	github.com/x448/float16 v0.8.4 // indirect
+	go.yaml.in/yaml/v2 v2.4.4 // indirect
+	go.yaml.in/yaml/v3 v3.0.4 // indirect
+	golang.org/x/crypto v0.54.0 // indirect
+	golang.org/x/net v0.57.0 // indirect
+	golang.org/x/oauth2 v0.36.0 // indirect
+	golang.org/x/sys v0.47.0 // indirect
+	golang.org/x/term v0.45.0 // indirect
+	golang.org/x/text v0.40.0 // indirect
+	golang.org/x/time v0.15.0 // indirect
+	google.golang.org/protobuf v1.36.12-0.20260120151049-f2248ac996af // indirect
+	gopkg.in/evanphx/json-patch.v4 v4.13.0 // indirect
 	gopkg.in/inf.v0 v0.9.1 // indirect
-	gopkg.in/yaml.v2 v2.4.0 // indirect
-	gopkg.in/yaml.v3 v3.0.1 // indirect
-	k8s.io/api v0.30.0 // indirect
-	k8s.io/apimachinery v0.30.0 // indirect
+	k8s.io/api v0.37.2 // indirect
+	k8s.io/apimachinery v0.37.2 // indirect
 	k8s.io/client-go v0.30.0 // indirect
-	k8s.io/klog/v2 v2.120.1 // indirect
-	k8s.io/kube-openapi v0.0.0-20240228011516-70dd3763d340 // indirect
-	k8s.io/utils v0.0.0-20230726121419-3b25d923346b // indirect
-	sigs.k8s.io/json v0.0.0-20221116044647-bc3834ca7abd // indirect
+	k8s.io/klog/v2 v2.140.0 // indirect
+	k8s.io/kube-openapi v0.0.0-20260721132016-d427ff9ee9ad // indirect
+	k8s.io/utils v0.0.0-20260626114624-be93311217bd // indirect
+	sigs.k8s.io/json v0.0.0-20250730193827-2d320260d730 // indirect
+	sigs.k8s.io/randfill v1.0.0 // indirect
 	sigs.k8s.io/sig-storage-lib-external-provisioner/v10 v10.0.1 // indirect
-	sigs.k8s.io/structured-merge-diff/v4 v4.4.1 // indirect
-	sigs.k8s.io/yaml v1.3.0 // indirect
+	sigs.k8s.io/structured-merge-diff/v6 v6.4.2 // indirect
+	sigs.k8s.io/yaml v1.6.0 // indirect
 )
+
+// BEGIN aligned with hack/k8s (generated by hack/align-go-modules.py; do not edit)
+replace (
+	cloud.google.com/go/compute/metadata => cloud.google.com/go/compute/metadata v0.9.0
+	github.com/NYTimes/gziphandler => github.com/NYTimes/gziphandler v1.1.1
+	github.com/alecthomas/units => github.com/alecthomas/units v0.0.0-20240927000941-0f3dac36c52b
+	github.com/cespare/xxhash/v2 => github.com/cespare/xxhash/v2 v2.3.0
+	github.com/creack/pty => github.com/creack/pty v1.1.18
+	github.com/davecgh/go-spew => github.com/davecgh/go-spew v1.1.2-0.20180830191138-d8f796af33cc
+	github.com/emicklei/go-restful/v3 => github.com/emicklei/go-restful/v3 v3.13.0
+	github.com/envoyproxy/go-control-plane => github.com/envoyproxy/go-control-plane v0.14.0
+	github.com/envoyproxy/protoc-gen-validate => github.com/envoyproxy/protoc-gen-validate v1.3.3
+	github.com/fxamacker/cbor/v2 => github.com/fxamacker/cbor/v2 v2.9.1
+	github.com/go-logr/logr => github.com/go-logr/logr v1.4.3
+	github.com/go-openapi/jsonpointer => github.com/go-openapi/jsonpointer v1.0.0
+	github.com/go-openapi/jsonreference => github.com/go-openapi/jsonreference v1.0.0
+	github.com/go-openapi/swag => github.com/go-openapi/swag v0.27.1
+	github.com/golang/glog => github.com/golang/glog v1.2.5
+	github.com/google/btree => github.com/google/btree v1.1.3
+	github.com/google/gnostic-models => github.com/google/gnostic-models v0.7.0
+	github.com/google/go-cmp => github.com/google/go-cmp v0.7.0
+	github.com/google/gofuzz => github.com/google/gofuzz v1.0.0
+	github.com/google/pprof => github.com/google/pprof v0.0.0-20260402051712-545e8a4df936
+	github.com/google/uuid => github.com/google/uuid v1.6.0
+	github.com/gorilla/websocket => github.com/gorilla/websocket v1.5.4-0.20250319132907-e064f32e3674
+	github.com/moby/spdystream => github.com/moby/spdystream v0.5.1
+	github.com/modern-go/reflect2 => github.com/modern-go/reflect2 v1.0.3-0.20250322232337-35a7c28c31ee
+	github.com/onsi/ginkgo/v2 => github.com/onsi/ginkgo/v2 v2.32.0
+	github.com/onsi/gomega => github.com/onsi/gomega v1.40.0
+	github.com/pmezard/go-difflib => github.com/pmezard/go-difflib v1.0.1-0.20181226105442-5d4384ee4fb2
+	github.com/prometheus/client_golang => github.com/prometheus/client_golang v1.24.0
+	github.com/prometheus/client_model => github.com/prometheus/client_model v0.6.2
+	github.com/prometheus/common => github.com/prometheus/common v0.70.0
+	github.com/prometheus/procfs => github.com/prometheus/procfs v0.21.1
+	github.com/rogpeppe/go-internal => github.com/rogpeppe/go-internal v1.14.1
+	github.com/sirupsen/logrus => github.com/sirupsen/logrus v1.9.4
+	github.com/spf13/pflag => github.com/spf13/pflag v1.0.10
+	github.com/stretchr/objx => github.com/stretchr/objx v0.5.3
+	github.com/stretchr/testify => github.com/stretchr/testify v1.11.1
+	github.com/yuin/goldmark => github.com/yuin/goldmark v1.4.13
+	golang.org/x/crypto => golang.org/x/crypto v0.54.0
+	golang.org/x/exp => golang.org/x/exp v0.0.0-20260410095643-746e56fc9e2f
+	golang.org/x/mod => golang.org/x/mod v0.37.0
+	golang.org/x/net => golang.org/x/net v0.57.0
+	golang.org/x/oauth2 => golang.org/x/oauth2 v0.36.0
+	golang.org/x/sync => golang.org/x/sync v0.22.0
+	golang.org/x/sys => golang.org/x/sys v0.47.0
+	golang.org/x/term => golang.org/x/term v0.45.0
+	golang.org/x/text => golang.org/x/text v0.40.0
+	golang.org/x/time => golang.org/x/time v0.15.0
+	golang.org/x/tools => golang.org/x/tools v0.47.0
+	golang.org/x/tools/go/expect => golang.org/x/tools/go/expect v0.1.1-deprecated
+	google.golang.org/grpc => google.golang.org/grpc v1.82.1
+	google.golang.org/protobuf => google.golang.org/protobuf v1.36.12-0.20260120151049-f2248ac996af
+	k8s.io/api => k8s.io/api v0.37.2
+	k8s.io/apimachinery => k8s.io/apimachinery v0.37.2
+	k8s.io/client-go => k8s.io/client-go v0.37.2
+	k8s.io/gengo/v2 => k8s.io/gengo/v2 v2.0.0-20260408192533-25e2208e0dc3
+	k8s.io/klog/v2 => k8s.io/klog/v2 v2.140.0
+	k8s.io/kube-openapi => k8s.io/kube-openapi v0.0.0-20260721132016-d427ff9ee9ad
+	k8s.io/utils => k8s.io/utils v0.0.0-20260626114624-be93311217bd
+	sigs.k8s.io/json => sigs.k8s.io/json v0.0.0-20250730193827-2d320260d730
+	sigs.k8s.io/yaml => sigs.k8s.io/yaml v1.6.0
+)
+
+// END aligned with hack/k8s

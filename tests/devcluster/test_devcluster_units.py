@@ -89,3 +89,42 @@ def test_down_and_up_refuse_a_directory_that_is_not_a_cluster(tmp_path: Path) ->
     with pytest.raises(cluster.ClusterError, match="not a lora-devcluster state directory"):
         cluster.down(precious)
     assert (precious / "thesis.tex").exists()
+
+
+def go_mod_versions(go_mod: Path) -> dict[str, str]:
+    """Module -> the version a go.mod selects for it: its require, overridden by its replace."""
+    required: dict[str, str] = {}
+    replaced: dict[str, str] = {}
+    block = ""
+    for raw in go_mod.read_text().splitlines():
+        line = raw.split("//")[0].strip()
+        if line in ("require (", "replace ("):
+            block = line.split()[0]
+            continue
+        if line == ")":
+            block = ""
+            continue
+        words = line.split()
+        if words[:1] in (["require"], ["replace"]):
+            block, words = words[0], words[1:]
+        if block == "require" and len(words) == 2:
+            required[words[0]] = words[1]
+        elif block == "replace" and "=>" in words:
+            target = words[words.index("=>") + 1 :]
+            if len(target) == 2 and target[0] == words[0]:
+                replaced[words[0]] = target[1]
+        if raw.strip().startswith(("require ", "replace ")):
+            block = ""
+    return {**required, **replaced}
+
+
+@pytest.mark.parametrize("wrapper", ["helm", "coredns", "local-path"])
+def test_the_helper_binaries_share_the_kubernetes_builds_module_versions(wrapper: str) -> None:
+    # Same versions, same compiled packages in Go's build cache: a cold build compiles
+    # client-go and the rest once. hack/align-go-modules.py restores this after a pin changes.
+    hack = cluster.repo_root() / "hack"
+    node = go_mod_versions(hack / "k8s" / "go.mod")
+    theirs = go_mod_versions(hack / wrapper / "go.mod")
+    assert len(set(node) & set(theirs)) > 20  # client-go, apimachinery, x/net, ...
+    differ = {m: (v, node[m]) for m, v in theirs.items() if m in node and node[m] != v}
+    assert differ == {}, f"run hack/align-go-modules.py: {differ}"
