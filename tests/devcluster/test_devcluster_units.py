@@ -95,26 +95,24 @@ def go_mod_versions(go_mod: Path) -> dict[str, str]:
     """Module -> the version a go.mod selects for it: its require, overridden by its replace."""
     required: dict[str, str] = {}
     replaced: dict[str, str] = {}
-    block = ""
+    block = ""  # inside `require (` or `replace (`
     for raw in go_mod.read_text().splitlines():
-        line = raw.split("//")[0].strip()
-        if line in ("require (", "replace ("):
-            block = line.split()[0]
+        words = raw.split("//")[0].split()
+        if words in (["require", "("], ["replace", "("]):
+            block = words[0]
             continue
-        if line == ")":
+        if words == [")"]:
             block = ""
             continue
-        words = line.split()
-        if words[:1] in (["require"], ["replace"]):
-            block, words = words[0], words[1:]
-        if block == "require" and len(words) == 2:
+        kind = block
+        if words[:1] in (["require"], ["replace"]):  # a one-line directive
+            kind, words = words[0], words[1:]
+        if kind == "require" and len(words) == 2:
             required[words[0]] = words[1]
-        elif block == "replace" and "=>" in words:
+        elif kind == "replace" and "=>" in words:
             target = words[words.index("=>") + 1 :]
             if len(target) == 2 and target[0] == words[0]:
                 replaced[words[0]] = target[1]
-        if raw.strip().startswith(("require ", "replace ")):
-            block = ""
     return {**required, **replaced}
 
 
