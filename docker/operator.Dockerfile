@@ -1,5 +1,7 @@
 # The operator image: `python -m lora_operator` with the [operator] extra only (kopf, aiohttp,
 # huggingface_hub, boto3). No torch: the safetensors checks it shares with the server import none.
+# The router (`python -m lora_router`, the chart's router Deployment) runs from this image too: it
+# needs nothing beyond the same extra, so no third image is built, pulled or patched.
 #
 #   docker build -f docker/operator.Dockerfile -t lora-operator/operator:0.1.0 .
 #
@@ -28,6 +30,7 @@ print("\n".join(p["build-system"]["requires"] + p["project"]["optional-dependenc
 COPY README.md ./
 COPY inference/ inference/
 COPY operator/ operator/
+COPY router/ router/
 RUN pip install --no-cache-dir --no-deps --no-build-isolation . \
     && rm -rf /src/build /src/*.egg-info \
     && ! pip show torch >/dev/null 2>&1

@@ -75,7 +75,7 @@ _SMOKE: dict[str, tuple[str, ...]] = {
     "operator": (
         "python",
         "-c",
-        "import importlib.util, os, sys, lora_operator; "
+        "import importlib.util, os, sys, lora_operator, lora_router.__main__; "
         "sys.exit('torch is in the operator image' if importlib.util.find_spec('torch') "
         "else f'runs as uid {os.getuid()}, not 65532' if os.getuid() != 65532 else 0)",
     ),

@@ -1,0 +1,63 @@
+"""`python -m lora_router`: run the router (see `--help` and docs/routing.md)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+from collections.abc import Sequence
+
+from aiohttp import web
+
+from lora_router.app import create_app, metrics_app
+from lora_router.config import RouterConfig, parse_args
+from lora_router.metrics import Metrics
+from lora_router.sources import kube_sources
+
+
+async def serve(config: RouterConfig, stop: asyncio.Event) -> None:
+    metrics = Metrics()
+    runners = [
+        web.AppRunner(create_app(config, sources=kube_sources(config), metrics=metrics)),
+        web.AppRunner(metrics_app(metrics), access_log=None),
+    ]
+    for runner, port in zip(runners, (config.port, config.metrics_port), strict=True):
+        await runner.setup()
+        await web.TCPSite(runner, "0.0.0.0", port).start()
+    logging.getLogger("lora_router").info(
+        "listening on :%d (metrics :%d) for %s/%s",
+        config.port,
+        config.metrics_port,
+        config.namespace,
+        config.service,
+    )
+    try:
+        await stop.wait()
+    finally:
+        # In-flight requests finish (the sites' graceful shutdown) before the sessions close.
+        for runner in runners:
+            await runner.cleanup()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    config = parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO,
+        stream=sys.stdout,
+        format="%(asctime)s %(levelname)s %(name)s %(message)s",
+    )
+
+    async def run() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await serve(config, stop)
+
+    asyncio.run(run())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

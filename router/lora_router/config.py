@@ -1,0 +1,95 @@
+"""The router's settings: one frozen value built from the command line (or by a test)."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from lora_operator.config import parse_size
+
+from lora_router import kube
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    namespace: str = "default"
+    service: str = "lora-operator-inference-pods"  # whose EndpointSlices list the pods
+    port_name: str = "http"
+    port: int = 8000
+    metrics_port: int = 9090
+    poll_interval_s: float = 1.0  # how often each pod's residency is read
+    stale_after_s: float = 5.0  # a report older than this counts as none
+    load_factor: float = 0.25  # e: no pod above ceil((1 + e) x mean load)
+    max_body_bytes: int = 1024**2
+    connect_timeout_s: float = 3.0
+    upstream_timeout_s: float = 600.0  # a whole request, answer included
+
+
+def _size_arg(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from e
+
+
+def parse_args(argv: Sequence[str] | None = None) -> RouterConfig:
+    d = RouterConfig()
+    p = argparse.ArgumentParser(
+        prog="python -m lora_router",
+        description="Send each generation to an inference pod that holds its adapter.",
+    )
+    p.add_argument(
+        "--namespace", help="the inference pods' namespace (default: the router pod's own)"
+    )
+    p.add_argument(
+        "--service", default=d.service, help="the Service whose EndpointSlices list the pods"
+    )
+    p.add_argument("--port-name", default=d.port_name, help="the pods' port, by its name")
+    p.add_argument("--port", type=int, default=d.port, help="where the router listens")
+    p.add_argument("--metrics-port", type=int, default=d.metrics_port, help="/metrics here")
+    p.add_argument("--poll-interval-seconds", type=float, default=d.poll_interval_s)
+    p.add_argument("--stale-after-seconds", type=float, default=d.stale_after_s)
+    p.add_argument(
+        "--load-factor",
+        type=float,
+        default=d.load_factor,
+        help="e: a pod takes no request beyond ceil((1 + e) x mean load)",
+    )
+    p.add_argument(
+        "--max-body-bytes",
+        type=_size_arg,
+        default=d.max_body_bytes,
+        metavar="SIZE",
+        help="the largest request body, e.g. 1MiB (413 beyond)",
+    )
+    p.add_argument("--connect-timeout-seconds", type=float, default=d.connect_timeout_s)
+    p.add_argument("--upstream-timeout-seconds", type=float, default=d.upstream_timeout_s)
+    a = p.parse_args(argv)
+    for flag, value in (
+        ("--poll-interval-seconds", a.poll_interval_seconds),
+        ("--stale-after-seconds", a.stale_after_seconds),
+        ("--connect-timeout-seconds", a.connect_timeout_seconds),
+        ("--upstream-timeout-seconds", a.upstream_timeout_seconds),
+        ("--max-body-bytes", a.max_body_bytes),
+    ):
+        if value <= 0:
+            p.error(f"{flag} must be positive")
+    if a.load_factor < 0:
+        p.error("--load-factor must be at least 0")
+    namespace = a.namespace or kube.pod_namespace()
+    if not namespace:
+        p.error("--namespace is required outside a pod")
+    return RouterConfig(
+        namespace=namespace,
+        service=a.service,
+        port_name=a.port_name,
+        port=a.port,
+        metrics_port=a.metrics_port,
+        poll_interval_s=a.poll_interval_seconds,
+        stale_after_s=a.stale_after_seconds,
+        load_factor=a.load_factor,
+        max_body_bytes=a.max_body_bytes,
+        connect_timeout_s=a.connect_timeout_seconds,
+        upstream_timeout_s=a.upstream_timeout_seconds,
+    )

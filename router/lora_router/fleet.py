@@ -1,0 +1,154 @@
+"""What the router knows about the fleet, read from API objects and pod reports (pure parsing),
+and the one mutable record that holds it (`Fleet`).
+
+- Pods come from the EndpointSlices of the inference pods' Service: an endpoint whose
+  `conditions.ready` is true, with a `targetRef` to a Pod, is a pod requests may go to. Nothing
+  else makes a pod routable, so a pod that is not Ready never gets a request.
+- Placement comes from the LoRAAdapters of the namespace: `status.placedPods` lists the pods an
+  adapter with `spec.replicas` (or `spec.autoscale`) is placed on; an adapter without either is on
+  every pod.
+- Residency comes from each pod's `GET /v1/adapters`: every adapter's tier (`gpu`, `cpu`,
+  `disk`), and, where the server says so, its GPU slots (`max_loras`) and queue
+  (`num_requests_waiting`, `num_requests_running`).
+
+The router keeps nothing on disk: after a restart it lists the objects again and polls the pods.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from lora_router.routing import Backend, Residency
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    pod: str
+    address: str  # host:port
+    ready: bool
+
+
+def parse_endpoint_slice(obj: Mapping[str, Any], port_name: str) -> list[Endpoint]:
+    """The pod endpoints of one EndpointSlice, at the port named `port_name` (or its only port)."""
+    ports = [p for p in obj.get("ports") or () if isinstance(p, Mapping)]
+    port = next((p.get("port") for p in ports if p.get("name") == port_name), None)
+    if port is None and len(ports) == 1:
+        port = ports[0].get("port")
+    if not isinstance(port, int):
+        return []
+    out = []
+    for ep in obj.get("endpoints") or ():
+        ref = ep.get("targetRef") or {}
+        addresses = ep.get("addresses") or ()
+        if ref.get("kind") != "Pod" or not ref.get("name") or not addresses:
+            continue
+        conditions = ep.get("conditions") or {}
+        # `ready` unset means ready (the API's own rule); terminating pods are never ready.
+        ready = conditions.get("ready") is not False and conditions.get("terminating") is not True
+        host = str(addresses[0])
+        host = f"[{host}]" if ":" in host else host
+        out.append(Endpoint(pod=str(ref["name"]), address=f"{host}:{port}", ready=ready))
+    return out
+
+
+@dataclass(frozen=True)
+class AdapterPlacement:
+    name: str
+    pods: frozenset[str] | None  # None: on every pod
+
+
+def parse_adapter(obj: Mapping[str, Any]) -> AdapterPlacement:
+    meta = obj.get("metadata") or {}
+    spec = obj.get("spec") or {}
+    status = obj.get("status") or {}
+    limited = spec.get("replicas") is not None or spec.get("autoscale") is not None
+    placed = status.get("placedPods")
+    pods: frozenset[str] | None = None
+    if limited:
+        pods = frozenset(str(p) for p in placed) if isinstance(placed, list) else frozenset()
+    return AdapterPlacement(name=str(meta.get("name", "")), pods=pods)
+
+
+@dataclass(frozen=True)
+class Report:
+    residency: Residency
+    queue: int | None  # waiting + running, when the pod reports it
+    base_model: str | None
+    at: float  # when it was read (the router's monotonic clock)
+
+
+def parse_report(payload: Any, at: float) -> Report:
+    """A `GET /v1/adapters` answer; raise ValueError when it is not one."""
+    if not isinstance(payload, Mapping) or not isinstance(payload.get("data"), list):
+        raise ValueError("GET /v1/adapters did not return {'data': [...]}")
+    gpu, cpu = set(), set()
+    for card in payload["data"]:
+        if not isinstance(card, Mapping) or not isinstance(card.get("id"), str):
+            raise ValueError(f"GET /v1/adapters returned an entry without an id: {card!r}")
+        if card.get("tier") == "gpu":
+            gpu.add(card["id"])
+        elif card.get("tier") == "cpu":
+            cpu.add(card["id"])
+    max_loras = payload.get("max_loras")
+    free_slot = isinstance(max_loras, int) and len(gpu) < max_loras
+    waiting, running = payload.get("num_requests_waiting"), payload.get("num_requests_running")
+    queue = None
+    if isinstance(waiting, int) and isinstance(running, int):
+        queue = waiting + running
+    model = payload.get("model")
+    return Report(
+        residency=Residency(gpu=frozenset(gpu), cpu=frozenset(cpu), free_slot=free_slot),
+        queue=queue,
+        base_model=model if isinstance(model, str) else None,
+        at=at,
+    )
+
+
+@dataclass
+class Fleet:
+    """The router's whole view: written by the watchers and the poller, read per request."""
+
+    stale_after_s: float = 5.0
+    slices: dict[str, list[Endpoint]] = field(default_factory=dict)  # slice name -> endpoints
+    adapters: dict[str, AdapterPlacement] = field(default_factory=dict)
+    reports: dict[str, Report] = field(default_factory=dict)  # pod -> its last report
+    inflight: dict[str, int] = field(default_factory=dict)  # pod -> requests sent, unanswered
+    synced: set[str] = field(default_factory=set)  # the sources listed at least once
+
+    def endpoints(self) -> dict[str, Endpoint]:
+        """Pod -> its endpoint (a pod in two slices at once, during a move, counts once)."""
+        out: dict[str, Endpoint] = {}
+        for eps in self.slices.values():
+            for ep in eps:
+                if ep.ready or ep.pod not in out:
+                    out[ep.pod] = ep
+        return out
+
+    def ready(self) -> dict[str, Endpoint]:
+        return {pod: ep for pod, ep in self.endpoints().items() if ep.ready}
+
+    def backends(self, now: float) -> list[Backend]:
+        out = []
+        for pod in sorted(self.ready()):
+            report = self.reports.get(pod)
+            fresh = report is not None and now - report.at <= self.stale_after_s
+            own = self.inflight.get(pod, 0)
+            reported = report.queue if fresh and report is not None else None
+            out.append(
+                Backend(
+                    name=pod,
+                    load=max(own, reported or 0),
+                    residency=report.residency if fresh and report is not None else None,
+                )
+            )
+        return out
+
+    def base_models(self) -> set[str]:
+        return {r.base_model for r in self.reports.values() if r.base_model}
+
+    def forget_reports(self, keep: Iterable[str]) -> None:
+        keep = set(keep)
+        for pod in [p for p in self.reports if p not in keep]:
+            del self.reports[pod]

@@ -1,0 +1,61 @@
+"""Prometheus metrics of the router, served on `--metrics-port` at /metrics."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_LATENCY_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+
+
+def _registry() -> CollectorRegistry:
+    return CollectorRegistry(auto_describe=True)
+
+
+@dataclass
+class Metrics:
+    registry: CollectorRegistry = field(default_factory=_registry)
+
+    def __post_init__(self) -> None:
+        r = self.registry
+        self.requests = Counter(
+            "lora_router_requests",
+            "Requests routed, by routing reason (gpu-resident, cpu-resident, free-slot, "
+            "least-queued, no-residency, overflow, unplaced, base) and the status answered",
+            ["reason", "code"],
+            registry=r,
+        )
+        self.affinity_hits = Counter(
+            "lora_router_affinity_hits",
+            "Requests sent to a pod that reported their adapter resident (GPU or CPU tier)",
+            registry=r,
+        )
+        self.retries = Counter(
+            "lora_router_retries",
+            "Requests sent again to another pod after a connection failed before the answer",
+            registry=r,
+        )
+        self.failures = Counter(
+            "lora_router_upstream_failures",
+            "Upstream failures by kind (connect, disconnect, gone, timeout, midstream)",
+            ["kind"],
+            registry=r,
+        )
+        self.upstream_seconds = Histogram(
+            "lora_router_upstream_seconds",
+            "Time from sending a request to a pod to the end of its answer",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.pods = Gauge(
+            "lora_router_pods",
+            "Inference pods by state: ready (routable) and reporting (a fresh residency report)",
+            ["state"],
+            registry=r,
+        )
+        self.report_failures = Counter(
+            "lora_router_report_failures",
+            "Residency polls (GET /v1/adapters) that failed",
+            registry=r,
+        )

@@ -1,0 +1,130 @@
+"""Which pod one request goes to (pure).
+
+For a request that names an adapter, the candidates are the Ready pods the adapter is placed on
+(all Ready pods when it has no `spec.replicas`: it is on every pod). Among the candidates whose
+load stays within the bound, the router prefers, in this order:
+
+1. a pod where the adapter is GPU-resident (no load at all),
+2. one where it is CPU-resident (a copy into a GPU slot),
+3. one with a free GPU slot (a load that evicts nothing),
+4. the least queued,
+
+and, inside a preference, the least queued, then a stable hash of (adapter, pod) so the same
+adapter keeps going to the same pod rather than warming two. The bound is the one of consistent
+hashing with bounded loads: no pod takes a request that would put it above
+`ceil((1 + e) x (total load + 1) / pods)`. When every candidate is at the bound the request
+overflows to the least-queued Ready pod; when no candidate is Ready, or the name is not an
+adapter the router knows, it goes to the least-queued Ready pod (the server's resolver answers
+names that are staged but not registered, and a 404 for the rest); a request for the base model
+goes to the least-queued pod. A pod whose residency report is missing or stale ranks with the
+pods that hold neither the adapter nor a free slot: it is judged by its queue alone, and when no
+candidate reports, the choice is by queue alone.
+
+Purely computational: the app passes the pods, their reports and loads, and what to exclude (a
+pod that just failed this request).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+
+
+class Reason(StrEnum):
+    GPU = "gpu-resident"
+    CPU = "cpu-resident"
+    FREE_SLOT = "free-slot"
+    LEAST_QUEUED = "least-queued"  # placed pods report, none has the adapter or a free slot
+    NO_RESIDENCY = "no-residency"  # no placed pod reports its residency: by queue alone
+    OVERFLOW = "overflow"  # every placed pod at the load bound
+    UNPLACED = "unplaced"  # an unknown name, or no placed pod is Ready
+    BASE = "base"  # no adapter: the base model
+
+    @property
+    def affinity(self) -> bool:
+        return self in (Reason.GPU, Reason.CPU)
+
+
+@dataclass(frozen=True)
+class Residency:
+    """What a pod last reported: its adapters by tier, and whether a GPU slot is free."""
+
+    gpu: frozenset[str]
+    cpu: frozenset[str]
+    free_slot: bool
+
+
+@dataclass(frozen=True)
+class Backend:
+    name: str  # the pod's name
+    load: int  # requests queued or running there, as far as the router knows
+    residency: Residency | None  # None: no fresh report
+
+
+@dataclass(frozen=True)
+class Decision:
+    pod: str
+    reason: Reason
+
+
+def _rank(adapter: str, backend: Backend) -> int:
+    if backend.residency is None:  # it may hold the adapter or not: judged by its queue
+        return 3
+    if adapter in backend.residency.gpu:
+        return 0
+    if adapter in backend.residency.cpu:
+        return 1
+    return 2 if backend.residency.free_slot else 3
+
+
+_REASONS = {0: Reason.GPU, 1: Reason.CPU, 2: Reason.FREE_SLOT, 3: Reason.LEAST_QUEUED}
+
+
+def _affinity(adapter: str, pod: str) -> int:
+    digest = hashlib.blake2b(f"{adapter}\0{pod}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big")
+
+
+def load_bound(backends: Sequence[Backend], load_factor: float) -> int:
+    """The most requests one pod may hold once this one is added."""
+    total = sum(b.load for b in backends) + 1
+    return max(1, math.ceil((1 + load_factor) * total / max(1, len(backends))))
+
+
+def _least_queued(backends: Iterable[Backend], key: str) -> Backend:
+    return min(backends, key=lambda b: (b.load, _affinity(key, b.name)))
+
+
+def route(
+    adapter: str | None,
+    backends: Sequence[Backend],
+    placed: frozenset[str] | None,
+    *,
+    known: bool,
+    load_factor: float = 0.25,
+    exclude: frozenset[str] = frozenset(),
+) -> Decision | None:
+    """The pod for a request naming `adapter` (None: the base model); None when no pod is Ready.
+
+    `backends` are the Ready pods; `placed` the pods the adapter is placed on (None: every pod);
+    `known` whether the adapter is a LoRAAdapter the router has seen.
+    """
+    ready = [b for b in backends if b.name not in exclude]
+    if not ready:
+        return None
+    if adapter is None:
+        return Decision(_least_queued(ready, "").name, Reason.BASE)
+    candidates = [b for b in ready if placed is None or b.name in placed]
+    if not known or not candidates:
+        return Decision(_least_queued(ready, adapter).name, Reason.UNPLACED)
+    bound = load_bound(ready, load_factor)
+    within = [b for b in candidates if b.load + 1 <= bound]
+    if not within:
+        return Decision(_least_queued(ready, adapter).name, Reason.OVERFLOW)
+    best = min(within, key=lambda b: (_rank(adapter, b), b.load, _affinity(adapter, b.name)))
+    if best.residency is None:
+        return Decision(best.name, Reason.NO_RESIDENCY)
+    return Decision(best.name, _REASONS[_rank(adapter, best)])

@@ -1,0 +1,120 @@
+"""What the router reads: EndpointSlices, LoRAAdapters, residency reports (pure parsing)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from lora_router.fleet import (
+    AdapterPlacement,
+    Endpoint,
+    Fleet,
+    Report,
+    parse_adapter,
+    parse_endpoint_slice,
+    parse_report,
+)
+from lora_router.routing import Residency
+
+
+def endpoint(name: str, ip: str, **conditions: bool) -> dict[str, Any]:
+    return {
+        "addresses": [ip],
+        "conditions": conditions,
+        "targetRef": {"kind": "Pod", "name": name, "namespace": "ns"},
+    }
+
+
+def test_endpoint_slices_give_pods_their_readiness_and_named_port() -> None:
+    obj = {
+        "ports": [{"name": "metrics", "port": 9090}, {"name": "http", "port": 8000}],
+        "endpoints": [
+            endpoint("a", "10.0.0.1", ready=True),
+            endpoint("b", "10.0.0.2", ready=False),
+            endpoint("c", "10.0.0.3"),  # ready unset: ready (the API's rule)
+            endpoint("d", "10.0.0.4", ready=True, terminating=True),
+            endpoint("e", "fd00::5", ready=True),
+            {"addresses": ["10.0.0.6"], "targetRef": {"kind": "Node", "name": "n"}},
+            {"addresses": [], "targetRef": {"kind": "Pod", "name": "f"}},
+        ],
+    }
+    assert parse_endpoint_slice(obj, "http") == [
+        Endpoint("a", "10.0.0.1:8000", True),
+        Endpoint("b", "10.0.0.2:8000", False),
+        Endpoint("c", "10.0.0.3:8000", True),
+        Endpoint("d", "10.0.0.4:8000", False),
+        Endpoint("e", "[fd00::5]:8000", True),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("ports", "expected"),
+    [
+        ([{"port": 8000}], ["10.0.0.1:8000"]),  # a single unnamed port is the port
+        ([{"name": "other", "port": 1}, {"name": "x", "port": 2}], []),
+        ([], []),
+        (None, []),
+    ],
+    ids=["only-port", "no-such-name", "no-ports", "null-ports"],
+)
+def test_endpoint_slice_ports(ports: Any, expected: list[str]) -> None:
+    obj = {"ports": ports, "endpoints": [endpoint("a", "10.0.0.1", ready=True)]}
+    assert [e.address for e in parse_endpoint_slice(obj, "http")] == expected
+
+
+@pytest.mark.parametrize(
+    ("spec", "status", "pods"),
+    [
+        ({}, {}, None),
+        ({}, {"placedPods": ["a"]}, None),  # no replicas: on every pod, whatever the status
+        ({"replicas": 2}, {"placedPods": ["a", "b"]}, frozenset({"a", "b"})),
+        ({"replicas": 2}, {}, frozenset()),  # not placed yet
+        ({"autoscale": {"minReplicas": 1, "maxReplicas": 3}}, {"placedPods": ["c"]}, {"c"}),
+    ],
+    ids=["every-pod", "every-pod-status", "replicas", "not-yet-placed", "autoscale"],
+)
+def test_adapter_placement(spec: Any, status: Any, pods: Any) -> None:
+    obj = {"metadata": {"name": "x"}, "spec": spec, "status": status}
+    assert parse_adapter(obj) == AdapterPlacement("x", pods)
+
+
+def test_reports_read_tiers_slots_queue_and_model() -> None:
+    payload = {
+        "object": "list",
+        "model": "tiny",
+        "max_loras": 2,
+        "num_requests_waiting": 3,
+        "num_requests_running": 1,
+        "data": [{"id": "a", "tier": "gpu"}, {"id": "b", "tier": "cpu"}, {"id": "c"}],
+    }
+    report = parse_report(payload, at=5.0)
+    assert report == Report(Residency(frozenset("a"), frozenset("b"), True), 4, "tiny", 5.0)
+    # A server that says nothing of slots or queue: no free slot known, queue unknown.
+    old = parse_report({"data": [{"id": "a", "tier": "gpu"}]}, at=1.0)
+    assert old.residency.free_slot is False and old.queue is None and old.base_model is None
+
+
+@pytest.mark.parametrize(
+    "payload", [[], {"data": None}, {"data": [{"tier": "gpu"}]}, {"data": ["a"]}], ids=str
+)
+def test_bad_reports_are_refused(payload: Any) -> None:
+    with pytest.raises(ValueError):
+        parse_report(payload, at=0.0)
+
+
+def test_backends_are_ready_pods_with_fresh_reports_and_the_larger_load() -> None:
+    fleet = Fleet(stale_after_s=5)
+    fleet.slices = {
+        "s1": [Endpoint("a", "1:1", True), Endpoint("b", "2:1", False)],
+        # During a move a pod can appear in two slices; a ready entry wins.
+        "s2": [Endpoint("b", "2:1", True), Endpoint("c", "3:1", True)],
+    }
+    residency = Residency(frozenset("x"), frozenset(), False)
+    fleet.reports = {"a": Report(residency, 1, None, 10.0), "c": Report(residency, 7, None, 1.0)}
+    fleet.inflight = {"a": 3}
+    backends = {b.name: b for b in fleet.backends(now=12.0)}
+    assert set(backends) == {"a", "b", "c"}
+    assert backends["a"].load == 3 and backends["a"].residency == residency
+    assert backends["c"].residency is None and backends["c"].load == 0  # stale: ignored
+    fleet.forget_reports(["a"])
+    assert set(fleet.reports) == {"a"}

@@ -1,0 +1,167 @@
+"""The routing decision: preferences, the load bound, fallbacks, exclusions (pure)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from lora_router.routing import Backend, Decision, Reason, Residency, load_bound, route
+
+
+def pod(
+    name: str,
+    load: int = 0,
+    gpu: tuple[str, ...] = (),
+    cpu: tuple[str, ...] = (),
+    free_slot: bool = False,
+    reporting: bool = True,
+) -> Backend:
+    residency = Residency(frozenset(gpu), frozenset(cpu), free_slot) if reporting else None
+    return Backend(name=name, load=load, residency=residency)
+
+
+ALL = None  # an adapter without replicas: placed on every pod
+
+
+@pytest.mark.parametrize(
+    ("backends", "expected"),
+    [
+        ([pod("a"), pod("b", gpu=("x",)), pod("c", cpu=("x",))], Decision("b", Reason.GPU)),
+        ([pod("a"), pod("c", cpu=("x",)), pod("d", free_slot=True)], Decision("c", Reason.CPU)),
+        ([pod("a", load=0), pod("d", load=1, free_slot=True)], Decision("d", Reason.FREE_SLOT)),
+        ([pod("a", load=1), pod("b", load=0)], Decision("b", Reason.LEAST_QUEUED)),
+        (
+            [pod("a", load=1, reporting=False), pod("b", load=0, reporting=False)],
+            Decision("b", Reason.NO_RESIDENCY),
+        ),
+        # A pod that reports nothing is judged by its queue, like one without the adapter.
+        ([pod("a", reporting=False), pod("b", load=1)], Decision("a", Reason.NO_RESIDENCY)),
+        ([pod("a", 1, reporting=False), pod("b", load=0)], Decision("b", Reason.LEAST_QUEUED)),
+        ([pod("a", 0, reporting=False), pod("b", 1, cpu=("x",))], Decision("b", Reason.CPU)),
+    ],
+    ids=[
+        "gpu-first",
+        "cpu-next",
+        "free-slot",
+        "least-queued",
+        "no-reports",
+        "silent-by-queue",
+        "silent-busier",
+        "resident-beats-silent",
+    ],
+)
+def test_preferences(backends: list[Backend], expected: Decision) -> None:
+    assert route("x", backends, ALL, known=True) == expected
+
+
+def test_only_placed_pods_are_candidates() -> None:
+    backends = [pod("a", gpu=("x",)), pod("b"), pod("c", cpu=("x",))]
+    assert route("x", backends, frozenset({"b", "c"}), known=True) == Decision("c", Reason.CPU)
+
+
+def test_unknown_names_and_unready_placements_go_to_the_least_queued_pod() -> None:
+    backends = [pod("a", load=2), pod("b", load=1, gpu=("x",)), pod("c", load=0)]
+    assert route("x", backends, ALL, known=False) == Decision("c", Reason.UNPLACED)
+    assert route("x", backends, frozenset({"gone"}), known=True) == Decision("c", Reason.UNPLACED)
+
+
+def test_the_base_model_goes_to_the_least_queued_pod() -> None:
+    backends = [pod("a", load=3), pod("b", load=1)]
+    assert route(None, backends, ALL, known=False) == Decision("b", Reason.BASE)
+
+
+def test_no_ready_pod_means_no_decision() -> None:
+    assert route("x", [], ALL, known=True) is None
+    assert route("x", [pod("a")], ALL, known=True, exclude=frozenset({"a"})) is None
+
+
+def test_a_retry_skips_the_pod_that_failed() -> None:
+    backends = [pod("a", gpu=("x",)), pod("b", cpu=("x",))]
+    assert route("x", backends, ALL, known=True, exclude=frozenset({"a"})) == Decision(
+        "b", Reason.CPU
+    )
+
+
+def test_a_busy_resident_pod_spills_to_a_placed_one_within_the_bound() -> None:
+    # 4 pods, 6 requests queued: the bound is ceil(1.25 x 7 / 4) = 3.
+    backends = [pod("a", 3, gpu=("x",)), pod("b", 1), pod("c", 1), pod("d", 1)]
+    assert load_bound(backends, 0.25) == 3
+    assert route("x", backends, frozenset({"a", "b"}), known=True) == Decision(
+        "b", Reason.LEAST_QUEUED
+    )
+
+
+def test_every_placed_pod_at_the_bound_overflows_to_the_least_queued_pod() -> None:
+    backends = [pod("a", 4, gpu=("x",)), pod("b", 4), pod("c", 0)]
+    assert route("x", backends, frozenset({"a", "b"}), known=True) == Decision("c", Reason.OVERFLOW)
+
+
+def test_ties_follow_a_stable_hash_per_adapter() -> None:
+    backends = [pod(f"p{i}") for i in range(8)]
+    first = {name: route(name, backends, ALL, known=True) for name in ("x", "y", "z")}
+    again = {name: route(name, list(reversed(backends)), ALL, known=True) for name in first}
+    assert first == again
+    assert len({d.pod for d in first.values() if d is not None}) > 1  # not all on one pod
+
+
+@pytest.mark.parametrize(
+    ("reason", "affinity"), [(r, r in (Reason.GPU, Reason.CPU)) for r in Reason], ids=str
+)
+def test_affinity_reasons(reason: Reason, affinity: bool) -> None:
+    assert reason.affinity is affinity
+
+
+backend_lists = st.lists(
+    st.builds(
+        pod,
+        name=st.sampled_from([f"p{i}" for i in range(8)]),
+        load=st.integers(0, 10),
+        gpu=st.lists(st.sampled_from("xyz"), max_size=2).map(tuple),
+        cpu=st.lists(st.sampled_from("xyz"), max_size=3).map(tuple),
+        free_slot=st.booleans(),
+        reporting=st.booleans(),
+    ),
+    max_size=8,
+    unique_by=lambda b: b.name,
+)
+
+
+@settings(max_examples=500, deadline=None)
+@given(
+    backend_lists,
+    st.sampled_from(["x", "y", None]),
+    st.one_of(st.none(), st.frozensets(st.sampled_from([f"p{i}" for i in range(10)]))),
+    st.booleans(),
+    st.frozensets(st.sampled_from([f"p{i}" for i in range(8)])),
+    st.floats(0, 2),
+)
+def test_properties(
+    backends: list[Backend],
+    adapter: str | None,
+    placed: frozenset[str] | None,
+    known: bool,
+    exclude: frozenset[str],
+    load_factor: float,
+) -> None:
+    decision = route(
+        adapter, backends, placed, known=known, load_factor=load_factor, exclude=exclude
+    )
+    eligible = [b for b in backends if b.name not in exclude]
+    if not eligible:
+        assert decision is None
+        return
+    assert decision is not None
+    # Only a given (Ready) pod that is not excluded.
+    assert decision.pod in {b.name for b in eligible}
+    chosen = next(b for b in eligible if b.name == decision.pod)
+    least = min(b.load for b in eligible)
+    if decision.reason in (Reason.BASE, Reason.UNPLACED, Reason.OVERFLOW):
+        assert chosen.load == least
+    else:
+        # A placed pod, within the load bound.
+        assert placed is None or decision.pod in placed
+        assert chosen.load + 1 <= load_bound(eligible, load_factor)
+    if decision.reason is Reason.GPU:
+        assert chosen.residency is not None and adapter in chosen.residency.gpu
+    if decision.reason is Reason.NO_RESIDENCY:
+        assert chosen.residency is None
