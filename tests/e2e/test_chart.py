@@ -104,6 +104,14 @@ def container(deployment: Obj) -> Obj:
     return containers[0]
 
 
+def of_component(docs: list[Obj], kind: str, component: str) -> list[Obj]:
+    return [
+        d
+        for d in of_kind(docs, kind)
+        if d["metadata"]["labels"].get("app.kubernetes.io/component") == component
+    ]
+
+
 def operator_args(docs: list[Obj]) -> list[str]:
     args: list[str] = container(one(docs, "Deployment", f"{FULLNAME}-operator"))["args"]
     return args
@@ -363,7 +371,7 @@ def test_namespaced_peering_uses_a_kopfpeering_per_namespace(helm: str) -> None:
     peerings = of_kind(docs, "KopfPeering")
     assert sorted(p["metadata"]["namespace"] for p in peerings) == ["team-a", "team-b"]
     assert {p["metadata"]["name"] for p in peerings} == {FULLNAME}
-    for role in of_kind(docs, "Role"):
+    for role in of_component(docs, "Role", "operator"):
         assert {
             "apiGroups": ["kopf.dev"],
             "resources": ["kopfpeerings"],
@@ -394,7 +402,8 @@ NAMESPACE_RULE = {"apiGroups": [""], "resources": ["namespaces"], "verbs": ["lis
 
 def test_rbac_all_namespaces_is_a_cluster_role(helm: str) -> None:
     docs = render(helm)
-    assert of_kind(docs, "Role") == [] and of_kind(docs, "RoleBinding") == []
+    assert of_component(docs, "Role", "operator") == []
+    assert of_component(docs, "RoleBinding", "operator") == []
     assert one(docs, "ClusterRole", f"{FULLNAME}-operator")["rules"] == WORK_RULES
     assert one(docs, "ClusterRole", f"{FULLNAME}-operator-cluster")["rules"] == [CRD_RULE]
     for name in (f"{FULLNAME}-operator", f"{FULLNAME}-operator-cluster"):
@@ -407,11 +416,11 @@ def test_rbac_all_namespaces_is_a_cluster_role(helm: str) -> None:
 
 def test_rbac_watched_namespaces_get_a_role_each(helm: str) -> None:
     docs = render(helm, "--set", "operator.watchNamespaces={team-a,team-b}")
-    roles = of_kind(docs, "Role")
+    roles = of_component(docs, "Role", "operator")
     assert sorted(r["metadata"]["namespace"] for r in roles) == ["team-a", "team-b"]
     for role in roles:
         assert role["rules"] == WORK_RULES
-    bindings = of_kind(docs, "RoleBinding")
+    bindings = of_component(docs, "RoleBinding", "operator")
     assert sorted(b["metadata"]["namespace"] for b in bindings) == ["team-a", "team-b"]
     for binding in bindings:
         assert binding["subjects"][0]["namespace"] == NAMESPACE
@@ -436,9 +445,10 @@ def test_rbac_has_no_wildcards_and_no_writes_to_pods_or_secrets(helm: str, value
 
 
 def test_rbac_comments_say_why() -> None:
-    text = (CHART / "templates" / "rbac.yaml").read_text() + (
-        CHART / "templates" / "_helpers.tpl"
-    ).read_text()
+    text = "".join(
+        (CHART / "templates" / name).read_text()
+        for name in ("rbac.yaml", "rbac-router.yaml", "_helpers.tpl")
+    )
     lines = text.splitlines()
     for i, line in enumerate(lines):
         if line.strip().startswith("- apiGroups:"):
@@ -826,19 +836,28 @@ def _job(endpoint: Obj) -> str:
 
 
 @pytest.mark.parametrize("kind", sorted(MONITOR_FLAGS))
-def test_monitors_scrape_the_operator_and_inference_ports(helm: str, kind: str) -> None:
+def test_monitors_scrape_the_operator_inference_and_router_ports(helm: str, kind: str) -> None:
     docs = render(helm, *MONITOR_FLAGS[kind], "--set", "metrics.serviceMonitor.labels.release=p")
     monitors = {m["metadata"]["name"]: m for m in of_kind(docs, kind)}
-    assert sorted(monitors) == [f"{FULLNAME}-inference", f"{FULLNAME}-operator"]
-    for component in ("operator", "inference"):
+    components = ("inference", "operator", "router")
+    assert sorted(monitors) == [f"{FULLNAME}-{c}" for c in components]
+    for component in components:
         monitor = monitors[f"{FULLNAME}-{component}"]
         assert monitor["spec"]["namespaceSelector"] == {"matchNames": [NAMESPACE]}
         selector = monitor["spec"]["selector"]["matchLabels"]
         if kind == "ServiceMonitor":
             assert monitor["metadata"]["labels"]["release"] == "p"
             [endpoint] = monitor["spec"]["endpoints"]
-            service = one(docs, "Service", f"{FULLNAME}-{component}")
-            assert selector.items() <= service["metadata"]["labels"].items()
+            # Exactly one selected Service has the port, and it selects the component's pods:
+            # the client-facing inference Service (the router's) never gets scraped as the pods.
+            services = [
+                svc
+                for svc in of_kind(docs, "Service")
+                if selector.items() <= svc["metadata"]["labels"].items()
+                and endpoint["port"] in {p["name"] for p in svc["spec"]["ports"]}
+            ]
+            [service] = services
+            assert service["spec"]["selector"]["app.kubernetes.io/component"] == component
             ports = {p["name"] for p in service["spec"]["ports"]}
         else:
             [endpoint] = monitor["spec"]["podMetricsEndpoints"]
@@ -849,15 +868,19 @@ def test_monitors_scrape_the_operator_and_inference_ports(helm: str, kind: str) 
         assert _job(endpoint) == f"{FULLNAME}-{component}"
     no_inference = render(helm, *MONITOR_FLAGS[kind], "--set", "inference.enabled=false")
     assert [m["metadata"]["name"] for m in of_kind(no_inference, kind)] == [f"{FULLNAME}-operator"]
+    no_router = render(helm, *MONITOR_FLAGS[kind], "--set", "router.enabled=false")
+    assert f"{FULLNAME}-router" not in {m["metadata"]["name"] for m in of_kind(no_router, kind)}
 
 
 def _registered_metrics() -> dict[str, tuple[str, set[str]]]:
-    """Every metric the operator and the inference server register: name -> (type, labels)."""
+    """Every metric the operator, the inference server and the router register: name -> (type,
+    labels)."""
     from lora_inference import metrics as inference_metrics
     from lora_operator import metrics as operator_metrics
+    from lora_router import metrics as router_metrics
 
     found: dict[str, tuple[str, set[str]]] = {}
-    for module in (operator_metrics, inference_metrics):
+    for module in (operator_metrics, inference_metrics, router_metrics):
         for collector in vars(module.Metrics()).values():
             name = getattr(collector, "_name", None)
             if name:
@@ -895,7 +918,7 @@ def test_alerts_select_what_the_monitors_scrape_and_metrics_the_code_registers(
             )
             assert base is not None, f"{r['alert']}: {metric} is not registered in code"
             assert set(label_values) - {"job", "le"} <= registered[base][1], (r["alert"], labels)
-    assert {"LoRAOperatorDown", "LoRAInferenceDown", "LoRAAdapterFailed"} <= names
+    assert {"LoRAOperatorDown", "LoRAInferenceDown", "LoRAAdapterFailed", "LoRARouterDown"} <= names
 
 
 @pytest.mark.parametrize(
@@ -910,7 +933,10 @@ def test_alerts_select_what_the_monitors_scrape_and_metrics_the_code_registers(
             [*MONITOR_FLAGS["ServiceMonitor"], "--set", "operator.service.enabled=false"],
             "needs operator.service.enabled=true",
         ),
-        (["--set", "networkPolicy.enabled=true"], "networkPolicy.allowFrom is empty"),
+        (
+            ["--set", "networkPolicy.enabled=true", "--set", "router.enabled=false"],
+            "networkPolicy.allowFrom is empty",
+        ),
     ],
     ids=["two-monitors", "rule-without-monitor", "monitor-without-service", "policy-admits-nobody"],
 )
@@ -936,11 +962,12 @@ def test_schema_closes_the_new_values(helm: str, flag: str) -> None:
 # ---- the network policy
 
 
-def test_network_policy_admits_the_operator_helm_test_and_allow_from(helm: str) -> None:
+def test_network_policy_admits_the_operator_router_helm_test_and_allow_from(helm: str) -> None:
     docs = render(helm, "-f", str(CHART / "ci" / "production-values.yaml"))
     policy = one(docs, "NetworkPolicy", f"{FULLNAME}-inference")
     inference = one(docs, "Deployment", f"{FULLNAME}-inference")
     operator = one(docs, "Deployment", f"{FULLNAME}-operator")
+    router = one(docs, "Deployment", f"{FULLNAME}-router")
     test_pod = one(docs, "Pod", f"{FULLNAME}-test-health")
     spec = policy["spec"]
     assert spec["podSelector"] == inference["spec"]["selector"]
@@ -949,8 +976,10 @@ def test_network_policy_admits_the_operator_helm_test_and_allow_from(helm: str) 
     assert ingress["ports"] == [{"port": "http", "protocol": "TCP"}]
     peers = ingress["from"]
     operator_labels = operator["spec"]["template"]["metadata"]["labels"]
+    router_labels = router["spec"]["template"]["metadata"]["labels"]
     assert peers[0]["podSelector"]["matchLabels"].items() <= operator_labels.items()
-    assert peers[1]["podSelector"]["matchLabels"].items() <= test_pod["metadata"]["labels"].items()
+    assert peers[1]["podSelector"]["matchLabels"].items() <= router_labels.items()
+    assert peers[2]["podSelector"]["matchLabels"].items() <= test_pod["metadata"]["labels"].items()
     values = yaml.safe_load((CHART / "ci" / "production-values.yaml").read_text())
-    assert peers[2:] == values["networkPolicy"]["allowFrom"]
+    assert peers[3:] == values["networkPolicy"]["allowFrom"]
     assert of_kind(render(helm), "NetworkPolicy") == []

@@ -53,6 +53,32 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- printf "%s-inference" (include "lora-operator.fullname" .) }}
 {{- end }}
 
+{{/*
+The Service that reaches the inference pods themselves (the router watches its EndpointSlices).
+*/}}
+{{- define "lora-operator.inferencePods.name" -}}
+{{- printf "%s-inference-pods" (include "lora-operator.fullname" .) }}
+{{- end }}
+
+{{- define "lora-operator.router.name" -}}
+{{- printf "%s-router" (include "lora-operator.fullname" .) }}
+{{- end }}
+
+{{/*
+Whether the router runs: it fronts the chart's own inference pods, so it needs them.
+*/}}
+{{- define "lora-operator.router.enabled" -}}
+{{- if and .Values.router.enabled .Values.inference.enabled }}true{{ end }}
+{{- end }}
+
+{{- define "lora-operator.router.serviceAccountName" -}}
+{{- if .Values.router.serviceAccount.create }}
+{{- default (include "lora-operator.router.name" .) .Values.router.serviceAccount.name }}
+{{- else }}
+{{- required "router.serviceAccount.name is required when router.serviceAccount.create is false" .Values.router.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
 {{- define "lora-operator.serviceAccountName" -}}
 {{- if .Values.operator.serviceAccount.create }}
 {{- default (include "lora-operator.operator.name" .) .Values.operator.serviceAccount.name }}
@@ -146,8 +172,8 @@ includes it, and helm renders every template, so any install or template reports
 {{- if and .Values.metrics.prometheusRule.enabled (not (or .Values.metrics.serviceMonitor.enabled .Values.metrics.podMonitor.enabled)) }}
 {{- fail "metrics.prometheusRule needs metrics.serviceMonitor.enabled or metrics.podMonitor.enabled: its alerts select the job labels those monitors set" }}
 {{- end }}
-{{- if and .Values.inference.enabled .Values.networkPolicy.enabled (not .Values.networkPolicy.allowFrom) }}
-{{- fail "networkPolicy.allowFrom is empty: only the operator could reach the inference pods, so nothing could generate; name your router, gateway or clients there" }}
+{{- if and .Values.inference.enabled .Values.networkPolicy.enabled (not .Values.networkPolicy.allowFrom) (not (include "lora-operator.router.enabled" .)) }}
+{{- fail "networkPolicy.allowFrom is empty and router.enabled is false: only the operator could reach the inference pods, so nothing could generate; enable the router or name your gateway or clients there" }}
 {{- end }}
 {{- if not (hasPrefix "/" .Values.volumeRoot) }}
 {{- fail (printf "volumeRoot must be an absolute path; got %q" .Values.volumeRoot) }}
