@@ -566,7 +566,10 @@ def test_inference_pod_contract(helm: str) -> None:
     assert service["spec"]["ports"] == [
         {"name": "http", "port": 80, "targetPort": "http", "protocol": "TCP"}
     ]
-    assert service["spec"]["selector"] == deployment["spec"]["selector"]["matchLabels"]
+    pods = one(docs, "Service", f"{FULLNAME}-inference-pods")
+    assert pods["spec"]["selector"] == deployment["spec"]["selector"]["matchLabels"]
+    router = one(docs, "Deployment", f"{FULLNAME}-router")
+    assert service["spec"]["selector"] == router["spec"]["selector"]["matchLabels"]
 
 
 def test_inference_on_cpu_without_gpu(helm: str) -> None:
@@ -803,7 +806,9 @@ def test_pod_disruption_budget_selects_the_inference_pods(helm: str) -> None:
     assert pdb["spec"]["maxUnavailable"] == "50%"
     assert pdb["spec"]["selector"] == deployment["spec"]["selector"]
     off = render(helm, "--set", "inference.podDisruptionBudget.enabled=false")
-    assert of_kind(off, "PodDisruptionBudget") == []
+    assert [p["metadata"]["name"] for p in of_kind(off, "PodDisruptionBudget")] == [
+        f"{FULLNAME}-router"
+    ]
     assert of_kind(render(helm, "--set", "inference.enabled=false"), "PodDisruptionBudget") == []
 
 
