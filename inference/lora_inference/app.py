@@ -4,8 +4,9 @@
 pipeline in the background; /ready turns 200 when the model and the static adapters are loaded.
 Route handlers only parse (api), authorise (the admin token for load/unload, the client token for
 generation and reads; /health, /ready and /metrics stay open for probes and Prometheus) and
-delegate to the engine; domain errors become HTTP
-errors in `error_middleware` and nowhere else.
+delegate to the engine; /metrics has the engine refresh the gauges read from its occupancy
+first, so a scrape is never stale. Domain errors become HTTP errors in `error_middleware` and
+nowhere else.
 """
 
 from __future__ import annotations
@@ -84,6 +85,14 @@ def _engine(request: web.Request) -> Engine:
     return task.result()
 
 
+def _started(app: web.Application) -> Engine | None:
+    """The engine once it has started, else None (for the answers that never wait for it)."""
+    task = app[STARTUP]
+    if task.done() and task.exception() is None:
+        return task.result()
+    return None
+
+
 def _authorise(request: web.Request) -> None:
     """Load and unload: the admin token, when one is configured."""
     token = request.app[CONFIG].admin_token
@@ -139,14 +148,28 @@ async def list_models(request: web.Request) -> web.Response:
     config = request.app[CONFIG]
     created = int(request.app[STARTED_AT])
     cards = [_card(config.model_id, str(config.model), None, created)]
-    task = request.app[STARTUP]
-    if task.done() and task.exception() is None:
-        for record in task.result().registry.records():
+    engine = _started(request.app)
+    if engine is not None:
+        for record in engine.registry.records():
             card = _card(record.name, str(record.path), config.model_id, created)
-            # Beyond vLLM's card: what the operator compares with the LoRAAdapter's spec.
-            card.update(scale=record.scale, pinned=record.pinned, sha256=record.sha256)
+            # Beyond vLLM's card: what the operator compares with the LoRAAdapter's spec, and
+            # the demand it scales hot adapters by.
+            card.update(
+                scale=record.scale,
+                pinned=record.pinned,
+                sha256=record.sha256,
+                hits=engine.registry.stats(record.name).hits,
+            )
             cards.append(card)
-    return web.json_response({"object": "list", "data": cards})
+    # Beyond vLLM's list: the capacity the operator places adapters by.
+    return web.json_response(
+        {
+            "object": "list",
+            "data": cards,
+            "max_loras": config.max_loras,
+            "max_cpu_loras": config.max_cpu_loras,
+        }
+    )
 
 
 def _card(model_id: str, root: str, parent: str | None, created: int) -> dict[str, Any]:
@@ -161,7 +184,9 @@ def _card(model_id: str, root: str, parent: str | None, created: int) -> dict[st
 
 
 async def list_adapters(request: web.Request) -> web.Response:
+    """Residency, capacity and queue: what an adapter-aware router routes by."""
     _authorise_client(request)
+    config = request.app[CONFIG]
     engine = _engine(request)
     data = []
     for record in engine.registry.records():
@@ -180,7 +205,18 @@ async def list_adapters(request: web.Request) -> web.Response:
                 "rank": record.rank,
             }
         )
-    return web.json_response({"object": "list", "data": data})
+    occupancy = engine.occupancy()
+    return web.json_response(
+        {
+            "object": "list",
+            "data": data,
+            "model": config.model_id,
+            "max_loras": config.max_loras,
+            "max_cpu_loras": config.max_cpu_loras,
+            "num_requests_waiting": occupancy.waiting,
+            "num_requests_running": occupancy.running,
+        }
+    )
 
 
 async def generate_images(request: web.Request) -> web.Response:
@@ -229,6 +265,9 @@ async def ready(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
+    engine = _started(request.app)
+    if engine is not None:
+        engine.update_fleet_gauges()
     body = generate_latest(request.app[METRICS].registry)
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 

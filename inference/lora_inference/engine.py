@@ -74,6 +74,17 @@ class GeneratedImage:
     seed: int
 
 
+@dataclass(frozen=True)
+class Occupancy:
+    """What the engine holds at one moment, as a fleet reads it (GET /v1/adapters, /metrics)."""
+
+    waiting: int  # requests queued, not yet in a batch
+    running: int  # requests in the batch being generated (its adapters being placed included)
+    resident: frozenset[str]  # registered adapters in GPU slots, by name
+    # Adapters that queued requests name and that are not in a GPU slot, by name.
+    awaited: frozenset[str]
+
+
 @dataclass
 class _Pending:
     key: scheduling.BatchKey
@@ -108,6 +119,7 @@ class Engine:
         self._refs: collections.Counter[str] = collections.Counter()
         self._retired: set[str] = set()  # keys replaced or unloaded, to drop when unreferenced
         self._queue: list[_Pending] = []
+        self._running: list[_Pending] = []  # the batch taken off the queue, until it is answered
         self._wake = asyncio.Event()
         self._pipeline_lock = asyncio.Lock()
         self._register_lock = asyncio.Lock()
@@ -332,6 +344,29 @@ class Engine:
         async with self._admission():
             return await self.register(name, resolved, origin="request")
 
+    def occupancy(self) -> Occupancy:
+        """The queue, the running batch and the GPU slots now: what routers and schedulers read."""
+        return Occupancy(
+            waiting=len(self._queue),
+            running=len(self._running),
+            resident=frozenset(r.name for r in self.registry.records() if r.key in self.gpu),
+            awaited=frozenset(
+                p.record.name
+                for p in self._queue
+                if p.record is not None and p.record.key not in self.gpu
+            ),
+        )
+
+    def update_fleet_gauges(self) -> None:
+        """Set the vLLM-named gauges from `occupancy()`; called at each scrape, so never stale."""
+        held = self.occupancy()
+        model = self.config.model_id
+        self.metrics.requests_waiting.labels(model).set(held.waiting)
+        self.metrics.requests_running.labels(model).set(held.running)
+        self.metrics.set_lora_info(
+            self.config.max_loras, running=held.resident, waiting=held.awaited, at=time.time()
+        )
+
     def tier_of(self, record: AdapterRecord) -> str:
         if record.key in self.gpu:
             return "gpu"
@@ -445,7 +480,11 @@ class Engine:
             chosen = set(plan.members)
             self._queue = [p for i, p in enumerate(self._queue) if i not in chosen]
             self.metrics.queue_depth.set(len(self._queue))
-            await self._run_batch(batch)
+            self._running = batch
+            try:
+                await self._run_batch(batch)
+            finally:
+                self._running = []
 
     def _drop_gone(self) -> None:
         kept = []

@@ -1,7 +1,14 @@
-"""Prometheus metrics of one server instance (a registry per app, so tests can run several)."""
+"""Prometheus metrics of one server instance (a registry per app, so tests can run several).
+
+Besides our own `lora_*` series, the few that schedulers built for vLLM read, in vLLM's names
+and shape (`vllm:*`), so a Gateway API inference extension or llm-d scorer routes image traffic
+by adapter affinity and queue length as it does text. Only the values are ours to set; this
+module decides nothing about adapters or the queue.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -63,3 +70,38 @@ class Metrics:
         self.requests = Counter(
             "lora_generation_requests", "Generation requests by outcome", ["outcome"], registry=r
         )
+        self.requests_waiting = Gauge(
+            "vllm:num_requests_waiting",
+            "Requests queued, not yet in a batch (vLLM's name; model_name: the served model)",
+            ["model_name"],
+            registry=r,
+        )
+        self.requests_running = Gauge(
+            "vllm:num_requests_running",
+            "Requests in the batch being generated (vLLM's name; model_name: the served model)",
+            ["model_name"],
+            registry=r,
+        )
+        self.lora_info = Gauge(
+            "vllm:lora_requests_info",
+            "One series, valued at the unix time it was last refreshed: max_lora, the GPU slots; "
+            "running_lora_adapters, the adapters in them; waiting_lora_adapters, the adapters "
+            "queued requests wait for (names comma-joined, sorted; vLLM's name and labels)",
+            ["max_lora", "running_lora_adapters", "waiting_lora_adapters"],
+            registry=r,
+        )
+        self._lora_info_labels: tuple[str, str, str] | None = None
+
+    def set_lora_info(
+        self, max_lora: int, *, running: Collection[str], waiting: Collection[str], at: float
+    ) -> None:
+        """Make the one `vllm:lora_requests_info` series say this, valued `at` (a unix time).
+
+        vLLM adds a series at every change and readers take the one with the largest value; one
+        series, replaced when its labels change, reads the same and keeps cardinality bounded.
+        """
+        labels = (str(max_lora), ",".join(sorted(running)), ",".join(sorted(waiting)))
+        if self._lora_info_labels is not None and self._lora_info_labels != labels:
+            self.lora_info.remove(*self._lora_info_labels)
+        self._lora_info_labels = labels
+        self.lora_info.labels(*labels).set(at)
