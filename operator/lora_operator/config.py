@@ -80,6 +80,9 @@ class OperatorConfig:
     status_settle_s: float = 3.0
     status_progress_s: float = 10.0
     verify_every_s: float = 2.0
+    # How often adapters with spec.autoscale have their request rate measured (the pods' hit
+    # counters are read that often) and their replicas reconsidered.
+    autoscale_interval_s: float = 15.0
 
 
 def parse_args(argv: Sequence[str] | None = None) -> OperatorConfig:
@@ -136,6 +139,12 @@ def parse_args(argv: Sequence[str] | None = None) -> OperatorConfig:
         "--resync-seconds", type=float, default=30.0, help="how often each pod is re-checked"
     )
     p.add_argument("--load-timeout-seconds", type=float, default=120.0)
+    p.add_argument(
+        "--autoscale-interval-seconds",
+        type=float,
+        default=15.0,
+        help="how often adapters with spec.autoscale have their request rate measured",
+    )
     p.add_argument("--hf-endpoint", help="a Hugging Face Hub mirror for hf:// sources")
     a = p.parse_args(argv)
     token: str | None
@@ -150,8 +159,11 @@ def parse_args(argv: Sequence[str] | None = None) -> OperatorConfig:
     ):
         if value < 1:
             p.error(f"{flag} must be at least 1")
-    if a.resync_seconds <= 0 or a.load_timeout_seconds <= 0:
-        p.error("--resync-seconds and --load-timeout-seconds must be positive")
+    if a.resync_seconds <= 0 or a.load_timeout_seconds <= 0 or a.autoscale_interval_seconds <= 0:
+        p.error(
+            "--resync-seconds, --load-timeout-seconds and --autoscale-interval-seconds must be "
+            "positive"
+        )
     if a.peering and any(set(ns) & set("*?[]!") for ns in a.namespace):
         p.error("with --peering, name each --namespace exactly (no patterns)")
     if a.peering_lifetime_seconds < 15:
@@ -172,5 +184,6 @@ def parse_args(argv: Sequence[str] | None = None) -> OperatorConfig:
         max_concurrent_loads=a.max_concurrent_loads,
         resync_s=a.resync_seconds,
         load_timeout_s=a.load_timeout_seconds,
+        autoscale_interval_s=a.autoscale_interval_seconds,
         hf_endpoint=a.hf_endpoint,
     )

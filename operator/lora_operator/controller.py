@@ -36,12 +36,30 @@ from typing import Any, Protocol
 import kopf
 from lora_inference.adapters import targeting
 
-from lora_operator import errors, events, gc, peering, planning, podstate, sources, staging
+from lora_operator import (
+    autoscale,
+    errors,
+    events,
+    gc,
+    peering,
+    placement,
+    planning,
+    podstate,
+    sources,
+    staging,
+)
 from lora_operator import status as status_mod
 from lora_operator.config import OperatorConfig
 from lora_operator.kube import ApiError, KubeApi
 from lora_operator.metrics import Metrics
-from lora_operator.model import AdapterInfo, PodInfo, StagedRef, adapter_info, object_ref
+from lora_operator.model import (
+    AdapterInfo,
+    AutoscaleSpec,
+    PodInfo,
+    StagedRef,
+    adapter_info,
+    object_ref,
+)
 from lora_operator.podclient import PodClient, PodError
 from lora_operator.podstate import PodEntry
 
@@ -148,6 +166,10 @@ class AdapterRecord:
     recorded_loads: dict[str, tuple[str | None, str | None, float | None]] = field(
         default_factory=dict
     )
+    # spec.autoscale: the replicas chosen now, and the pods' hit counters at the last
+    # measurement (pod -> count, and when).
+    scale: autoscale.Scale | None = None
+    hits_seen: tuple[dict[str, int], float] | None = None
 
     @property
     def key(self) -> Key:
@@ -212,6 +234,10 @@ class Controller:
         # hundreds must queue here, not time out).
         self._write_slots = asyncio.Semaphore(8)
         self._event_slots = asyncio.Semaphore(8)
+        # Per namespace: where the adapters with spec.replicas or spec.autoscale are placed,
+        # recomputed when an input changed (placement.plan_placement decides).
+        self._placements: dict[str, placement.Placement] = {}
+        self._stale_placements: set[str] = set()
         self._dirty: set[Key] = set()
         self._due: dict[Key, float] = {}
         self._writer_wake = asyncio.Event()
@@ -241,6 +267,7 @@ class Controller:
         self._pods_index, self._adapters_index = pods_index, adapters_index
         self._spawn(self._writer(), name="status-writer")
         self._spawn(self._collector(), name="collector")
+        self._spawn(self._autoscaler(), name="autoscaler")
         if self.config.standalone:
             self.set_active(True)
         else:
@@ -315,9 +342,20 @@ class Controller:
             rec.info = info
         if not info.deleting and generation_changed:
             self._consider_staging(rec)
-        fingerprint = (info.deleting, info.scale, info.pinned, info.selector, info.base_model)
+        if info.autoscale is None:
+            rec.scale, rec.hits_seen = None, None
+        fingerprint = (
+            info.deleting,
+            info.scale,
+            info.pinned,
+            info.selector,
+            info.base_model,
+            info.replicas,
+            info.autoscale,
+        )
         if rec.fingerprint != fingerprint:
             rec.fingerprint = fingerprint
+            self._stale_placements.add(info.namespace)
             if not info.deleting:  # a deletion wakes the pods once it has unpublished
                 self._wake_namespace(info.namespace)
             self._mark(key)
@@ -325,6 +363,7 @@ class Controller:
     def pod_changed(self, info: PodInfo, deleted: bool = False) -> None:
         key = info.key
         prec = self.pods.get(key)
+        self._stale_placements.add(info.namespace)
         if deleted:
             if prec is not None:
                 _cancel(prec.task)
@@ -540,6 +579,7 @@ class Controller:
     def _forget(self, key: Key) -> None:
         rec = self.adapters.pop(key, None)
         self._unloading.discard(key)
+        self._stale_placements.add(key[0])
         if rec is None:
             return
         _cancel(rec.staging_task)
@@ -632,6 +672,7 @@ class Controller:
         not known yet, and deleted ones not unpublished yet)."""
         wants: dict[str, planning.Want] = {}
         keep: set[str] = set()
+        placed = self._placement(pod.namespace)
         for indexed in self._indexed(pod.namespace):
             rec = self.adapters.get(indexed.key)
             info = rec.info if rec is not None else indexed
@@ -641,6 +682,12 @@ class Controller:
                 continue
             if not info.targets(pod, base_model):
                 continue
+            if info.placed:
+                if placed is None:  # not every pod has reported yet: nothing moves
+                    keep.add(info.name)
+                    continue
+                if pod.name not in placed.pods_of(info.name):
+                    continue
             staged = rec.staging.staged if rec is not None else info.staged
             if staged is None:
                 keep.add(info.name)
@@ -654,6 +701,8 @@ class Controller:
         """Take in what the pod reported: every wanted adapter's entry on this pod."""
         pod = prec.info
         before, prec.report = prec.report, report
+        if before is None or _placement_inputs(before) != _placement_inputs(report):
+            self._stale_placements.add(pod.namespace)
         if not prec.heard:
             prec.heard = True
             self._mark_namespace(pod.namespace)
@@ -685,6 +734,7 @@ class Controller:
         return new
 
     def _drop_entries(self, prec: PodRecord) -> None:
+        self._stale_placements.add(prec.info.namespace)
         for name in prec.entries:
             rec = self.adapters.get((prec.info.namespace, name))
             if rec is not None and rec.pods.pop(prec.info.name, None) is not None:
@@ -775,14 +825,144 @@ class Controller:
             self._mark(rec.key)
 
     def targeted(self, rec: AdapterRecord) -> list[tuple[PodInfo, PodEntry]]:
-        """The Ready pods that reported their base model and that this adapter belongs on."""
+        """The Ready pods that reported their base model and that this adapter belongs on
+        (with spec.replicas or spec.autoscale: the ones it is placed on)."""
+        placed = self._placed(rec)
         return [
             (p.info, rec.pods.get(p.info.name, PodEntry()))
             for p in self._pods_in(rec.info.namespace)
             if p.report is not None
             and p.info.reachable
             and rec.info.targets(p.info, p.report.base_model)
+            and (placed is None or p.info.name in placed.pods)
         ]
+
+    def _placed(self, rec: AdapterRecord) -> placement.Placed | None:
+        """The adapter's placement; None when it goes on every matching pod."""
+        if not rec.info.placed:
+            return None
+        chosen = self._placement(rec.info.namespace)
+        found = chosen.adapters.get(rec.info.name) if chosen is not None else None
+        return found or placement.Placed(pods=(), wanted=self._replicas(rec.info, rec))
+
+    # -- placement ----------------------------------------------------------------------------
+
+    def _placement(self, namespace: str) -> placement.Placement | None:
+        """Where the namespace's adapters with spec.replicas or spec.autoscale go, recomputed
+        when an input changed (a pod came, went, became Ready or not, reported other capacity
+        or another base model; an adapter came, went or changed its placement fields). None
+        until every Ready pod has reported since this replica began to act: a placement made
+        from some pods' reports would move adapters for nothing. A change wakes the namespace's
+        pods and marks the adapters it moved."""
+        current = self._placements.get(namespace)
+        if namespace not in self._stale_placements and current is not None:
+            return current
+        if not self._heard(namespace):
+            return current
+        self._stale_placements.discard(namespace)
+        reports = {
+            p.info.name: (p.info, p.report)
+            for p in self._pods_in(namespace)
+            if p.report is not None and p.info.reachable
+        }
+        capacities = [
+            c
+            for name, (_, report) in sorted(reports.items())
+            if (c := placement.capacity(name, report)) is not None
+        ]
+        demands = []
+        for info in self._indexed(namespace):
+            rec = self.adapters.get(info.key)
+            info = rec.info if rec is not None else info
+            if info.deleting:
+                continue
+            candidates = tuple(
+                name
+                for name, (pod, report) in sorted(reports.items())
+                if info.targets(pod, report.base_model)
+            )
+            replicas = self._replicas(info, rec) if info.placed else None
+            demands.append(
+                placement.Demand(info.name, replicas, info.pinned, candidates, info.created)
+            )
+        new = placement.plan_placement(capacities, demands)
+        self._placements[namespace] = new
+        moved = [
+            name
+            for name, placed in new.adapters.items()
+            if current is None or current.adapters.get(name) != placed
+        ]
+        if moved:
+            for name in moved:
+                if (namespace, name) in self.adapters:
+                    self._mark((namespace, name))
+            self._wake_namespace(namespace)
+        return new
+
+    def _replicas(self, info: AdapterInfo, rec: AdapterRecord | None) -> int:
+        """How many pods an adapter with spec.replicas or spec.autoscale should be on."""
+        if info.replicas is not None:
+            return info.replicas
+        assert info.autoscale is not None, "only adapters with placement fields are placed"
+        if rec is not None and rec.scale is not None:
+            return rec.scale.replicas
+        return autoscale.start(_policy(info.autoscale)).replicas
+
+    # -- autoscaling --------------------------------------------------------------------------
+
+    async def _autoscaler(self) -> None:
+        """Every `autoscale_interval_s`: measure each autoscaled adapter's request rate from the
+        pods' hit counters, choose its replicas (autoscale.plan_scale), and have the pods read
+        again, so the next measurement has fresh counters."""
+        while True:
+            await asyncio.sleep(self.config.autoscale_interval_s)
+            if not self.active.is_set():
+                continue
+            now = time.time()
+            namespaces = set()
+            for rec in list(self.adapters.values()):
+                if rec.info.autoscale is not None and not rec.info.deleting:
+                    self._autoscale(rec, rec.info.autoscale, now)
+                    namespaces.add(rec.info.namespace)
+            for namespace in namespaces:
+                self._wake_namespace(namespace)
+
+    def _autoscale(self, rec: AdapterRecord, spec: AutoscaleSpec, now: float) -> None:
+        counts = {
+            p.info.name: card.hits
+            for p in self._pods_in(rec.info.namespace)
+            if p.report is not None
+            and (card := p.report.cards.get(rec.info.name)) is not None
+            and card.managed
+            and card.hits is not None
+        }
+        previous, rec.hits_seen = rec.hits_seen, (counts, now)
+        if previous is None:
+            return  # a first reading: counters hold history, not a rate
+        rate = autoscale.request_rate(previous[0], counts, now - previous[1])
+        policy = _policy(spec)
+        current = rec.scale or autoscale.start(policy)
+        rec.scale = autoscale.plan_scale(current, rate, now, policy)
+        if rec.scale.replicas == current.replicas:
+            return
+        log.info(
+            "action=autoscale adapter=%s/%s rate=%.3f replicas=%d->%d",
+            *rec.key,
+            rate,
+            current.replicas,
+            rec.scale.replicas,
+        )
+        self._post_event(
+            rec.info,
+            events.Note(
+                "Normal",
+                "Scaled",
+                f"{rate:.2f} requests/s: replicas {current.replicas} -> {rec.scale.replicas}",
+            ),
+        )
+        self._stale_placements.add(rec.info.namespace)
+        self._mark(rec.key)
+        self._wake_namespace(rec.info.namespace)
 
     def _heard(self, namespace: str) -> bool:
         """Whether every Ready pod of the namespace has reported since this replica began to
@@ -820,8 +1000,13 @@ class Controller:
                     self._due[key] = now + 0.5
                     continue
                 targeted = self.targeted(rec)
+                placed = self._placed(rec)
                 summary = status_mod.summarise(
-                    rec.info, rec.staging, targeted, retry_bound=self.config.retry_bound
+                    rec.info,
+                    rec.staging,
+                    targeted,
+                    retry_bound=self.config.retry_bound,
+                    placed=placed,
                 )
                 self._set_phase(rec, summary.phase)
                 if rec.headline != summary.headline:
@@ -838,6 +1023,7 @@ class Controller:
                     summary,
                     (rec.written or {}).get("conditions") or [],
                     now_iso(),
+                    placed,
                 )
                 delay = status_mod.write_delay(
                     rec.written,
@@ -1009,6 +1195,20 @@ class Controller:
         task.add_done_callback(self._background.discard)
 
 
+def _policy(spec: AutoscaleSpec) -> autoscale.Policy:
+    return autoscale.Policy(
+        min_replicas=spec.min_replicas,
+        max_replicas=spec.max_replicas,
+        target_rps=spec.target_rps,
+        narrow_after_s=spec.scale_down_delay_s,
+    )
+
+
+def _placement_inputs(report: planning.PodReport) -> tuple[Any, ...]:
+    """What of a pod's report placement reads: its base model and its capacity."""
+    return (report.base_model, placement.capacity("", report))
+
+
 def _cancel(task: asyncio.Task[None] | None) -> None:
     if task is not None:
         task.cancel()
@@ -1037,8 +1237,13 @@ def _seed(info: AdapterInfo, body: Body) -> AdapterRecord:
         state.permanent = True
         state.error_reason, state.error_message = failed.get("reason"), failed.get("message")
     phase = st.get("phase")
+    replicas = st.get("replicas")
     return AdapterRecord(
         info=info,
+        # An earlier process's choice within spec.autoscale continues (clamped to the range).
+        scale=autoscale.Scale(autoscale.clamp(replicas, _policy(info.autoscale)))
+        if info.autoscale is not None and isinstance(replicas, int)
+        else None,
         staging=state,
         written=st or None,
         written_headline=(str(phase), None) if phase else None,

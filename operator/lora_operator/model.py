@@ -114,6 +114,16 @@ class SourceSpec:
 
 
 @dataclass(frozen=True)
+class AutoscaleSpec:
+    """`spec.autoscale`: the range the operator chooses `replicas` from, by request rate."""
+
+    min_replicas: int
+    max_replicas: int
+    target_rps: float = 0.5
+    scale_down_delay_s: float = 120.0
+
+
+@dataclass(frozen=True)
 class AdapterInfo:
     namespace: str
     name: str
@@ -126,6 +136,15 @@ class AdapterInfo:
     deleting: bool
     staged: StagedRef | None  # from status: what the operator published last
     source: SourceSpec = SourceSpec("")
+    replicas: int | None = None  # spec.replicas; None with autoscale, or on every matching pod
+    autoscale: AutoscaleSpec | None = None
+    created: str = ""  # metadata.creationTimestamp
+
+    @property
+    def placed(self) -> bool:
+        """Whether the adapter is on some of its matching pods (a placement decides which),
+        rather than on every one of them."""
+        return self.replicas is not None or self.autoscale is not None
 
     @property
     def key(self) -> tuple[str, str]:
@@ -151,6 +170,8 @@ def adapter_info(body: Mapping[str, Any]) -> AdapterInfo:
     staged = (body.get("status") or {}).get("staged") or {}
     sha = staged.get("sha256")
     source = spec.get("source") or {}
+    replicas = spec.get("replicas")
+    auto = spec.get("autoscale")
     return AdapterInfo(
         namespace=str(meta.get("namespace", "")),
         name=str(meta.get("name", "")),
@@ -168,6 +189,16 @@ def adapter_info(body: Mapping[str, Any]) -> AdapterInfo:
             sha256=source.get("sha256"),
             secret=(source.get("secretRef") or {}).get("name") or None,
         ),
+        replicas=int(replicas) if replicas is not None else None,
+        created=str(meta.get("creationTimestamp") or ""),
+        autoscale=AutoscaleSpec(
+            min_replicas=int(auto.get("minReplicas", 1)),
+            max_replicas=int(auto.get("maxReplicas", 1)),
+            target_rps=float(auto.get("targetRequestsPerSecond", 0.5)),
+            scale_down_delay_s=float(auto.get("scaleDownDelaySeconds", 120)),
+        )
+        if isinstance(auto, Mapping)
+        else None,
     )
 
 

@@ -35,6 +35,7 @@ class Card:
     revision: str | None  # the sha256 of its revision directory; None: not one of ours
     scale: float | None  # None when the server does not report it (vLLM)
     pinned: bool | None
+    hits: int | None = None  # requests served with it there; None when not reported (vLLM)
 
     @property
     def managed(self) -> bool:
@@ -45,6 +46,10 @@ class Card:
 class PodReport:
     base_model: str | None
     cards: Mapping[str, Card]
+    # The pod's adapter capacity, where the server advertises it (GPU slots, CPU-tier size):
+    # what placement may give it. None: it does not (vLLM), and it gets no placed adapters.
+    max_loras: int | None = None
+    max_cpu_loras: int | None = None
     _managed: Mapping[str, str] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -79,8 +84,18 @@ def parse_models(payload: Any) -> PodReport:
             revision=revision,
             scale=float(scale) if isinstance(scale, int | float) else None,
             pinned=pinned if isinstance(pinned, bool) else None,
+            hits=_count(raw.get("hits")),
         )
-    return PodReport(base_model=base, cards=cards)
+    return PodReport(
+        base_model=base,
+        cards=cards,
+        max_loras=_count(payload.get("max_loras")),
+        max_cpu_loras=_count(payload.get("max_cpu_loras")),
+    )
+
+
+def _count(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
 
 
 @dataclass(frozen=True)

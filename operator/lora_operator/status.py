@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from lora_operator.model import AdapterInfo, PodInfo, StagedRef
+from lora_operator.placement import Placed, Shortfall
 from lora_operator.podstate import PodEntry
 
 Phase = Literal["Pending", "Staging", "Loading", "Ready", "Degraded", "Failed"]
@@ -117,8 +118,15 @@ def same_headline(previous: Headline | None, summary: Summary) -> bool:
 
 
 def summarise(
-    info: AdapterInfo, staging: StagingState, targeted: Targeted, *, retry_bound: int = 4
+    info: AdapterInfo,
+    staging: StagingState,
+    targeted: Targeted,
+    *,
+    retry_bound: int = 4,
+    placed: Placed | None = None,
 ) -> Summary:
+    """`targeted`: the pods the adapter belongs on (with spec.replicas or spec.autoscale, the
+    ones it is placed on); `placed`: its placement, for those adapters."""
     staged = staging.staged
     n = len(targeted)
     ready = sorted(p.name for p, e in targeted if e.serves(staged.sha256 if staged else None))
@@ -157,6 +165,9 @@ def summarise(
         degraded_c = Condition(
             "Degraded", "False", "AsExpected", "no staging or load failure is being retried"
         )
+    short = _shortfall_condition(placed)
+    if short is not None and degraded_c.status == "False":
+        degraded_c = short
 
     phase: Phase
     if staging.permanent:
@@ -169,6 +180,8 @@ def summarise(
         phase, reason, message = "Staging", staged_c.reason, staged_c.message
     elif staged is None:
         phase, reason, message = "Pending", "NotStaged", staged_c.message
+    elif short is not None and r == n:  # serving where it can, on fewer pods than asked
+        phase, reason, message = "Degraded", short.reason, short.message
     elif n == 0:
         phase, reason, message = "Pending", ready_c.reason, ready_c.message
     elif r == n:
@@ -184,6 +197,27 @@ def summarise(
         ready=r,
         conditions=(staged_c, ready_c, degraded_c),
     )
+
+
+def _shortfall_condition(placed: Placed | None) -> Condition | None:
+    """Degraded=True when the adapter is placed on fewer pods than its replicas, though pods
+    match (no matching pod at all is Pending, NoPods)."""
+    if placed is None or placed.shortfall in (None, Shortfall.NO_PODS):
+        return None
+    got, wanted = len(placed.pods), placed.wanted
+    if placed.shortfall is Shortfall.FEWER_PODS:
+        message = (
+            f"placed on all {got} matching pods, fewer than the {wanted} replicas asked for; "
+            "add inference pods or lower the replicas"
+        )
+    else:
+        message = (
+            f"placed on {got} of {wanted} pods: the other matching pods have no room (a pod "
+            "holds as many adapters as its CPU tier, --max-cpu-loras, and as many pinned ones "
+            "as its GPU slots less one); add inference pods, raise their tiers or lower the "
+            "replicas"
+        )
+    return Condition("Degraded", "True", str(placed.shortfall), message)
 
 
 def _staged_condition(staging: StagingState) -> Condition:
@@ -277,6 +311,7 @@ def render(
     summary: Summary,
     previous_conditions: Sequence[Mapping[str, Any]],
     now: str,
+    placed: Placed | None = None,
 ) -> dict[str, Any]:
     """The whole `.status` object; a condition keeps its lastTransitionTime while its status
     is unchanged."""
@@ -306,6 +341,8 @@ def render(
         "unlistedPods": unlisted or None,
         "stagingBytes": staging.bytes_so_far if staging.in_progress else None,
         "staged": None,
+        "replicas": placed.wanted if placed is not None else None,
+        "placedPods": sorted(placed.pods) if placed is not None else None,
     }
     if staging.observed_generation is not None:
         status["observedGeneration"] = staging.observed_generation

@@ -127,6 +127,27 @@ INVALID = [
         "Exists and DoesNotExist take no values",
         id="selector-exists-with-values",
     ),
+    pytest.param(adapter(replicas=0), "should be greater than or equal to 1", id="zero-replicas"),
+    pytest.param(
+        adapter(replicas=2, autoscale={"minReplicas": 1, "maxReplicas": 3}),
+        "set either replicas",
+        id="replicas-and-autoscale",
+    ),
+    pytest.param(
+        adapter(autoscale={"minReplicas": 4, "maxReplicas": 2}),
+        "minReplicas must not exceed autoscale.maxReplicas",
+        id="autoscale-min-above-max",
+    ),
+    pytest.param(
+        adapter(autoscale={"minReplicas": 1}),
+        "maxReplicas: Required value",
+        id="autoscale-without-max",
+    ),
+    pytest.param(
+        adapter(autoscale={"minReplicas": 1, "maxReplicas": 2, "targetRequestsPerSecond": 0}),
+        "targetRequestsPerSecond must be positive",
+        id="autoscale-zero-target",
+    ),
 ]
 
 
@@ -162,6 +183,22 @@ def test_every_kind_of_source_is_accepted(
         ],
     }
     result = dry_run(crd, devcluster_namespace, manifest)
+    assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        {"replicas": 2},
+        {"autoscale": {"minReplicas": 1, "maxReplicas": 4}},
+        {"autoscale": {"minReplicas": 2, "maxReplicas": 2, "targetRequestsPerSecond": 0.1}},
+    ],
+    ids=["replicas", "autoscale", "autoscale-fixed"],
+)
+def test_placement_fields_are_accepted(
+    crd: Any, devcluster_namespace: str, spec: dict[str, Any]
+) -> None:
+    result = dry_run(crd, devcluster_namespace, adapter(**spec))
     assert result.returncode == 0, result.stderr
 
 

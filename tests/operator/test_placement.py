@@ -227,6 +227,23 @@ def test_adding_an_adapter_moves_nothing_else_while_pods_have_room(
     assert all(before.pods_of(f"a{i}") == after.pods_of(f"a{i}") for i in ids)
 
 
+@settings(max_examples=100, deadline=None)
+@given(names, st.integers(1, 6), st.integers(1, 3), st.integers(0, 4))
+def test_on_full_pods_a_newer_adapter_never_displaces_an_older_one(
+    ids: list[int], n: int, replicas: int, slots: int
+) -> None:
+    ps = pods(n, slots=slots)
+    older = [
+        Demand(f"a{i}", replicas, False, tuple(p.name for p in ps), f"2026-01-01T00:{j:02d}:00Z")
+        for j, i in enumerate(ids[:50])
+    ]
+    newcomer = Demand("new", replicas, False, tuple(p.name for p in ps), "2026-06-01T00:00:00Z")
+    before = plan_placement(ps, older)
+    after = plan_placement(ps, [newcomer, *older])
+    assert all(after.pods_of(d.name) == before.pods_of(d.name) for d in older)
+    assert placement.moves(before, after) == len(after.pods_of("new"))
+
+
 def test_moves_on_a_join_are_about_k_replicas_over_n() -> None:
     k, n, replicas = 2000, 20, 2
     before_pods = pods(n, slots=1000)
