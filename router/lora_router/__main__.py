@@ -26,11 +26,14 @@ async def serve(config: RouterConfig, stop: asyncio.Event) -> None:
         await runner.setup()
         await web.TCPSite(runner, "0.0.0.0", port).start()
     logging.getLogger("lora_router").info(
-        "listening on :%d (metrics :%d) for %s/%s",
+        "listening on :%d (metrics :%d) for %s/%s, polling residency %s",
         config.port,
         config.metrics_port,
         config.namespace,
         config.service,
+        f"with the client token in {config.client_token_file}"
+        if config.client_token_file
+        else "without a token",
     )
     try:
         await stop.wait()

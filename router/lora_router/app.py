@@ -10,10 +10,13 @@ that breaks off midway aborts the client's connection: the client sees an error,
 Two headers say what happened: `x-lora-pod` (the pod that answered) and `x-lora-route` (why).
 
 `GET /v1/models` is answered from every Ready pod at once (the union of their cards), since each
-pod lists only the adapters it holds. The load and unload endpoints are per pod and are not
-routed: they answer 404 and say to call the pods' Service.
+pod lists only the adapters it holds; the pods are asked with the client's own Authorization.
+The load and unload endpoints are per pod and are not routed: they answer 404 and say to call
+the pods' Service.
 
-The app owns the background work: the API watches (`sources`) and the residency poller.
+The app owns the background work: the API watches (`sources`) and the residency poller, the
+only requests that carry the router's own credential (`--client-token-file`, when the pods
+require a client token).
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from lora_router import fleet as fleet_mod
 from lora_router import routing
-from lora_router.config import RouterConfig
+from lora_router.config import RouterConfig, read_token
 from lora_router.fleet import Fleet
 from lora_router.metrics import Metrics
 
@@ -301,14 +304,26 @@ async def _forward(
         metrics.upstream_seconds.observe(time.monotonic() - started)
 
 
-async def list_models(request: web.Request) -> web.Response:
-    """The union of the Ready pods' `/v1/models` cards (the base model's first)."""
+async def list_models(request: web.Request) -> web.StreamResponse:
+    """The union of the Ready pods' `/v1/models` cards (the base model's first). Each pod is
+    asked with the client's own Authorization; when none answers 200, the first pod's refusal
+    (a 401 for a missing client token) comes back unchanged."""
     state, fleet = request.app[STATE], request.app[FLEET]
     endpoints = list(fleet.ready().values())
+    auth = request.headers.get("Authorization")
+    headers = {"Authorization": auth} if auth is not None else {}
+    refusals: list[web.Response] = []
 
     async def one(address: str) -> list[dict[str, Any]]:
-        async with state.http().get(f"http://{address}/v1/models") as resp:
+        async with state.http().get(f"http://{address}/v1/models", headers=headers) as resp:
             if resp.status != 200:
+                refusals.append(
+                    web.Response(
+                        status=resp.status,
+                        body=await resp.read(),
+                        content_type=resp.content_type,
+                    )
+                )
                 return []
             data = (await resp.json()).get("data")
             return [c for c in data if isinstance(c, dict)] if isinstance(data, list) else []
@@ -320,6 +335,8 @@ async def list_models(request: web.Request) -> web.Response:
             continue
         for card in answer:
             cards.setdefault(str(card.get("id")), card)
+    if not cards and refusals:
+        return refusals[0]
     if not cards:
         return _json_error("no inference pod answered; retry later", "ServiceUnavailable", 503)
     ordered = sorted(cards.values(), key=lambda c: (c.get("parent") is not None, str(c["id"])))
@@ -348,14 +365,27 @@ async def metrics_handler(request: web.Request) -> web.Response:
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
+def poll_headers(config: RouterConfig) -> dict[str, str]:
+    """The headers of the router's own polls: the pods' client token when it has one. Read at
+    every round, so a rotated Secret is picked up without a restart."""
+    if config.client_token_file is None:
+        return {}
+    try:
+        return {"Authorization": f"Bearer {read_token(config.client_token_file)}"}
+    except (OSError, ValueError) as e:
+        log.warning("action=poll result=no-token error=%s", e)
+        return {}
+
+
 async def poll_residency(fleet: Fleet, state: ProxyState) -> None:
     """Read every Ready pod's `/v1/adapters` each `poll_interval_s`, for ever."""
     config = state.config
     timeout = aiohttp.ClientTimeout(total=max(1.0, config.poll_interval_s * 2))
 
-    async def one(pod: str, address: str) -> None:
+    async def one(pod: str, address: str, headers: dict[str, str]) -> None:
+        url = f"http://{address}/v1/adapters"
         try:
-            async with state.http().get(f"http://{address}/v1/adapters", timeout=timeout) as resp:
+            async with state.http().get(url, timeout=timeout, headers=headers) as resp:
                 if resp.status != 200:
                     raise ValueError(f"GET /v1/adapters answered {resp.status}")
                 report = fleet_mod.parse_report(await resp.json(), time.monotonic())
@@ -366,7 +396,8 @@ async def poll_residency(fleet: Fleet, state: ProxyState) -> None:
         fleet.reports[pod] = report
 
     while True:
-        await asyncio.gather(*(one(p, ep.address) for p, ep in fleet.ready().items()))
+        headers = poll_headers(config)
+        await asyncio.gather(*(one(p, ep.address, headers) for p, ep in fleet.ready().items()))
         state.update_gauges()
         await asyncio.sleep(config.poll_interval_s)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from lora_operator.config import parse_size
 
@@ -24,6 +25,17 @@ class RouterConfig:
     max_body_bytes: int = 1024**2
     connect_timeout_s: float = 3.0
     upstream_timeout_s: float = 600.0  # a whole request, answer included
+    # The pods' client token, sent with the router's own residency polls only: client requests
+    # carry their own Authorization, so the router never lends its token to a client.
+    client_token_file: Path | None = None
+
+
+def read_token(path: Path) -> str:
+    """The bearer token in `path` (a Secret's key, mounted); ValueError when it is empty."""
+    token = path.read_text().strip()
+    if not token:
+        raise ValueError(f"{path} is empty")
+    return token
 
 
 def _size_arg(text: str) -> int:
@@ -65,6 +77,11 @@ def parse_args(argv: Sequence[str] | None = None) -> RouterConfig:
     )
     p.add_argument("--connect-timeout-seconds", type=float, default=d.connect_timeout_s)
     p.add_argument("--upstream-timeout-seconds", type=float, default=d.upstream_timeout_s)
+    p.add_argument(
+        "--client-token-file",
+        type=Path,
+        help="a file holding the pods' client token, for the residency polls (GET /v1/adapters)",
+    )
     a = p.parse_args(argv)
     for flag, value in (
         ("--poll-interval-seconds", a.poll_interval_seconds),
@@ -77,6 +94,11 @@ def parse_args(argv: Sequence[str] | None = None) -> RouterConfig:
             p.error(f"{flag} must be positive")
     if a.load_factor < 0:
         p.error("--load-factor must be at least 0")
+    if a.client_token_file is not None:
+        try:
+            read_token(a.client_token_file)
+        except (OSError, ValueError) as e:
+            p.error(f"--client-token-file: {e}")
     namespace = a.namespace or kube.pod_namespace()
     if not namespace:
         p.error("--namespace is required outside a pod")
@@ -92,4 +114,5 @@ def parse_args(argv: Sequence[str] | None = None) -> RouterConfig:
         max_body_bytes=a.max_body_bytes,
         connect_timeout_s=a.connect_timeout_seconds,
         upstream_timeout_s=a.upstream_timeout_seconds,
+        client_token_file=a.client_token_file,
     )

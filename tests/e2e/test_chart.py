@@ -964,6 +964,49 @@ def test_schema_closes_the_new_values(helm: str, flag: str) -> None:
     assert "additional properties" in refused(helm, "--set", flag)
 
 
+# ---- the router and the pods' client token
+
+
+def test_the_router_polls_with_the_client_token_when_the_pods_require_one(
+    helm: str, tmp_path: Path
+) -> None:
+    from lora_router import config as router_config
+
+    flags = ["--set", "inference.clientToken.existingSecret=clients"]
+    docs = render(helm, *flags, "--set", "inference.clientToken.key=tok")
+    router = one(docs, "Deployment", f"{FULLNAME}-router")
+    inference = one(docs, "Deployment", f"{FULLNAME}-inference")
+
+    def volume(deployment: Obj) -> Obj:
+        volumes = deployment["spec"]["template"]["spec"]["volumes"]
+        return next(v for v in volumes if v["name"] == "client-token")
+
+    # The same Secret and key the pods check, at the same path.
+    assert volume(router) == volume(inference)
+    assert volume(router)["secret"] == {
+        "secretName": "clients",
+        "items": [{"key": "tok", "path": "token"}],
+    }
+    mounts = [m for m in container(router)["volumeMounts"] if m["name"] == "client-token"]
+    assert mounts == [
+        {"name": "client-token", "mountPath": "/var/run/lora/client-token", "readOnly": True}
+    ]
+    flag = "--client-token-file=/var/run/lora/client-token/token"
+    assert flag in container(router)["args"]
+    assert flag in container(inference)["args"]
+    # The router's own parser takes the flag (with the mounted file where the pod has it).
+    token = tmp_path / "token"
+    token.write_text("s3cret\n")
+    args = [f"--client-token-file={token}" if a == flag else a for a in container(router)["args"]]
+    assert router_config.parse_args(args).client_token_file == token
+
+    # Without the value: no flag, no Secret.
+    plain = one(render(helm), "Deployment", f"{FULLNAME}-router")
+    assert not [a for a in container(plain)["args"] if a.startswith("--client-token-file")]
+    assert "client-token" not in {m["name"] for m in container(plain)["volumeMounts"]}
+    assert "client-token" not in {v["name"] for v in plain["spec"]["template"]["spec"]["volumes"]}
+
+
 # ---- the network policy
 
 

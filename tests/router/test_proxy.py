@@ -11,6 +11,7 @@ import socket
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -29,11 +30,21 @@ StartBackend = Callable[[web.Application], Awaitable[str]]
 class Pod:
     """A stand-in inference pod: answers, or fails as told."""
 
-    def __init__(self, name: str, gpu: tuple[str, ...] = (), mode: str = "ok") -> None:
+    def __init__(
+        self, name: str, gpu: tuple[str, ...] = (), mode: str = "ok", token: str | None = None
+    ) -> None:
         self.name, self.gpu, self.mode = name, gpu, mode
         self.calls: Counter[str] = Counter()
         self.reporting = True
         self.release = asyncio.Event()
+        self.token = token  # the client token it requires, as `--client-token-file` makes it
+
+    def refusal(self, request: web.Request) -> web.Response | None:
+        """The server's 401 when a client token is required and not given."""
+        if self.token is None or request.headers.get("Authorization") == f"Bearer {self.token}":
+            return None
+        error = {"message": "needs the client token", "type": "Unauthorized", "code": 401}
+        return web.json_response({"error": {**error, "param": None}}, status=401)
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=64 * 1024**2)
@@ -42,19 +53,25 @@ class Pod:
         app.router.add_route("*", "/{tail:.*}", self.handle)
         return app
 
-    async def adapters(self, _: web.Request) -> web.Response:
+    async def adapters(self, request: web.Request) -> web.Response:
+        if refusal := self.refusal(request):
+            return refusal
         if not self.reporting:
             return web.json_response({"error": "broken"}, status=500)
         data = [{"id": a, "tier": "gpu"} for a in self.gpu]
         return web.json_response({"object": "list", "data": data, "max_loras": 2})
 
-    async def models(self, _: web.Request) -> web.Response:
+    async def models(self, request: web.Request) -> web.Response:
+        if refusal := self.refusal(request):
+            return refusal
         cards = [{"id": "base", "parent": None}] + [{"id": a, "parent": "base"} for a in self.gpu]
         return web.json_response({"object": "list", "data": cards})
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         self.calls[request.path] += 1
         body = await request.read()
+        if refusal := self.refusal(request):
+            return refusal
         if self.mode == "reset":
             assert request.transport is not None
             request.transport.close()
@@ -248,6 +265,62 @@ async def test_requests_go_where_the_adapter_is_resident_and_by_queue_without_re
     )
     async with router.session.post(router.url("/v1/images/generations"), json=generation("y")) as r:
         assert r.status == 200 and r.headers["x-lora-route"] == "no-residency"
+
+
+async def test_the_polls_carry_the_client_token_and_client_requests_only_their_own(
+    start_router: StartRouter, start_backend: StartBackend, tmp_path: Path
+) -> None:
+    token = tmp_path / "token"
+    token.write_text("s3cret\n")
+    router = await start_router(client_token_file=token)
+    pod = Pod("a", gpu=("x",), token="s3cret")
+    await pods(start_backend, router, pod)
+    router.place("x", None)
+    await router.wait_reports({"a"})
+    url = router.url("/v1/images/generations")
+    # Routed by residency either way; a client without the token gets the pod's own 401: the
+    # router lends it nothing.
+    async with router.session.post(url, json=generation()) as r:
+        assert (r.status, r.headers["x-lora-route"]) == (401, "gpu-resident")
+        assert (await r.json())["error"]["message"] == "needs the client token"
+    client = {"Authorization": "Bearer s3cret"}
+    async with router.session.post(url, json=generation(), headers=client) as r:
+        assert (r.status, r.headers["x-lora-route"]) == (200, "gpu-resident")
+        assert (await r.json())["authorization"] == "Bearer s3cret"
+    async with router.session.get(router.url("/v1/models")) as r:
+        assert r.status == 401
+    async with router.session.get(router.url("/v1/models"), headers=client) as r:
+        assert [c["id"] for c in (await r.json())["data"]] == ["base", "x"]
+    assert router.metric("lora_router_report_failures_total") == 0
+
+    # A rotated token is read again: refused until the file says the new one.
+    pod.token = "rotated"
+    refused = router.metric("lora_router_report_failures_total")
+    await router.wait_until(
+        "a refused poll", lambda: router.metric("lora_router_report_failures_total") > refused
+    )
+    token.write_text("rotated")
+    written = time.monotonic()
+    await router.wait_until(
+        "a poll with the new token", lambda: router.fleet.reports["a"].at > written
+    )
+
+
+async def test_without_the_token_the_polls_are_refused_and_routing_is_by_queue(
+    start_router: StartRouter, start_backend: StartBackend
+) -> None:
+    router = await start_router()
+    await pods(start_backend, router, Pod("a", gpu=("x",), token="s3cret"))
+    router.place("x", None)
+    await router.wait_until(
+        "refused polls", lambda: router.metric("lora_router_report_failures_total") >= 3
+    )
+    assert router.fleet.reports == {}
+    client = {"Authorization": "Bearer s3cret"}
+    async with router.session.post(
+        router.url("/v1/images/generations"), json=generation(), headers=client
+    ) as r:
+        assert (r.status, r.headers["x-lora-route"]) == (200, "no-residency")
 
 
 async def test_per_pod_endpoints_are_not_routed(

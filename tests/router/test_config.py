@@ -1,0 +1,32 @@
+"""The router's command line: the client token file is checked at start, not at the first poll."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from lora_router.config import RouterConfig, parse_args
+
+
+def test_defaults_poll_without_a_token() -> None:
+    assert parse_args(["--namespace=ns"]) == RouterConfig(namespace="ns")
+
+
+def test_the_client_token_file_is_kept_as_a_path(tmp_path: Path) -> None:
+    token = tmp_path / "token"
+    token.write_text("s3cret\n")
+    config = parse_args(["--namespace=ns", f"--client-token-file={token}"])
+    assert config.client_token_file == token
+
+
+@pytest.mark.parametrize("content", [None, "", " \n"], ids=["missing", "empty", "blank"])
+def test_an_unusable_client_token_file_is_refused_at_start(
+    tmp_path: Path, content: str | None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    token = tmp_path / "token"
+    if content is not None:
+        token.write_text(content)
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--namespace=ns", f"--client-token-file={token}"])
+    assert e.value.code == 2
+    assert "--client-token-file" in capsys.readouterr().err
