@@ -27,6 +27,13 @@ the table gives API writes to LoRAAdapters and Event writes per adapter from app
     .venv/bin/python bench/bench_operator.py --pods 10 --adapters 1000  # the 1000-adapter row
     .venv/bin/python bench/bench_operator.py --quick                  # N in 1,3;    K in 1,50
     .venv/bin/python bench/bench_operator.py --staging only           # (d) alone, no cluster
+    .venv/bin/python bench/bench_operator.py --pods 10 --adapters 1000 --replicas 2 --staging no
+
+With `--replicas R` every adapter has `spec.replicas: R`: the operator places it on R of the N
+pods, "held" means every adapter is on exactly its R placed pods, Ready means `Ready R/R`, the
+bare limit loads each adapter on its placed pods only, and a killed pod is back when it lists
+the adapters placed on it. The pods advertise a CPU tier of `--cpu-loras` adapters (placement
+never gives a pod more).
 
 Needs root and the devcluster binaries (`make binaries`), like the cluster tests. Results go in
 docs/benchmarks.md together with the command.
@@ -53,6 +60,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -213,16 +221,17 @@ def http_ok(url: str) -> bool:
 
 
 async def bare_calls(
-    ips: list[str], names: list[str], root: str
+    names_by_ip: dict[str, list[str]], root: str
 ) -> tuple[float, list[float], float]:
-    """The limits: POST /v1/load_lora_adapter for every adapter on every pod, one call at a time
-    per pod, the pods in parallel (as the operator calls them), then the same for
-    /v1/unload_lora_adapter. Returns (load wall, per-pod load wall, unload wall)."""
+    """The limits: POST /v1/load_lora_adapter for each pod's adapters (every adapter, or its
+    placed ones), one call at a time per pod, the pods in parallel (as the operator calls them),
+    then the same for /v1/unload_lora_adapter. Returns (load wall, per-pod load wall, unload
+    wall)."""
     headers = {"Authorization": f"Bearer {TOKEN}"}
 
     async def one_pod(session: ClientSession, ip: str, verb: str) -> float:
         started = time.perf_counter()
-        for name in names:
+        for name in names_by_ip[ip]:
             body = {"lora_name": f"bare-{name}", "lora_path": f"{root}/{name}"}
             if verb == "unload":
                 body = {"lora_name": f"bare-{name}"}
@@ -235,7 +244,7 @@ async def bare_calls(
 
     async def all_pods(session: ClientSession, verb: str) -> tuple[float, list[float]]:
         started = time.perf_counter()
-        per_pod = await asyncio.gather(*(one_pod(session, ip, verb) for ip in ips))
+        per_pod = await asyncio.gather(*(one_pod(session, ip, verb) for ip in names_by_ip))
         return time.perf_counter() - started, list(per_pod)
 
     async with ClientSession(timeout=ClientTimeout(total=600)) as session:
@@ -268,16 +277,24 @@ class Row:
     apply_requests: dict[str, int] | None = None  # its API requests from apply to Ready
 
 
-def adapter_docs(names: list[str], volume: Path) -> str:
+def adapter_docs(names: list[str], volume: Path, replicas: int | None) -> str:
+    placed = {} if replicas is None else {"replicas": replicas}
     return str(
         yaml.safe_dump_all(
-            [cluster.adapter(name, str(volume / NS / "src" / name)) for name in names]
+            [cluster.adapter(name, str(volume / NS / "src" / name), **placed) for name in names]
         )
     )
 
 
+def adapters(h: Harness) -> list[dict[str, Any]]:
+    items: list[dict[str, Any]] = h.get(f"/apis/lora.dev/v1alpha1/namespaces/{NS}/loraadapters")[
+        "items"
+    ]
+    return items
+
+
 def all_ready(h: Harness, n: int, k: int) -> bool:
-    items = h.get(f"/apis/lora.dev/v1alpha1/namespaces/{NS}/loraadapters")["items"]
+    items = adapters(h)
     done = [
         i
         for i in items
@@ -287,6 +304,20 @@ def all_ready(h: Harness, n: int, k: int) -> bool:
     return len(items) == k and len(done) == k
 
 
+def placed_on(h: Harness, pod: str) -> set[str]:
+    """The adapters whose status places them on `pod`."""
+    return {
+        i["metadata"]["name"]
+        for i in adapters(h)
+        if pod in ((i.get("status") or {}).get("placedPods") or ())
+    }
+
+
+def held_by(ips: list[str], names: set[str]) -> Counter[str]:
+    """How many of the pods list each adapter."""
+    return Counter(name for ip in ips for name in names_on(ip) & names)
+
+
 def measure(
     h: Harness, op: cluster.Operator, volume: Path, n: int, k: int, args: argparse.Namespace
 ) -> Row:
@@ -294,8 +325,15 @@ def measure(
     names = [f"a-{i:04d}" for i in range(k)]
     ips = [p["status"]["podIP"] for p in pods(h, n)]
     manifest = volume.parent / f"adapters-{k}.yaml"
-    manifest.write_text(adapter_docs(names, volume))
+    manifest.write_text(adapter_docs(names, volume, args.replicas))
     want = set(names)
+    per_adapter_pods = n if args.replicas is None else min(n, args.replicas)
+
+    def held() -> bool:
+        if args.replicas is None:
+            return all(want <= names_on(ip) for ip in ips)
+        counts = held_by(ips, want)
+        return len(counts) == k and set(counts.values()) == {per_adapter_pods}
 
     # (a) apply -> every pod holds all K, and -> every LoRAAdapter says Ready N/N.
     assert op.proc is not None
@@ -310,9 +348,9 @@ def measure(
             raise RuntimeError(
                 f"N={n} K={k}: not Ready after {args.timeout:.0f} s; see {op.log_path}"
             )
-        if not row.held_s and all(want <= names_on(ip) for ip in ips):
+        if not row.held_s and held():
             row.held_s = time.perf_counter() - started
-        if not row.ready_s and all_ready(h, n, k):
+        if not row.ready_s and all_ready(h, per_adapter_pods, k):
             row.ready_s = time.perf_counter() - started
         time.sleep(0.2)
 
@@ -332,6 +370,7 @@ def measure(
     # (b) SIGKILL one pod's server: until /ready, until Ready in the API, until all K are back.
     victim = pods(h, n)[0]
     uid, ip = victim["metadata"]["uid"], victim["status"]["podIP"]
+    own = want if args.replicas is None else placed_on(h, victim["metadata"]["name"])
     restarts = victim["status"]["containerStatuses"][0]["restartCount"]
     (pid,) = h.container_pids(uid, "server")
     started = time.perf_counter()
@@ -349,10 +388,21 @@ def measure(
             cs = p["status"]["containerStatuses"][0]
             if cs["restartCount"] > restarts and cs.get("ready"):
                 row.pod_ready_s = now
-        if not row.back_s and row.server_ready_s and want <= names_on(ip):
+        if not row.back_s and row.server_ready_s and own <= names_on(ip):
             row.back_s = now
         time.sleep(0.1)
-    h.wait_for("every adapter Ready again", lambda: all_ready(h, n, k), timeout=args.timeout)
+    h.wait_for(
+        "every adapter Ready again",
+        lambda: all_ready(h, per_adapter_pods, k),
+        timeout=args.timeout,
+    )
+    ip_of = {p["metadata"]["name"]: p["status"]["podIP"] for p in pods(h, n)}
+    names_by_ip = {ip: names for ip in ips}
+    if args.replicas is not None:
+        names_by_ip = {ip: [] for ip in ips}
+        for item in adapters(h):
+            for pod in item["status"]["placedPods"]:
+                names_by_ip[ip_of[pod]].append(item["metadata"]["name"])
 
     # The limit: copies of the staged revision directories, loaded without the operator.
     bare = volume / NS / "bare"
@@ -373,7 +423,7 @@ def measure(
     )
     row.delete_s = time.perf_counter() - started
     row.bare_s, per_pod, row.bare_unload_s = asyncio.run(
-        bare_calls(ips, names, f"{POD_VOLUME}/{NS}/bare")
+        bare_calls(names_by_ip, f"{POD_VOLUME}/{NS}/bare")
     )
     row.bare_pod_s = statistics.median(per_pod)
     shutil.rmtree(bare)
@@ -668,6 +718,12 @@ def main() -> None:
         "--staging-mib", type=parse_list, default=[64, 1024], help="file sizes for (d), MiB"
     )
     parser.add_argument("--staging-repeats", type=int, default=2, help="runs per row of (d)")
+    parser.add_argument(
+        "--replicas", type=int, default=None, help="spec.replicas of every adapter (default: none)"
+    )
+    parser.add_argument(
+        "--cpu-loras", type=int, default=None, help="the pods' --max-cpu-loras (default: 32)"
+    )
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory(prefix="lora-bench-operator-") as scratch:
@@ -684,6 +740,8 @@ def main() -> None:
             f"{platform.machine()}, {cpus} cores, {memory:.0f} GiB; "
             f"{datetime.date.today().isoformat()}; operator --resync-seconds 30, "
             "--max-concurrent-loads 16"
+            + (f"; spec.replicas {args.replicas}" if args.replicas is not None else "")
+            + (f"; pods --max-cpu-loras {args.cpu_loras}" if args.cpu_loras is not None else "")
         )
         if args.staging != "only":
             print_table(rows, args)
@@ -730,12 +788,13 @@ def measure_cluster(work: Path, args: argparse.Namespace) -> tuple[list[Row], di
         op.start()
         os.environ["KUBECONFIG"] = admin_kubeconfig
         try:
-            h.apply(
-                cluster.inference_deployment(
-                    h.image("inference"), "inference", 0, work / "models", volume
-                ),
-                NS,
+            deployment = cluster.inference_deployment(
+                h.image("inference"), "inference", 0, work / "models", volume
             )
+            if args.cpu_loras is not None:
+                container = deployment["spec"]["template"]["spec"]["containers"][0]
+                container["args"] += ["--max-cpu-loras", str(args.cpu_loras)]
+            h.apply(deployment, NS)
             for n in ns_values:
                 h.kubectl("scale", "-n", NS, "deployment/inference", f"--replicas={n}")
                 t0 = time.perf_counter()
