@@ -45,6 +45,7 @@ from lora_operator import (
     placement,
     planning,
     podstate,
+    sinks,
     sources,
     staging,
 )
@@ -110,7 +111,7 @@ class Volume(Protocol):
         *,
         credentials: sources.Credentials | None = None,
         sha256: str | None = None,
-        progress: staging.ProgressCallback | None = None,
+        progress: sinks.ProgressCallback | None = None,
         target: targeting.Target | None = None,
     ) -> staging.StagedRevision: ...
 

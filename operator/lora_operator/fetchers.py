@@ -1,4 +1,4 @@
-"""Fetching a source's bytes into a staging sink: https, hf://, s3:// and volume paths.
+"""Fetching a source's bytes into a `sinks.Sink`: https, hf://, s3:// and volume paths.
 
 Each fetcher writes the whole content into the sink, calling `sink.reset()` before a retry, and
 raises only `lora_operator.errors`: 404/403 and other 4xx are permanent, 5xx, 408, 429 and
@@ -11,16 +11,13 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import aiohttp
 from lora_inference import errors as inference_errors
 from lora_inference.adapters import files, layout
 
-from lora_operator import errors, sources
-
-if TYPE_CHECKING:
-    from lora_operator.staging import Sink
+from lora_operator import errors, sinks, sources
 
 CHUNK_BYTES = 1024 * 1024
 
@@ -70,7 +67,7 @@ def _status_error(
 async def fetch(
     source: sources.Source,
     credentials: sources.Credentials,
-    sink: Sink,
+    sink: sinks.Sink,
     *,
     policy: RetryPolicy | None = None,
     session: aiohttp.ClientSession | None = None,
@@ -102,7 +99,7 @@ async def fetch(
 
 async def fetch_https(
     url: str,
-    sink: Sink,
+    sink: sinks.Sink,
     *,
     headers: dict[str, str],
     policy: RetryPolicy,
@@ -164,7 +161,7 @@ def _short(e: BaseException) -> str:
 async def fetch_hf(
     source: sources.HfSource,
     credentials: sources.Credentials,
-    sink: Sink,
+    sink: sinks.Sink,
     *,
     policy: RetryPolicy,
     session: aiohttp.ClientSession | None = None,
@@ -207,7 +204,7 @@ async def fetch_hf(
 async def fetch_s3(
     source: sources.S3Source,
     credentials: sources.Credentials,
-    sink: Sink,
+    sink: sinks.Sink,
     *,
     policy: RetryPolicy,
 ) -> None:
@@ -263,7 +260,7 @@ def _s3_client(credentials: sources.Credentials, policy: RetryPolicy) -> Any:
 def _fetch_s3_sync(
     source: sources.S3Source,
     credentials: sources.Credentials,
-    sink: Sink,
+    sink: sinks.Sink,
     policy: RetryPolicy,
 ) -> None:
     from botocore.exceptions import BotoCoreError, ClientError
@@ -306,12 +303,12 @@ def _fetch_s3_sync(
     )
 
 
-async def fetch_volume(source: sources.VolumeSource, volume_root: Path, sink: Sink) -> None:
+async def fetch_volume(source: sources.VolumeSource, volume_root: Path, sink: sinks.Sink) -> None:
     """Copy a file (or an adapter directory's weights) that is already on the volume."""
     await asyncio.to_thread(_fetch_volume_sync, source, volume_root, sink)
 
 
-def _fetch_volume_sync(source: sources.VolumeSource, volume_root: Path, sink: Sink) -> None:
+def _fetch_volume_sync(source: sources.VolumeSource, volume_root: Path, sink: sinks.Sink) -> None:
     try:
         resolved = layout.resolve_allowed(source.path, (volume_root,), param="source.uri")
         weights = files.find_weights_file(resolved)

@@ -11,7 +11,7 @@ import pytest
 import pytest_asyncio
 from aiohttp import web
 from lora_inference.adapters import files, layout
-from lora_operator import errors, fetchers, sources, staging
+from lora_operator import errors, fetchers, sinks, sources, staging
 
 from tests.operator.conftest import Origin, lora_bytes, not_lora_bytes, sha
 
@@ -260,7 +260,7 @@ async def test_concurrency_limit(tmp_path: Path) -> None:
     peak = 0
 
     async def slow_fetch(
-        source: sources.Source, creds: sources.Credentials, sink: staging.Sink
+        source: sources.Source, creds: sources.Credentials, sink: sinks.Sink
     ) -> None:
         nonlocal running, peak
         running += 1

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 from lora_inference.adapters import files, layout, targeting
-from lora_operator import errors, sources, staging
+from lora_operator import errors, sinks, sources, staging
 
 from tests.operator.conftest import lora_bytes, sha
 from tests.operator.test_staging_https import NS, make_store, tmp_entries, visible
@@ -114,7 +114,7 @@ async def test_restart_after_a_kill_completes(tmp_path: Path) -> None:
 def test_a_full_volume_is_transient() -> None:
     with (
         open("/dev/full", "wb", buffering=0) as f,
-        staging.Sink(f, max_bytes=1 << 20, description="x") as sink,
+        sinks.Sink(f, max_bytes=1 << 20, description="x") as sink,
         pytest.raises(errors.DiskFull, match="volume is full") as e,
     ):
         sink.write(b"\0" * 4096)

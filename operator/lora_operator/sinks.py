@@ -1,0 +1,169 @@
+"""The temporary file a download is written into: hashed, counted and size-limited as it goes.
+
+Fetchers (fetchers.py) write into a `Sink`; the store (staging.py) opens one on a file under
+`.tmp/`, hands it to the fetcher and publishes what `finish` hashed. Both import this module, and
+it imports neither, so fetching and staging depend on each other in one direction only
+(staging -> fetchers -> sinks). Nothing here speaks a network protocol or knows the volume's
+layout.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+import queue
+import threading
+from collections.abc import Callable
+from typing import BinaryIO
+
+from lora_operator import errors
+
+ProgressCallback = Callable[[int], None]
+
+
+class Sink:
+    """The temporary file a fetcher writes into: hashes, counts, enforces the size limit.
+
+    `write` is synchronous, so thread-based fetchers (boto3, file copies) can call it too; it only
+    counts the chunk and queues it. A thread of the sink's own hashes and writes the chunks
+    (hashlib and file writes release the GIL), so that work overlaps reading the next chunk; at
+    most `depth` chunks wait, so memory stays flat in the file size, and a full queue makes the
+    caller wait for a chunk's worth of hashing. The data is synced every `SYNC_BYTES` as it goes,
+    so `finish`'s fsync has little left to do. The progress callback is called from whichever
+    thread writes and must be quick. Use it as a context manager: leaving stops the thread.
+    """
+
+    SYNC_BYTES = 64 * 1024 * 1024
+    BATCH_BYTES = 4 * 1024 * 1024
+
+    def __init__(
+        self,
+        file: BinaryIO,
+        *,
+        max_bytes: int,
+        description: str,
+        progress: ProgressCallback | None = None,
+        depth: int = 4,
+    ) -> None:
+        self._file = file
+        self._max = max_bytes
+        self._progress = progress
+        self.description = description
+        self._hash = hashlib.sha256()
+        self.size = 0
+        self._chunks: queue.Queue[bytes | None] = queue.Queue(maxsize=depth)
+        self._thread: threading.Thread | None = None
+        self._failure: OSError | None = None
+        self._unsynced = 0
+        self._pending = bytearray()
+
+    def __enter__(self) -> Sink:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._thread is not None:
+            self._chunks.put(None)
+            self._thread.join()
+            self._thread = None
+
+    def reset(self) -> None:
+        """Start over (a retry after a failed attempt)."""
+        self._pending.clear()
+        self._drain()
+        self._file.seek(0)
+        self._file.truncate()
+        self._hash = hashlib.sha256()
+        self.size = 0
+        if self._progress:
+            self._progress(0)
+
+    def expect(self, declared: int | None) -> None:
+        """Refuse at once a source that announces more bytes than the limit."""
+        if declared is not None and declared > self._max:
+            raise self._too_large(declared)
+
+    def write(self, chunk: bytes) -> None:
+        if self.size + len(chunk) > self._max:
+            raise self._too_large(self.size + len(chunk))
+        self._raise_failure()
+        self._pending += chunk
+        self.size += len(chunk)
+        if len(self._pending) >= self.BATCH_BYTES:
+            self._hand_over()
+        if self._progress:
+            self._progress(self.size)
+
+    def _hand_over(self) -> None:
+        """Queue what is pending for the thread: in batches, because every hand-over between
+        two threads costs a GIL switch (a TLS stream arrives in pieces of ~256 KiB)."""
+        if not self._pending:
+            return
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="sink", daemon=True)
+            self._thread.start()
+        self._chunks.put(bytes(self._pending))
+        self._pending.clear()
+
+    def finish(self) -> str:
+        """Wait for the queued chunks, flush and fsync; the SHA-256 of everything written."""
+        self._drain()
+        try:
+            self._file.flush()
+            os.fsync(self._file.fileno())
+        except OSError as e:
+            raise disk_error(e) from e
+        return self._hash.hexdigest()
+
+    def _run(self) -> None:
+        while True:
+            chunk = self._chunks.get()
+            try:
+                if chunk is None:
+                    return
+                if self._failure is None:
+                    self._hash.update(chunk)
+                    self._file.write(chunk)
+                    self._unsynced += len(chunk)
+                    if self._unsynced >= self.SYNC_BYTES:
+                        # Start writing back what is written so far, without waiting for it.
+                        self._file.flush()
+                        end = self._file.tell()
+                        os.posix_fadvise(
+                            self._file.fileno(),
+                            end - self._unsynced,
+                            self._unsynced,
+                            os.POSIX_FADV_DONTNEED,
+                        )
+                        self._unsynced = 0
+            except OSError as e:
+                self._failure = e
+            finally:
+                self._chunks.task_done()
+
+    def _drain(self) -> None:
+        self._hand_over()
+        if self._thread is not None:
+            self._chunks.join()
+        self._raise_failure()
+
+    def _raise_failure(self) -> None:
+        if self._failure is not None:
+            raise disk_error(self._failure) from self._failure
+
+    def _too_large(self, size: int) -> errors.TooLarge:
+        return errors.TooLarge(
+            f"{self.description} is larger than the staging limit of {self._max} bytes "
+            f"(at least {size}); a LoRA adapter is rarely that big: check the URI, or raise "
+            "the operator's staging size limit"
+        )
+
+
+def disk_error(e: OSError) -> errors.StagingError:
+    """What a failed write to the volume means for staging: a full volume is `DiskFull`,
+    anything else `SourceUnavailable` (both transient: staging retries)."""
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return errors.DiskFull(
+            "the shared adapter volume is full; free space or grow the volume (staging retries)"
+        )
+    return errors.SourceUnavailable(f"writing to the shared adapter volume failed: {e.strerror}")
