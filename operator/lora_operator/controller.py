@@ -38,6 +38,7 @@ from lora_inference.adapters import targeting
 
 from lora_operator import (
     autoscale,
+    backoff,
     errors,
     events,
     gc,
@@ -486,7 +487,9 @@ class Controller:
         """Record a failure; the delay before the next attempt (None: permanent)."""
         state = rec.staging
         delay = (
-            None if e.permanent else podstate.backoff(state.attempts + 1, self.config.max_backoff_s)
+            None
+            if e.permanent
+            else backoff.delay(state.attempts + 1, cap=self.config.max_backoff_s)
         )
         state.failed(
             permanent=e.permanent,
@@ -654,7 +657,7 @@ class Controller:
                 report = await self.pod_client.models(prec.info)
         except PodError as e:
             prec.failures += 1
-            prec.retry_in = podstate.backoff(prec.failures, self.config.max_backoff_s)
+            prec.retry_in = backoff.delay(prec.failures, cap=self.config.max_backoff_s)
             if prec.failures >= UNHEARD_FAILURES and not prec.heard:
                 prec.heard = True
                 self._mark_namespace(prec.info.namespace)

@@ -17,7 +17,7 @@ import aiohttp
 from lora_inference import errors as inference_errors
 from lora_inference.adapters import files, layout
 
-from lora_operator import errors, sinks, sources
+from lora_operator import backoff, errors, sinks, sources
 
 CHUNK_BYTES = 1024 * 1024
 
@@ -32,7 +32,7 @@ class RetryPolicy:
 
     def delay(self, attempt: int) -> float:
         """Seconds to wait after failed attempt number `attempt` (0-based), pure."""
-        return float(min(self.max_backoff_s, self.backoff_s * 2**attempt))
+        return backoff.delay(attempt + 1, cap=self.max_backoff_s, first=self.backoff_s)
 
 
 Verdict = Literal["ok", "retry", "not_found", "forbidden", "rejected"]

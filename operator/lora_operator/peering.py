@@ -25,6 +25,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from lora_operator import backoff
+
 log = logging.getLogger("lora_operator")
 
 GROUP_VERSION = "/apis/kopf.dev/v1"
@@ -180,7 +182,7 @@ class Mirror:
                 failures += 1
                 version = None
                 log.info("action=peering-watch result=error message=%r", str(e)[:200])
-                await asyncio.sleep(min(10.0, 0.5 * 2**failures))
+                await asyncio.sleep(backoff.delay(failures, cap=10.0))
 
 
 def _reschedule(

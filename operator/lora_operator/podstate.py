@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Literal
 
+from lora_operator import backoff
 from lora_operator.planning import Card, Want, satisfied
 
 PodState = Literal["Pending", "Loading", "Loaded", "Failed"]
@@ -141,12 +142,8 @@ def _reported(entry: PodEntry, event: Reported, retry_bound: int) -> PodEntry:
 
 
 def retry_delay(entry: PodEntry, cap: float) -> float | None:
-    """When the pod's worker should try this entry again, or None when nothing is to do."""
+    """When the pod's worker should try this entry again (1 s, 2 s, 4 s ... capped at `cap`),
+    or None when nothing is to do."""
     if entry.state == "Loaded" or entry.permanent:
         return None
-    return backoff(entry.attempts + 1, cap)
-
-
-def backoff(attempt: int, cap: float) -> float:
-    """1 s, 2 s, 4 s ... capped at `cap`: retries never storm, and never stop."""
-    return float(min(cap, 2 ** max(0, attempt - 1)))
+    return backoff.delay(entry.attempts + 1, cap=cap)

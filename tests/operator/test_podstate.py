@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from lora_operator import model, podstate
+from lora_operator import backoff, model, podstate
 from lora_operator.planning import Card, Want
 from lora_operator.podstate import (
     Conflicted,
@@ -15,7 +15,6 @@ from lora_operator.podstate import (
     Reported,
     Started,
     Succeeded,
-    backoff,
     may_load,
     retry_delay,
     transition,
@@ -119,7 +118,7 @@ def test_the_retry_bound_makes_the_adapter_degraded_and_a_success_ends_it() -> N
         entry = run(Started(A), Failed(A, "timeout", False), Reported(A, None), entry=entry)
         phases.append(summarise(info, staged, [(pod, entry)], retry_bound=BOUND).phase)
     assert phases == ["Loading"] * (BOUND - 1) + ["Degraded"]
-    assert entry.retrying and retry_delay(entry, 60) == backoff(BOUND + 1, 60)
+    assert entry.retrying and retry_delay(entry, 60) == backoff.delay(BOUND + 1, cap=60)
     degraded = summarise(info, staged, [(pod, entry)], retry_bound=BOUND)
     assert degraded.reason == "LoadRetrying" and "p: timeout" in degraded.message
     # Retries go on, and the phase stays Degraded until one succeeds.
@@ -128,10 +127,6 @@ def test_the_retry_bound_makes_the_adapter_degraded_and_a_success_ends_it() -> N
     entry = run(Started(A), Succeeded(A, 0.2, "T"), Reported(A, card(A)), entry=entry)
     assert summarise(info, staged, [(pod, entry)], retry_bound=BOUND).phase == "Ready"
     assert (entry.attempts, entry.last_error, entry.loaded_at) == (0, None, "T")
-
-
-def test_backoff_doubles_and_is_capped() -> None:
-    assert [backoff(n, 10) for n in range(1, 7)] == [1, 2, 4, 8, 10, 10]
 
 
 WANTS = st.sampled_from([A, B])
