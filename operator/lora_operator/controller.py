@@ -24,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import datetime
 import logging
 import time
 import uuid
@@ -42,6 +41,7 @@ from lora_operator import (
     errors,
     events,
     gc,
+    kube,
     peering,
     placement,
     planning,
@@ -52,7 +52,6 @@ from lora_operator import (
 )
 from lora_operator import status as status_mod
 from lora_operator.config import OperatorConfig
-from lora_operator.kube import ApiError, KubeApi
 from lora_operator.metrics import Metrics
 from lora_operator.model import (
     AdapterInfo,
@@ -72,11 +71,6 @@ Body = kopf.Body | Mapping[str, Any]
 
 COALESCE_S = 0.1  # a burst of changes becomes one status computation per adapter
 UNHEARD_FAILURES = 3  # a pod that failed this many reads in a row no longer holds status back
-
-
-def now_iso(offset_s: float = 0.0) -> str:
-    moment = datetime.datetime.now(datetime.UTC) + datetime.timedelta(seconds=offset_s)
-    return moment.strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def needs_staging(
@@ -252,7 +246,7 @@ class Controller:
     # -- lifecycle ----------------------------------------------------------------------------
 
     def use_credentials(self, info: kopf.ConnectionInfo) -> None:
-        old, self.api = self.api, KubeApi(info, instance=self.identity)
+        old, self.api = self.api, kube.KubeApi(info, instance=self.identity)
         if old is not None:
             self._spawn(old.close())
         self._logged_in.set()
@@ -456,7 +450,7 @@ class Controller:
         state.succeeded(
             StagedRef(sha256=staged.sha256, size=staged.size),
             str(staged.path),
-            now_iso(),
+            kube.now_iso(),
             info.generation,
         )
         self.metrics.stagings.labels("ok").inc()
@@ -495,7 +489,7 @@ class Controller:
             permanent=e.permanent,
             reason=e.reason,
             message=e.message,
-            next_at=None if delay is None else now_iso(delay),
+            next_at=None if delay is None else kube.now_iso(delay),
         )
         if e.permanent:
             state.observed_generation = rec.info.generation
@@ -517,7 +511,7 @@ class Controller:
         api = await self._api()
         try:
             data = await api.read_secret(info.namespace, ref)
-        except ApiError as e:
+        except kube.ApiError as e:
             if e.status == 404:
                 raise errors.SourceUnavailable(
                     f"Secret {ref!r} (source.secretRef) does not exist in namespace "
@@ -798,7 +792,7 @@ class Controller:
             want.sha256,
             seconds,
         )
-        self._apply(rec, pod, podstate.Succeeded(want, seconds, now_iso()))
+        self._apply(rec, pod, podstate.Succeeded(want, seconds, kube.now_iso()))
         return True
 
     async def _unload(self, pod: PodInfo, name: str) -> bool:
@@ -1026,7 +1020,7 @@ class Controller:
                     targeted,
                     summary,
                     (rec.written or {}).get("conditions") or [],
-                    now_iso(),
+                    kube.now_iso(),
                     placed,
                 )
                 delay = status_mod.write_delay(
@@ -1053,7 +1047,7 @@ class Controller:
             api = await self._api()
             try:
                 await api.patch_adapter_status(rec.info.namespace, rec.info.name, body)
-            except ApiError as e:
+            except kube.ApiError as e:
                 if e.status == 404:
                     return  # deleted meanwhile
                 self._retry_write(rec.key, e)

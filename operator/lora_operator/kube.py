@@ -3,7 +3,8 @@
 kopf watches and patches what its handlers return; the controller also writes adapters' status,
 posts Events (events.k8s.io/v1, with series for repeats), reads credential Secrets and watches
 kopf's peering object. It does so with the credentials kopf logged in with
-(`kopf.ConnectionInfo`), over one aiohttp session.
+(`kopf.ConnectionInfo`), over one aiohttp session. `now_iso` is the operator's one clock in the
+API's timestamp formats.
 """
 
 from __future__ import annotations
@@ -83,7 +84,7 @@ class KubeApi:
             "apiVersion": "events.k8s.io/v1",
             "kind": "Event",
             "metadata": {"namespace": namespace, "name": name},
-            "eventTime": micro_time(),
+            "eventTime": now_iso(micro=True),
             "reportingController": REPORTING_CONTROLLER,
             "reportingInstance": self.instance,
             "action": "Reconcile",
@@ -96,7 +97,7 @@ class KubeApi:
 
     async def count_event(self, namespace: str, name: str, count: int) -> None:
         """Count one more occurrence into an Event's series (instead of a new Event)."""
-        body = {"series": {"count": count, "lastObservedTime": micro_time()}}
+        body = {"series": {"count": count, "lastObservedTime": now_iso(micro=True)}}
         await self.request(
             "PATCH",
             f"{EVENTS}/namespaces/{namespace}/events/{name}",
@@ -122,6 +123,8 @@ class KubeApi:
                     yield str(event.get("type")), dict(event.get("object") or {})
 
 
-def micro_time() -> str:
-    """Now as a Kubernetes MicroTime (what events.k8s.io/v1 requires)."""
-    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+def now_iso(offset_s: float = 0.0, *, micro: bool = False) -> str:
+    """Now (plus `offset_s`) in RFC 3339, UTC, as the API writes it: a Time (seconds, what
+    `.status` timestamps hold) or, with `micro`, a MicroTime (what events.k8s.io/v1 requires)."""
+    moment = datetime.datetime.now(datetime.UTC) + datetime.timedelta(seconds=offset_s)
+    return moment.strftime("%Y-%m-%dT%H:%M:%S.%fZ" if micro else "%Y-%m-%dT%H:%M:%SZ")
