@@ -14,8 +14,9 @@ from prometheus_client import (
     generate_latest,
 )
 
+from lora_operator import status
+
 _LATENCY_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
-PHASES = ("Pending", "Staging", "Loading", "Ready", "Degraded", "Failed")
 
 
 def _registry() -> CollectorRegistry:
@@ -69,7 +70,7 @@ class Metrics:
         )
 
     def set_phases(self, phases: dict[str, int]) -> None:
-        for phase in PHASES:
+        for phase in status.PHASES:
             self.adapters.labels(phase).set(phases.get(phase, 0))
 
 

@@ -27,13 +27,14 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from lora_operator.model import AdapterInfo, PodInfo, StagedRef
 from lora_operator.placement import Placed, Shortfall
 from lora_operator.podstate import PodEntry
 
 Phase = Literal["Pending", "Staging", "Loading", "Ready", "Degraded", "Failed"]
+PHASES: tuple[Phase, ...] = get_args(Phase)
 WARNING_PHASES = ("Degraded", "Failed")
 # Reasons of a phase that are news but no trouble; every other reason is a Warning.
 NORMAL_REASONS = ("NotStaged", "Staging", "NoPods", "Loading", "Ready")
