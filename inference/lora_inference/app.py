@@ -126,7 +126,7 @@ async def load_adapter(request: web.Request) -> web.Response:
     _authorise(request)
     body = api.parse_load(await _json(request))
     engine = _engine(request)
-    await engine.register(
+    await engine.admission.register(
         body.name,
         body.path,
         pinned=body.pinned,
@@ -139,7 +139,7 @@ async def load_adapter(request: web.Request) -> web.Response:
 async def unload_adapter(request: web.Request) -> web.Response:
     _authorise(request)
     name = api.parse_unload(await _json(request))
-    await _engine(request).unregister(name)
+    await _engine(request).admission.unregister(name)
     return web.Response(text=f"Success: LoRA adapter '{name}' removed successfully.")
 
 
@@ -195,7 +195,7 @@ async def list_adapters(request: web.Request) -> web.Response:
             {
                 "id": record.name,
                 "path": str(record.path),
-                "tier": engine.tier_of(record),
+                "tier": engine.residency.tier_of(record),
                 "pinned": record.pinned,
                 "origin": record.origin,
                 "hits": stats.hits,
@@ -232,9 +232,9 @@ async def generate_images(request: web.Request) -> web.Response:
     )
     record = None
     if choice.local_path is not None and choice.name is not None:
-        record = await engine.register_from_request(choice.name, choice.local_path)
+        record = await engine.admission.register_from_request(choice.name, choice.local_path)
     elif choice.name is not None:
-        record = await engine.resolve(choice.name, param=choice.param)
+        record = await engine.admission.resolve(choice.name, param=choice.param)
     transport = request.transport
 
     def client_gone() -> bool:

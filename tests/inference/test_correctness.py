@@ -197,7 +197,7 @@ async def test_inplace_swap_keeps_admitted_requests_on_old_weights(
     for image in await asyncio.gather(*late):
         assert np.array_equal(image, new)
     await server.engine.idle()
-    assert old_key not in server.engine.gpu  # collected once unused
+    assert old_key not in server.engine.residency.gpu  # collected once unused
 
 
 async def test_failed_inplace_swap_keeps_the_old_adapter_serving(

@@ -35,5 +35,9 @@ async def test_load_unload_cycles_do_not_grow(server: Server, assets: Assets) ->
     growth_mb = (process.memory_info().rss - rss_before) / 2**20
     assert engine.backend.resident_keys() == set()
     assert engine.backend.parameter_count() == base_params
-    assert len(engine.registry) == 0 and len(engine.cpu) == 0 and len(engine.gpu) == 0
+    assert (
+        len(engine.registry) == 0
+        and len(engine.residency.cpu) == 0
+        and len(engine.residency.gpu) == 0
+    )
     assert growth_mb < 64, f"RSS grew by {growth_mb:.1f} MiB over {CYCLES - 30} cycles"

@@ -24,7 +24,7 @@ async def test_an_admin_load_replaces_a_request_registration(
     _, adapters = await server.get("/v1/adapters")
     assert {a["id"]: a["origin"] for a in adapters["data"]}["x"] == "api"
     await server.engine.idle()
-    assert old_key not in server.engine.gpu and old_key not in server.engine.cpu
+    assert old_key not in server.engine.residency.gpu and old_key not in server.engine.residency.cpu
     # ... and a request can no longer take the name back.
     status, body = await server.post(
         "/v1/images/generations",

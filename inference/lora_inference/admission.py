@@ -1,0 +1,302 @@
+"""Admission: from a name (or a path) to a registered, validated adapter record.
+
+Owns the registry's changes and the path each adapter takes into it, read top to bottom here:
+the load endpoint and `--lora` (`register`), a generation request's `model` (`resolve`: a
+registered name, or one published on the adapter root for this pod) and `lora.local_path`
+(`register_from_request`), and `unregister`. A registration checks the name, resolves the path
+inside the allowed roots, asks `registry.plan_register` whether the name may be taken, checks the
+base model that `adapter_config.json` declares, reads and checks the weights
+(`pipeline.parse_adapter`), and only then changes the registry: a refusal changes nothing.
+
+The weights are read in a small read pool (`Reader`) that never runs pipeline work.
+Registrations run one at a time (the register lock).
+
+It must not touch the pipeline, the tiers or the queue: a new version goes to residency, which
+keeps its parse and makes a pinned one resident, and the worker learns of admissions in progress
+only through `arriving`, `arrived` and `mean_s`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from lora_inference import errors
+from lora_inference.adapters import cache, files, layout, targeting
+from lora_inference.adapters.registry import (
+    AdapterRecord,
+    Origin,
+    Registry,
+    next_version,
+    plan_register,
+)
+from lora_inference.config import ServerConfig
+from lora_inference.metrics import Metrics
+from lora_inference.pipeline import DiffusionBackend, ParsedAdapter
+from lora_inference.residency import Residency
+
+log = logging.getLogger(__name__)
+
+
+class Reader:
+    """Reads and checks adapter files in a small thread pool that never touches the pipeline."""
+
+    def __init__(self, backend: DiffusionBackend, config: ServerConfig, metrics: Metrics) -> None:
+        self._backend = backend
+        self._config = config
+        self._metrics = metrics
+        self._pool = ThreadPoolExecutor(2, thread_name_prefix="adapter-parse")
+
+    async def read(self, path: Path, name: str) -> ParsedAdapter:
+        """Read, hash, check and convert the adapter at `path` (see pipeline.parse_adapter)."""
+        started = time.perf_counter()
+        try:
+            parsed = await asyncio.get_running_loop().run_in_executor(
+                self._pool,
+                lambda: self._backend.parse_adapter(
+                    path, name=name, max_rank=self._config.max_lora_rank
+                ),
+            )
+        except errors.InferenceError:
+            self._metrics.loads.labels("cpu", "error").inc()
+            raise
+        self._metrics.load_seconds.labels("cpu").observe(time.perf_counter() - started)
+        return parsed
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+
+def check_base_model(config: ServerConfig, path: Path, name: str) -> None:
+    """Refuse an adapter whose `adapter_config.json` declares another base model (reads it)."""
+    adapter_config = files.read_adapter_config(path)
+    if adapter_config is None or adapter_config.base_model is None:
+        return
+    accepted = {config.model_id, *config.accepted_base_models}
+    declared = adapter_config.base_model.rstrip("/")
+    if declared in accepted or declared.rsplit("/", 1)[-1] in accepted:
+        return
+    raise errors.IncompatibleAdapter(
+        f"adapter {name!r} declares base model {adapter_config.base_model!r} in "
+        f"adapter_config.json, but this server serves {config.model_id!r}; load it on a server "
+        "for that model, or start this one with --accept-base-model if they are compatible",
+        param="lora_path",
+    )
+
+
+class Admission:
+    def __init__(
+        self, config: ServerConfig, registry: Registry, residency: Residency, reader: Reader
+    ) -> None:
+        self._config = config
+        self._registry = registry
+        self._residency = residency
+        self._reader = reader
+        self._register_lock = asyncio.Lock()
+        # Requests between arriving and reaching the queue because their adapter is being
+        # registered (read and checked); a batch that is not full waits a little for them.
+        self.arriving = 0
+        self.arrived = asyncio.Event()
+        self.mean_s = 0.05  # a running mean of admissions, seeded with a typical small parse
+
+    # -- the admin API and --lora ---------------------------------------------------------------
+
+    async def register(
+        self,
+        name: str,
+        path: str | Path,
+        *,
+        pinned: bool = False,
+        load_inplace: bool = False,
+        origin: Origin = "api",
+        scale: float = 1.0,
+    ) -> AdapterRecord:
+        """Validate the adapter at `path` and register it as `name` (the load endpoint).
+
+        The file is read, hashed and checked against the model before anything changes; a
+        refusal leaves the registry, the caches and the pipeline as they were. Pinned adapters are
+        made resident at once, so a pin that cannot be honoured fails here rather than later.
+        """
+        layout.check_adapter_name(name)
+        resolved = self._resolve_path(path, origin)
+        async with self._register_lock:
+            existing = self._registry.get(name)
+            decision = plan_register(existing, origin, resolved, load_inplace=load_inplace)
+            if decision == "reuse" and existing is not None:
+                return existing
+            if pinned:
+                self._check_pin_room(name, existing)
+            check_base_model(self._config, resolved, name)
+            parsed = await self._reader.read(resolved, name)
+            record = AdapterRecord(
+                name=name,
+                path=resolved,
+                weights_file=parsed.weights_file,
+                sha256=parsed.sha256,
+                size_bytes=parsed.size_bytes,
+                rank=parsed.rank,
+                pinned=pinned,
+                origin=origin,
+                version=next_version(),
+                scale=scale,
+            )
+            self._residency.add(record, parsed)
+            previous = self._registry.put(record)
+            if previous is not None:
+                self._residency.retire(previous)
+            self._residency.update_gauges()
+        log.info("registered adapter %s v%d from %s (%s)", name, record.version, resolved, origin)
+        if pinned:
+            try:
+                await self._residency.pin(record)
+            except errors.InferenceError:
+                self._restore(record, previous)
+                raise
+        return record
+
+    async def unregister(self, name: str, *, force: bool = False) -> AdapterRecord:
+        record = self._registry.get(name)
+        if record is None:
+            raise errors.AdapterNotFound(f"adapter {name!r} is not loaded", param="lora_name")
+        if record.origin == "static" and not force:
+            raise errors.AdapterConflict(
+                f"adapter {name!r} was given on the command line (--lora) and cannot be unloaded",
+                param="lora_name",
+            )
+        self._registry.remove(name)
+        self._residency.retire(record)
+        log.info("unregistered adapter %s v%d", name, record.version)
+        return record
+
+    # -- generation requests --------------------------------------------------------------------
+
+    async def resolve(self, name: str, *, param: str = "model") -> AdapterRecord:
+        """The record for `name`: registered, or found on the adapter root and registered now.
+
+        A name a request registered is looked up on the adapter root too: what the operator
+        published under that name replaces it.
+        """
+        record = self._registry.get(name)
+        if record is not None and record.origin != "request":
+            return record
+        layout.check_adapter_name(name, param=param)
+        try:
+            found = self._published(name, param=param)
+        except errors.AdapterNotFound:
+            if record is not None:
+                return record  # published, but for other pods: the request's adapter stays
+            raise
+        if found is None and record is not None:
+            return record
+        if found is None:
+            raise errors.AdapterNotFound(
+                f"the model '{name}' does not exist: it is neither the base model "
+                f"'{self._config.model_id}' nor a loaded adapter",
+                param=param,
+            )
+        try:
+            async with self._arriving():
+                return await self.register(name, found, origin="resolver")
+        except errors.AdapterConflict:
+            # Another request resolved the same name first.
+            record = self._registry.get(name)
+            if record is None:
+                raise
+            return record
+
+    async def register_from_request(self, name: str, local_path: str) -> AdapterRecord:
+        """The request-level path (`lora.local_path`): same checks and cache as the API."""
+        if not self._config.allow_request_adapters:
+            raise errors.Forbidden(
+                "this server does not let requests register adapters (lora.local_path): name "
+                "an adapter it serves in 'model' (GET /v1/models), or start the server with "
+                "--allow-request-adapters (the chart's inference.allowRequestAdapters)",
+                param="lora.local_path",
+            )
+        resolved = layout.resolve_allowed(
+            local_path, self._config.path_roots, param="lora.local_path"
+        )
+        existing = self._registry.get(name)
+        if plan_register(existing, "request", resolved) == "reuse" and existing is not None:
+            return existing
+        async with self._arriving():
+            return await self.register(name, resolved, origin="request")
+
+    # -- lookups ----------------------------------------------------------------------------------
+
+    def _resolve_path(self, path: str | Path, origin: Origin) -> Path:
+        if origin == "static":
+            return Path(path).resolve(strict=True)
+        param = "lora.local_path" if origin == "request" else "lora_path"
+        return layout.resolve_allowed(path, self._config.path_roots, param=param)
+
+    def _published(self, name: str, *, param: str) -> Path | None:
+        """The adapter `name` on the adapter root, if it is there and meant for this pod.
+
+        Published for other pods (their LoRAAdapter's selector or base model does not match
+        this one): AdapterNotFound, as for an unknown name, saying why. A server that does not
+        know its labels, or an adapter without a target (a volume filled by hand), serves it.
+        """
+        root = self._config.adapter_root
+        found = layout.resolve_on_root(root, name) if root is not None else None
+        labels_file = self._config.pod_labels_file
+        if found is None or root is None or labels_file is None:
+            return found
+        target = layout.read_target(root, name)
+        if target is None:
+            return found
+        try:
+            labels = targeting.parse_pod_labels(labels_file.read_text())
+        except OSError as e:
+            raise errors.AdapterNotFound(
+                f"the model '{name}' cannot be resolved: this pod's labels ({labels_file}) "
+                f"cannot be read: {e}",
+                param=param,
+            ) from e
+        reason = targeting.refusal(target, labels, self._config.model_id)
+        if reason is not None:
+            raise errors.AdapterNotFound(
+                f"the model '{name}' is not served by this pod: {reason}; send the request to "
+                "a pod its LoRAAdapter selects",
+                param=param,
+            )
+        return found
+
+    # -- helpers --------------------------------------------------------------------------------
+
+    def _check_pin_room(self, name: str, existing: AdapterRecord | None) -> None:
+        if existing is not None and existing.pinned:
+            return
+        pinned = self._registry.pinned()
+        if len(pinned) >= self._config.max_loras:
+            raise cache.SlotsExhausted(
+                f"cannot pin {name!r}: all {self._config.max_loras} GPU slots already hold "
+                f"pinned adapters ({', '.join(r.name for r in pinned)}); "
+                "unpin or unload one, or raise --max-loras"
+            )
+
+    def _restore(self, failed: AdapterRecord, previous: AdapterRecord | None) -> None:
+        """Undo a registration whose pin could not be honoured; a replaced record comes back."""
+        if self._registry.get(failed.name) in (failed, None):
+            self._registry.remove(failed.name)
+            if previous is not None:
+                self._registry.put(previous)
+                self._residency.unretire(previous)
+        self._residency.retire(failed)
+
+    @contextlib.asynccontextmanager
+    async def _arriving(self) -> AsyncIterator[None]:
+        """Count a request whose adapter is being registered until it can be queued."""
+        self.arriving += 1
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.arriving -= 1
+            self.mean_s += 0.2 * (time.perf_counter() - started - self.mean_s)
+            self.arrived.set()
