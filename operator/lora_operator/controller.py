@@ -3,7 +3,7 @@ hold, and writes each LoRAAdapter's status and Events. kopf's handlers (handlers
 events; the decisions are pure functions (planning, podstate, status, events, peering); this
 module does the I/O and the waiting.
 
-State: one `AdapterRecord` per LoRAAdapter (its spec, its staging, its entry on each pod, the
+State: one `AdapterRecord` per LoRAAdapter (its spec, its staging state, its entry on each pod, the
 status last written) and one `PodRecord` per inference pod (its worker, its last report). The
 pod client, the volume store and the API client are injected, so tests can swap them.
 
@@ -145,7 +145,7 @@ class AdapterRecord:
     """Everything the controller knows about one LoRAAdapter."""
 
     info: AdapterInfo
-    staging: status_mod.StagingState
+    staging_state: status_mod.StagingState  # named apart from the staging module
     pods: dict[str, PodEntry] = field(default_factory=dict)  # pod name -> entry
     written: dict[str, Any] | None = None  # the status the object has
     written_headline: status_mod.Headline | None = None
@@ -380,7 +380,7 @@ class Controller:
 
     def _consider_staging(self, rec: AdapterRecord) -> None:
         """Start staging the spec's source unless the volume holds it or it failed for good."""
-        info, state = rec.info, rec.staging
+        info, state = rec.info, rec.staging_state
         if not self.active.is_set() or info.deleting:
             return
         if rec.staging_task is not None and not rec.staging_task.done():
@@ -410,7 +410,7 @@ class Controller:
         what the last attempt made it (Staging, then Degraded) through the retries."""
         if previous is not None:
             await asyncio.wait([previous])  # its publish finishes first
-        state = rec.staging
+        state = rec.staging_state
         try:
             while True:
                 state.in_progress = True
@@ -428,7 +428,7 @@ class Controller:
             self._mark(rec.key)
 
     async def _stage_once(self, rec: AdapterRecord) -> None:
-        info, state = rec.info, rec.staging
+        info, state = rec.info, rec.staging_state
         loop = asyncio.get_running_loop()
 
         def progress(n: int) -> None:  # may run on a worker thread (s3, volume copies)
@@ -479,7 +479,7 @@ class Controller:
 
     def _staging_failed(self, rec: AdapterRecord, e: errors.StagingError) -> float | None:
         """Record a failure; the delay before the next attempt (None: permanent)."""
-        state = rec.staging
+        state = rec.staging_state
         delay = (
             None
             if e.permanent
@@ -686,7 +686,7 @@ class Controller:
                     continue
                 if pod.name not in placed.pods_of(info.name):
                     continue
-            staged = rec.staging.staged if rec is not None else info.staged
+            staged = rec.staging_state.staged if rec is not None else info.staged
             if staged is None:
                 keep.add(info.name)
                 continue
@@ -1001,7 +1001,7 @@ class Controller:
                 placed = self._placed(rec)
                 summary = status_mod.summarise(
                     rec.info,
-                    rec.staging,
+                    rec.staging_state,
                     targeted,
                     retry_bound=self.config.retry_bound,
                     placed=placed,
@@ -1016,7 +1016,7 @@ class Controller:
                     continue
                 body = status_mod.render(
                     rec.info,
-                    rec.staging,
+                    rec.staging_state,
                     targeted,
                     summary,
                     (rec.written or {}).get("conditions") or [],
@@ -1242,7 +1242,7 @@ def _seed(info: AdapterInfo, body: Body) -> AdapterRecord:
         scale=autoscale.Scale(autoscale.clamp(replicas, _policy(info.autoscale)))
         if info.autoscale is not None and isinstance(replicas, int)
         else None,
-        staging=state,
+        staging_state=state,
         written=st or None,
         written_headline=(str(phase), None) if phase else None,
         recorded_loads={

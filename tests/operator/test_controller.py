@@ -404,12 +404,15 @@ async def test_a_permanent_failure_of_the_current_generation_survives_a_restart(
     )
     c.adapter_changed(b)
     rec = c.adapters[("ns", "a")]
-    assert (rec.staging.permanent, rec.staging.error_reason) == (True, "ChecksumMismatch")
+    assert (rec.staging_state.permanent, rec.staging_state.error_reason) == (
+        True,
+        "ChecksumMismatch",
+    )
     assert rec.staging_task is None  # not staged again
     info = adapter_info(b)
-    assert summarise(info, rec.staging, []).phase == "Failed"
+    assert summarise(info, rec.staging_state, []).phase == "Failed"
     # Generation 1's revision is still on the volume: resuming does not download again.
-    assert not needs_staging(info, rec.staging.observed_generation, volume_current=SHA)
+    assert not needs_staging(info, rec.staging_state.observed_generation, volume_current=SHA)
     assert rec.written_headline == ("Failed", None)
 
 
@@ -418,7 +421,7 @@ async def test_a_staged_generation_is_seeded_as_staged(tmp_path: Path) -> None:
     c.adapter_changed(
         seeded_body(generation=3, staged_reason="Staged", staged_status="True", observed=3)
     )
-    state = c.adapters[("ns", "a")].staging
+    state = c.adapters[("ns", "a")].staging_state
     assert state.permanent is False
     assert state.path == "/v/ns/a/revisions/" + SHA
     assert state.staged is not None and state.staged.sha256 == SHA
