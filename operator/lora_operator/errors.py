@@ -1,8 +1,20 @@
 """Domain errors of staging: permanent (fix the spec or the source) or transient (retry).
 
-The controller maps them once (`Controller._staging_failed`): `PermanentStagingError` makes the
-adapter Failed with no retry for its spec, `TransientStagingError` is retried with backoff.
-Messages say what to fix and never contain credentials or signed URLs.
+Every failure to stage is a `StagingError`; its `reason` is the reason of the `Staged`
+condition (and of the phase's Event). The controller maps them once
+(`Controller._staging_failed`, phases as `status.summarise` decides them):
+
+    PermanentStagingError  the adapter is Failed; not staged again until the spec changes (a
+                           new metadata.generation)
+    TransientStagingError  retried, never given up, `backoff.delay` apart (1, 2, 4 ... capped at
+                           `max_backoff_s`); the phase is Staging with the failure's reason
+                           below `retry_bound` failures in a row, Degraded from there on, until
+                           an attempt succeeds
+
+`VolumeUnsupported` is no staging error: the volume check at start raises it and the operator
+exits with its message (`__main__`). Failed calls to inference pods are `podclient.PodError`s,
+which `podstate.transition` maps the same way per pod. Messages say what to fix and never
+contain credentials or signed URLs.
 """
 
 from __future__ import annotations

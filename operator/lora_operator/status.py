@@ -5,17 +5,30 @@ The controller keeps a `StagingState` per adapter and a `podstate.PodEntry` per 
 object, `write_delay` decides when that object is worth an API write. A pod counts as ready only
 when its own `/v1/models` reported the adapter at the staged revision.
 
-Phases, in the order they are decided:
+Phases, in the order `summarise` decides them (the first that applies wins; reasons in
+parentheses):
 
-    Failed    a permanent error: staging (bad source, checksum, not a LoRA) or a pod refusing the
-              adapter (incompatible with its base model); retried only when the spec changes
-    Degraded  staging failed `retry_bound` times in a row, or some pod's loads did: retries go
-              on, and the phase stays Degraded through them until an attempt succeeds
-    Staging   the source is being downloaded and verified (or retried, below the bound)
-    Pending   nothing staged yet, or no Ready pod in the namespace matches the selector and serves
-              the base model
-    Loading   staged; some targeted pods do not report it yet
-    Ready     every targeted pod reports the staged revision
+    Failed    a permanent error: staging (the error's reason: a bad source, a checksum, not a
+              LoRA ...) or a pod refusing the adapter (LoadFailed: incompatible with its base
+              model, or a name the pod already serves); retried only when the spec changes
+    Degraded  staging failed `retry_bound` times in a row (the error's reason), or some pod's
+              loads did (LoadRetrying): retries go on, and the phase stays Degraded through them
+              until an attempt succeeds
+    Staging   the source is being downloaded and verified (Staging), or retried below the bound
+              (the error's reason)
+    Pending   nothing staged yet (NotStaged)
+    Degraded  placed on fewer pods than `spec.replicas` (or autoscale) asks for, and loaded on
+              every pod it is placed on: the other matching pods have no room
+              (InsufficientCapacity), or fewer pods match (FewerPodsThanReplicas). While it is
+              still loading there the phase is Loading, the Degraded condition already True
+    Pending   no Ready pod in the namespace matches the selector and serves the base model
+              (NoPods)
+    Ready     every targeted pod reports the staged revision (Ready)
+    Loading   staged; some targeted pods do not report it yet (Loading)
+
+The Degraded condition says the first of: staging past the bound, a pod's loads past the bound,
+a placement shortfall, staging retried below the bound (False, Retrying), nothing (False,
+AsExpected).
 
 The status stays small at any number of pods: `status.pods` lists at most `MAX_LISTED_PODS`
 (the ones not loaded first), `status.unlistedPods` counts the rest by state, and messages name
