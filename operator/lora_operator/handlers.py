@@ -12,7 +12,6 @@ Both kinds of object are held in kopf indices keyed by namespace (`lora_adapters
 
 from __future__ import annotations
 
-import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -35,8 +34,6 @@ from lora_operator.model import (
 
 FINALIZER = "lora.dev/finalizer"
 ANNOTATION_PREFIX = "lora.dev"
-
-log = logging.getLogger("lora_operator")
 
 
 def build_registry(controller: Controller) -> kopf.OperatorRegistry:

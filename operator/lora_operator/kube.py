@@ -12,7 +12,6 @@ from __future__ import annotations
 import base64
 import datetime
 import json
-import logging
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
@@ -20,8 +19,6 @@ import aiohttp
 import kopf
 
 from lora_operator.model import GROUP, PLURAL, VERSION
-
-log = logging.getLogger(__name__)
 
 EVENTS = "/apis/events.k8s.io/v1"
 REPORTING_CONTROLLER = "lora.dev/operator"
