@@ -8,8 +8,12 @@ inside the allowed roots, asks `registry.plan_register` whether the name may be 
 base model that `adapter_config.json` declares, reads and checks the weights
 (`pipeline.parse_adapter`), and only then changes the registry: a refusal changes nothing.
 
-The weights are read in a small read pool (`Reader`) that never runs pipeline work.
-Registrations run one at a time (the register lock).
+Every filesystem read runs off the event loop: path and adapter-root lookups in
+`asyncio.to_thread`, `adapter_config.json` and the weights in a small read pool (`Reader`) that
+never runs pipeline work. So a slow volume delays the registration that reads it, not /health,
+other requests or the worker. Registrations of one name run one at a time (a lock per name), so
+the second of two concurrent loads of a name sees the first one's record; other names do not
+wait for it.
 
 It must not touch the pipeline, the tiers or the queue: a new version goes to residency, which
 keeps its parse and makes a pinned one resident, and the worker learns of admissions in progress
@@ -19,6 +23,7 @@ only through `arriving`, `arrived` and `mean_s`.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import time
@@ -68,6 +73,11 @@ class Reader:
         self._metrics.load_seconds.labels("cpu").observe(time.perf_counter() - started)
         return parsed
 
+    async def check_base_model(self, path: Path, name: str) -> None:
+        await asyncio.get_running_loop().run_in_executor(
+            self._pool, check_base_model, self._config, path, name
+        )
+
     def close(self) -> None:
         self._pool.shutdown(wait=True)
 
@@ -97,7 +107,8 @@ class Admission:
         self._registry = registry
         self._residency = residency
         self._reader = reader
-        self._register_lock = asyncio.Lock()
+        self._name_locks: dict[str, asyncio.Lock] = {}
+        self._name_users: collections.Counter[str] = collections.Counter()
         # Requests between arriving and reaching the queue because their adapter is being
         # registered (read and checked); a batch that is not full waits a little for them.
         self.arriving = 0
@@ -123,16 +134,20 @@ class Admission:
         made resident at once, so a pin that cannot be honoured fails here rather than later.
         """
         layout.check_adapter_name(name)
-        resolved = self._resolve_path(path, origin)
-        async with self._register_lock:
+        resolved = await asyncio.to_thread(self._resolve_path, path, origin)
+        async with self._one_at_a_time(name):
             existing = self._registry.get(name)
             decision = plan_register(existing, origin, resolved, load_inplace=load_inplace)
             if decision == "reuse" and existing is not None:
                 return existing
             if pinned:
                 self._check_pin_room(name, existing)
-            check_base_model(self._config, resolved, name)
+            await self._reader.check_base_model(resolved, name)
             parsed = await self._reader.read(resolved, name)
+            # Nothing awaits from here until the registry holds the record; other names may
+            # have been pinned while this one was read.
+            if pinned:
+                self._check_pin_room(name, self._registry.get(name))
             record = AdapterRecord(
                 name=name,
                 path=resolved,
@@ -186,7 +201,7 @@ class Admission:
             return record
         layout.check_adapter_name(name, param=param)
         try:
-            found = self._published(name, param=param)
+            found = await asyncio.to_thread(self._published, name, param=param)
         except errors.AdapterNotFound:
             if record is not None:
                 return record  # published, but for other pods: the request's adapter stays
@@ -218,8 +233,8 @@ class Admission:
                 "--allow-request-adapters (the chart's inference.allowRequestAdapters)",
                 param="lora.local_path",
             )
-        resolved = layout.resolve_allowed(
-            local_path, self._config.path_roots, param="lora.local_path"
+        resolved = await asyncio.to_thread(
+            layout.resolve_allowed, local_path, self._config.path_roots, param="lora.local_path"
         )
         existing = self._registry.get(name)
         if plan_register(existing, "request", resolved) == "reuse" and existing is not None:
@@ -227,7 +242,7 @@ class Admission:
         async with self._arriving():
             return await self.register(name, resolved, origin="request")
 
-    # -- lookups ----------------------------------------------------------------------------------
+    # -- blocking lookups (run in a thread) -----------------------------------------------------
 
     def _resolve_path(self, path: str | Path, origin: Origin) -> Path:
         if origin == "static":
@@ -288,6 +303,20 @@ class Admission:
                 self._registry.put(previous)
                 self._residency.unretire(previous)
         self._residency.retire(failed)
+
+    @contextlib.asynccontextmanager
+    async def _one_at_a_time(self, name: str) -> AsyncIterator[None]:
+        """Hold `name`'s lock; it is dropped when no registration of the name waits for it."""
+        lock = self._name_locks.setdefault(name, asyncio.Lock())
+        self._name_users[name] += 1
+        try:
+            async with lock:
+                yield
+        finally:
+            self._name_users[name] -= 1
+            if self._name_users[name] <= 0:
+                del self._name_users[name]
+                del self._name_locks[name]
 
     @contextlib.asynccontextmanager
     async def _arriving(self) -> AsyncIterator[None]:

@@ -21,6 +21,7 @@ import torch
 from aiohttp import ClientSession, web
 from aiohttp.test_utils import TestServer
 from diffusers import DiffusionPipeline
+from lora_inference.adapters.targeting import Target
 from lora_inference.app import create_app
 from lora_inference.config import ServerConfig
 from lora_inference.pipeline import DiffusionBackend
@@ -122,6 +123,16 @@ class Server:
         from lora_inference.app import STARTUP
 
         return self.app[STARTUP].result()
+
+
+def publish(root: Path, name: str, adapter: Path, target: Target | None = None) -> None:
+    """Lay `adapter` out on `root` as the operator does, with its target when given."""
+    revision = root / name / "revisions" / ("0" * 64)
+    revision.parent.mkdir(parents=True, exist_ok=True)
+    revision.symlink_to(adapter)
+    if target is not None:
+        (root / name / "target.json").write_text(target.to_json())
+    (root / name / "current").symlink_to("revisions/" + "0" * 64)
 
 
 def decode(b64: str) -> np.ndarray:

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from tests.inference.bad_adapters import BadAdapter
-from tests.inference.conftest import Assets, Server
+from tests.inference.conftest import Assets, Server, publish
 
 
 def assert_error(
@@ -178,10 +178,7 @@ async def test_resolver_registers_names_found_on_the_adapter_root(
     start_server: Any, assets: Assets, tmp_path: Any
 ) -> None:
     root = tmp_path / "volume"
-    revision = root / "pixel" / "revisions" / ("0" * 64)
-    revision.parent.mkdir(parents=True)
-    revision.symlink_to(assets.adapter_a)
-    (root / "pixel" / "current").symlink_to("revisions/" + "0" * 64)
+    publish(root, "pixel", assets.adapter_a)
     server = await start_server(adapter_root=root, allowed_roots=(assets.root,))
     image = await server.image(model="pixel")
     _, adapters = await server.get("/v1/adapters")

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 from lora_inference.adapters.targeting import Target, parse_selector
 
-from tests.inference.conftest import ADMIN_TOKEN, Assets, Server
+from tests.inference.conftest import ADMIN_TOKEN, Assets, Server, publish
 from tests.inference.test_http_api import assert_error
 
 
@@ -43,8 +43,7 @@ async def test_a_published_name_replaces_a_request_registration(
     server = await start_server(adapter_root=root, allowed_roots=(assets.root,))
     await server.image(lora={"name": "pixel", "local_path": str(assets.adapter_a)})
     # The operator publishes `pixel` on the volume: the next request naming it gets that one.
-    (root / "pixel" / "revisions" / ("0" * 64)).symlink_to(assets.adapter_b)
-    (root / "pixel" / "current").symlink_to("revisions/" + "0" * 64)
+    publish(root, "pixel", assets.adapter_b)
     await server.load("b", assets.adapter_b)
     assert (await server.image(model="pixel") == await server.image(model="b")).all()
     assert server.engine.registry.get("pixel").origin == "resolver"
@@ -117,16 +116,6 @@ async def test_the_client_token_does_not_open_load(start_server: Any, assets: As
         token=CLIENT_TOKEN,
     )
     assert "admin token" in assert_error(status, body, 401)["message"]
-
-
-def publish(root: Path, name: str, adapter: Path, target: Target | None) -> None:
-    """Lay `adapter` out on `root` as the operator does, with its target when given."""
-    revision = root / name / "revisions" / ("0" * 64)
-    revision.parent.mkdir(parents=True)
-    revision.symlink_to(adapter)
-    if target is not None:
-        (root / name / "target.json").write_text(target.to_json())
-    (root / name / "current").symlink_to("revisions/" + "0" * 64)
 
 
 async def test_the_resolver_serves_only_adapters_meant_for_the_pod(
