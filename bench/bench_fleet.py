@@ -1,0 +1,618 @@
+"""Fleet benchmark: the adapter-aware router against kube-proxy's spreading, on the same pods.
+
+One run starts a local cluster (lora-devcluster, in a temporary directory, the project's images
+built first if the tree changed), `helm install`s charts/lora-operator with N inference pods and
+the router (the chart's defaults: 2 replicas), has the operator stage K LoRAAdapters without
+spec.replicas (every pod holds every adapter: the best a plain Service can do), and sends a
+Zipf(1.1) request stream over the K adapters to the same pods two ways:
+
+  round-robin  through `<fullname>-inference-pods`, the Service that selects the pods: kube-proxy
+               (iptables mode) picks a pod at random for each connection, and the client opens
+               one connection per request, so requests spread evenly over the pods;
+  router       through `<fullname>-inference`, which selects the router pods: each request goes
+               to a pod holding its adapter in a GPU slot, else in the CPU tier, else with a
+               free slot, within the router's load bound.
+
+The load comes from inside the cluster: a load-generator pod (the operator image: python3 and
+aiohttp) answers `POST /round` through the API server's proxy by sending one round of requests
+to a Service's DNS name, a fixed number in flight, each on a new connection, and returns (and
+logs, one JSON line per round) the wall time, each latency and how the router routed. The
+routes alternate by rounds of `--requests` requests: each pair of rounds sends the same stream
+(same seed), the route that goes first alternates, so drifts in the machine's load hit both
+alike; a warm-up round per route comes first and is not counted (the router sees the pods
+report their residency before measuring).
+
+Per route it reports throughput (images/s), p50/p95 latency and, from the pods' own counters
+read through the API server before and after every round (GET /metrics and GET /v1/adapters):
+  GPU-tier hit rate  lora_adapter_lookups_total{result="hit"} / all lookups: the share of
+                     requests whose adapter was already in a GPU slot. The pods count one lookup
+                     per adapter per batch, so the pods run --max-batch-size 1 and a lookup is
+                     one request (checked against GET /v1/adapters' per-adapter `hits`, which
+                     counts requests);
+  fresh loads        lora_adapter_loads_total{tier="cpu",result="ok"}: adapters read from disk
+                     into the CPU tier during the round;
+  spread             from /v1/adapters `hits`: for each request, how many pods served its
+                     adapter in its round;
+  the pods' own time per request: generation, fresh loads and slot copies
+                     (lora_generation_seconds, lora_adapter_load_seconds), and the CPU time of the
+                     inference and router containers (their host processes).
+Targets: the router at least 1.5x round-robin's throughput and 2x its GPU-tier hit rate.
+
+The model and the sizes. The cluster's preparation Job builds the tiny SD 1.5 only (a full-width
+SD 1.5, 4 GB in float32 and about 7 s an image on one of these cores, does not fit four pods on
+a 2-core machine), so the pods serve it with one torch thread each, at 64x64 pixels and 1
+denoising step, with rank 16/32/64 adapters (half of them with text-encoder layers). Measured
+alone on one core, a fresh load (read and convert the file) costs about 6 ms and a copy into a
+slot about 2 ms against a generation of about 55 ms: about 12% and 3% of a request. That is our
+estimate of where a rank-64 adapter's read-and-convert on the host and its copy to the device
+stand next to a 20-step generation on a GPU (not measured here); 4 steps at 64x64 would make
+every miss 3x cheaper than that. The run prints the times the pods measured. The tiers are the
+chart's defaults: --max-loras 4 GPU slots and --max-cpu-loras 32 (< K) per pod.
+
+    .venv/bin/python bench/bench_fleet.py             # N=4, K=100, 8 round pairs of 100 requests
+    .venv/bin/python bench/bench_fleet.py --quick     # 2 round pairs of 40 requests
+
+Needs root and the devcluster binaries (`make binaries`), like the cluster tests. The last line
+always reads
+    fleet: throughput router/round-robin = X.XX, hit rate router/round-robin = Y.YY
+Results go in docs/benchmarks.md together with the command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import datetime
+import json
+import os
+import platform
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+from lora_demo import manifests, release
+from lora_demo.manifests import MODEL_NAME, RELEASE, AdapterSource, Obj
+from lora_devcluster import cluster as cluster_mod
+from lora_devcluster import images
+from lora_devcluster.harness import ApiError, Harness
+from prometheus_client.parser import text_string_to_metric_families
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_inference import zipf_stream
+
+NS = "fleet"
+ROUTES = {  # label -> the Service it sends to
+    "round-robin": f"{RELEASE}-inference-pods",
+    "router": manifests.SERVICE,
+}
+ROUTER_LABELS = "app.kubernetes.io/component=router"
+LOADGEN = "loadgen"
+LOADGEN_PORT = 8080
+RANKS = (16, 32, 64)
+THROUGHPUT_TARGET = 1.5
+HIT_RATE_TARGET = 2.0
+
+# The load generator: `POST /round` with {"url", "requests", "concurrency", "label"} sends the
+# requests (each a generation body) from `concurrency` closed-loop clients, one connection per
+# request (kube-proxy picks a pod per connection: kept-alive connections would pin the client to
+# the few pods its connections landed on), and answers the wall time, the latencies, the
+# failures and the router's x-lora-route reasons.
+LOADGEN_SCRIPT = """
+import asyncio, collections, json, sys, time
+from aiohttp import ClientSession, ClientTimeout, TCPConnector, web
+
+async def run_round(request):
+    spec = await request.json()
+    bodies = iter(spec["requests"])
+    latencies, failures, routes = [], [], collections.Counter()
+
+    async def client(session):
+        for body in bodies:
+            started = time.perf_counter()
+            async with session.post(spec["url"], json=body) as resp:
+                text = await resp.text()
+                if resp.status != 200:
+                    failures.append(f"{body['model']}: {resp.status} {text[:300]}")
+                routes[resp.headers.get("x-lora-route", "none")] += 1
+            latencies.append(time.perf_counter() - started)
+
+    connector = TCPConnector(force_close=True)
+    async with ClientSession(connector=connector, timeout=ClientTimeout(total=600)) as session:
+        started = time.perf_counter()
+        await asyncio.gather(*(client(session) for _ in range(spec["concurrency"])))
+        wall = time.perf_counter() - started
+    result = {"label": spec["label"], "requests": len(latencies), "wall": wall,
+              "failures": failures, "routes": dict(routes)}
+    print(json.dumps(result), flush=True)
+    return web.json_response({**result, "latencies": latencies})
+
+async def ready(request):
+    return web.json_response({"status": "ready"})
+
+app = web.Application(client_max_size=64 * 1024**2)
+app.router.add_post("/round", run_round)
+app.router.add_get("/ready", ready)
+web.run_app(app, port=int(sys.argv[1]), print=None)
+"""
+
+# Every adapter written by one process: `lora-inference make-adapter` per adapter (what
+# manifests.prepare_job runs) starts Python and loads the pipeline each time, minutes for 100.
+WRITE_ADAPTERS = """
+import json, sys
+from pathlib import Path
+from diffusers import DiffusionPipeline
+from lora_inference.tools.random_adapters import write_random_adapter
+model, adapters = Path(sys.argv[1]), json.loads(sys.argv[2])
+pipe = DiffusionPipeline.from_pretrained(str(model))
+for a in adapters:
+    write_random_adapter(Path(a["uri"]), pipe, base_model=model.name, rank=a["rank"],
+                         seed=a["seed"], text_encoder=a["text_encoder"], strength=a["strength"])
+print(f"wrote {len(adapters)} adapters")
+"""
+
+
+# -- what goes on the cluster (pure) -------------------------------------------------------------
+
+
+def build_sources(k: int) -> tuple[AdapterSource, ...]:
+    """K adapters named as `zipf_stream` names them, ranks 16/32/64, every other one with
+    text-encoder layers (as bench_inference's representative mode)."""
+    return tuple(
+        AdapterSource(
+            f"adapter-{i:02d}", seed=i, text_encoder=i % 2 == 1, rank=RANKS[i % len(RANKS)]
+        )
+        for i in range(k)
+    )
+
+
+def build_adapters_job(image: str, sources: tuple[AdapterSource, ...]) -> Obj:
+    """The Job manifests.prepare_job builds (its claims, mounts and security context), with one
+    process writing every adapter."""
+    job = manifests.prepare_job("prepare-adapters", image, model=False, adapters=sources)
+    spec = [
+        {
+            "uri": s.uri,
+            "seed": s.seed,
+            "rank": s.rank,
+            "text_encoder": s.text_encoder,
+            "strength": s.strength,
+        }
+        for s in sources
+    ]
+    model_dir = str(manifests.MODELS_MOUNT / MODEL_NAME)
+    (container,) = job["spec"]["template"]["spec"]["containers"]
+    container["command"] = ["python", "-c", WRITE_ADAPTERS, model_dir, json.dumps(spec)]
+    return job
+
+
+def build_values(args: argparse.Namespace) -> Obj:
+    """The demo's CPU values with the chart's default tiers, one image per pipeline call (a
+    lookup is then one request) and one torch thread per pod (four pods share two cores)."""
+    values = manifests.local_values(NS, replicas=args.pods)
+    values["inference"].update(
+        maxLoras=args.max_loras,
+        maxCpuLoras=args.max_cpu_loras,
+        maxBatchSize=1,
+        maxQueue=64,
+        extraEnv=[{"name": "OMP_NUM_THREADS", "value": "1"}],
+    )
+    return values
+
+
+def build_loadgen_pod(image: str) -> Obj:
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": LOADGEN, "labels": {"app": LOADGEN}},
+        "spec": {
+            "automountServiceAccountToken": False,
+            "containers": [
+                {
+                    "name": "client",
+                    "image": image,
+                    "imagePullPolicy": "IfNotPresent",
+                    "command": ["python", "-c", LOADGEN_SCRIPT, str(LOADGEN_PORT)],
+                    "securityContext": manifests.NON_ROOT,
+                }
+            ],
+        },
+    }
+
+
+def build_round(stream: list[str], args: argparse.Namespace, label: str, seed: int) -> Obj:
+    url = manifests.service_url(NS, "/v1/images/generations", service=ROUTES[label])
+    bodies = [
+        manifests.generation_request(model, size=args.size, steps=args.steps, seed=seed + i)
+        for i, model in enumerate(stream)
+    ]
+    return {"url": url, "requests": bodies, "concurrency": args.concurrency, "label": label}
+
+
+# -- the pods' own counters ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """Every inference pod's counters at one moment, and the CPU time of the containers."""
+
+    metrics: dict[str, dict[str, float]]  # pod -> sample -> value
+    hits: dict[str, dict[str, int]]  # pod -> adapter -> requests (GET /v1/adapters `hits`)
+    inference_cpu_s: float
+    router_cpu_s: float
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Prometheus text -> {'name{label=value,...}': value}, buckets left out."""
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name.endswith(("_bucket", "_created")):
+                continue
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
+            out[f"{s.name}{{{labels}}}"] = float(s.value)
+    return out
+
+
+def cpu_seconds(processes: list[psutil.Process]) -> float:
+    return sum(sum(p.cpu_times()[:2]) for p in processes)
+
+
+def snapshot(
+    h: Harness, pods: list[str], inference: list[psutil.Process], router: list[psutil.Process]
+) -> Snapshot:
+    metrics, hits = {}, {}
+    for pod in pods:
+        status, raw = h.proxy(NS, release.pod_target(pod), "/metrics", timeout=30)
+        if status != 200:
+            raise RuntimeError(f"/metrics of {pod} answered {status}")
+        metrics[pod] = parse_metrics(raw.decode())
+        listing = release.call(h, NS, release.pod_target(pod), "/v1/adapters")
+        hits[pod] = {a["id"]: int(a["hits"]) for a in listing["data"]}
+    return Snapshot(metrics, hits, cpu_seconds(inference), cpu_seconds(router))
+
+
+def counted(before: Snapshot, after: Snapshot, sample: str) -> float:
+    """The increase of one sample, summed over the pods."""
+    return sum(
+        after.metrics[p].get(sample, 0.0) - before.metrics[p].get(sample, 0.0)
+        for p in after.metrics
+    )
+
+
+# -- one route's figures -------------------------------------------------------------------------
+
+
+@dataclass
+class Tally:
+    """One route, summed over its measured rounds."""
+
+    label: str
+    requests: int = 0
+    wall_s: float = 0.0
+    latencies: list[float] = field(default_factory=list)
+    gpu_hits: float = 0.0
+    lookups: float = 0.0
+    served: int = 0  # requests the pods counted per adapter (/v1/adapters hits)
+    fresh_loads: float = 0.0
+    fresh_load_s: float = 0.0
+    slot_copies: float = 0.0
+    slot_copy_s: float = 0.0
+    generations: float = 0.0
+    generation_s: float = 0.0
+    inference_cpu_s: float = 0.0
+    router_cpu_s: float = 0.0
+    spread: int = 0  # summed over requests: the pods that served its adapter in its round
+    per_round: list[float] = field(default_factory=list)  # images/s of each round
+    routes: collections.Counter[str] = field(default_factory=collections.Counter)
+
+    def add(self, result: Obj, before: Snapshot, after: Snapshot) -> None:
+        self.requests += int(result["requests"])
+        self.wall_s += float(result["wall"])
+        self.per_round.append(result["requests"] / result["wall"])
+        self.latencies += [float(x) for x in result["latencies"]]
+        self.routes.update(result["routes"])
+        self.gpu_hits += counted(before, after, "lora_adapter_lookups_total{result=hit}")
+        self.lookups += sum(
+            counted(before, after, f"lora_adapter_lookups_total{{result={r}}}")
+            for r in ("hit", "miss")
+        )
+        self.fresh_loads += counted(before, after, "lora_adapter_loads_total{result=ok,tier=cpu}")
+        self.fresh_load_s += counted(before, after, "lora_adapter_load_seconds_sum{tier=cpu}")
+        self.slot_copies += counted(before, after, "lora_adapter_load_seconds_count{tier=gpu}")
+        self.slot_copy_s += counted(before, after, "lora_adapter_load_seconds_sum{tier=gpu}")
+        self.generations += counted(before, after, "lora_generation_seconds_count{}")
+        self.generation_s += counted(before, after, "lora_generation_seconds_sum{}")
+        self.inference_cpu_s += after.inference_cpu_s - before.inference_cpu_s
+        self.router_cpu_s += after.router_cpu_s - before.router_cpu_s
+        uses: dict[str, list[int]] = collections.defaultdict(list)  # adapter -> uses per pod
+        for pod, hits in after.hits.items():
+            for adapter, n in hits.items():
+                used = n - before.hits.get(pod, {}).get(adapter, 0)
+                if used > 0:
+                    uses[adapter].append(used)
+        self.served += sum(sum(per_pod) for per_pod in uses.values())
+        self.spread += sum(len(per_pod) * sum(per_pod) for per_pod in uses.values())
+
+    @property
+    def throughput(self) -> float:
+        return self.requests / self.wall_s
+
+    @property
+    def hit_rate(self) -> float:
+        return self.gpu_hits / self.lookups if self.lookups else 0.0
+
+    def percentile(self, q: float) -> float:
+        """As bench_inference reports them: the median, and the value at index int(q n)."""
+        ordered = sorted(self.latencies)
+        if q == 0.5:
+            return statistics.median(ordered)
+        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+    def ms(self, seconds: float) -> float:
+        """Milliseconds per request."""
+        return 1000 * seconds / self.requests
+
+    def per_100(self, count: float) -> float:
+        return 100 * count / self.requests
+
+
+# -- the run -------------------------------------------------------------------------------------
+
+
+def pids_of(h: Harness, selector: str, container: str) -> list[psutil.Process]:
+    out = []
+    for pod in h.pods(NS, selector):
+        out += [psutil.Process(pid) for pid in h.container_pids(pod["metadata"]["uid"], container)]
+    if not out:
+        raise RuntimeError(f"no process of the {container} containers ({selector}) on the node")
+    return out
+
+
+def send_round(h: Harness, spec: Obj) -> Obj:
+    target = f"pods/{LOADGEN}:{LOADGEN_PORT}"
+    status, raw = h.proxy(NS, target, "/round", spec, timeout=900)
+    if status != 200:
+        raise RuntimeError(f"the load generator answered {status}: {raw[:500]!r}")
+    result: Obj = json.loads(raw)
+    if result["failures"]:
+        raise RuntimeError(
+            f"{len(result['failures'])} of {len(spec['requests'])} requests through "
+            f"{spec['label']} failed: {result['failures'][:3]}"
+        )
+    return result
+
+
+def set_up(h: Harness, args: argparse.Namespace, work: Path) -> list[str]:
+    """The model, the chart, K staged adapters Ready on every pod, the router and the load
+    generator Ready. Returns the inference pods' names."""
+    started = time.monotonic()
+
+    def say(message: str) -> None:
+        print(f"[{time.monotonic() - started:6.1f} s] {message}", flush=True)
+
+    h.create(
+        "/api/v1/namespaces", {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NS}}
+    )
+    release.prepare_model(h, NS)
+    say("tiny SD 1.5 written onto its claim")
+    release.install_crd(h)
+    release.install_chart(h, NS, build_values(args), work)
+    sources = build_sources(args.adapters)
+    release.run_job(h, NS, build_adapters_job(h.image("inference"), sources))
+    say(f"helm install done; {len(sources)} adapter sources written onto the adapter volume")
+    pods = release.ready_inference_pods(h, NS, args.pods, timeout=args.timeout)
+    say(f"{args.pods} inference pods Ready")
+    h.apply([manifests.adapter(s) for s in sources], NS)
+    for s in sources:
+        release.wait_adapter_ready(h, NS, s.name, f"{args.pods}/{args.pods}", timeout=args.timeout)
+    say(f"{len(sources)} LoRAAdapters Ready {args.pods}/{args.pods}")
+    h.apply(build_loadgen_pod(h.image("operator")), NS)
+
+    def routers_and_loadgen_ready() -> bool:
+        routers = [p for p in h.pods(NS, ROUTER_LABELS) if release.is_ready(p)]
+        status, _ = h.proxy(NS, f"pods/{LOADGEN}:{LOADGEN_PORT}", "/ready", timeout=5)
+        return len(routers) == 2 and status == 200
+
+    h.wait_for("the router and the load generator", routers_and_loadgen_ready, timeout=300)
+    say("router pods and the load generator Ready")
+    return [p["metadata"]["name"] for p in pods]
+
+
+def measure(h: Harness, pods: list[str], args: argparse.Namespace) -> dict[str, Tally]:
+    inference = pids_of(h, manifests.INFERENCE_LABELS, "inference")
+    router = pids_of(h, ROUTER_LABELS, "router")
+    # Warm-up, not counted: every pod's first requests, and the router's first residency reports.
+    warm = zipf_stream(args.requests, args.adapters, args.zipf, seed=args.seed)
+    for label in ROUTES:
+        send_round(h, build_round(warm, args, label, seed=0))
+    time.sleep(3)  # the router reads residency every second
+    tallies = {label: Tally(label) for label in ROUTES}
+    labels = list(ROUTES)
+    for r in range(args.rounds):
+        seed = args.seed + 1 + r
+        stream = zipf_stream(args.requests, args.adapters, args.zipf, seed=seed)
+        line = []
+        for label in labels if r % 2 == 0 else labels[::-1]:
+            before = snapshot(h, pods, inference, router)
+            result = send_round(h, build_round(stream, args, label, seed=seed * 1000))
+            after = snapshot(h, pods, inference, router)
+            tally = tallies[label]
+            hits, lookups = tally.gpu_hits, tally.lookups
+            tally.add(result, before, after)
+            rate = (tally.gpu_hits - hits) / max(1.0, tally.lookups - lookups)
+            line.append(
+                f"{label} {result['requests'] / result['wall']:.2f} images/s, hit rate {rate:.2f}"
+            )
+        print(f"  round {r + 1}/{args.rounds}: " + "; ".join(line), flush=True)
+    return tallies
+
+
+# -- the report ----------------------------------------------------------------------------------
+
+
+def verdict(ratio: float, target: float) -> str:
+    return "met" if ratio >= target else "not met"
+
+
+def print_report(tallies: dict[str, Tally], args: argparse.Namespace) -> tuple[float, float]:
+    rr, rt = tallies["round-robin"], tallies["router"]
+    memory = psutil.virtual_memory().total / 2**30
+    ranks = "/".join(str(r) for r in RANKS)
+    print(
+        f"\nlora-router on lora-devcluster: N={args.pods} inference pods, K={args.adapters}"
+        f" adapters, Zipf({args.zipf}); {args.rounds} rounds x {args.requests} requests per route,"
+        f" {args.concurrency} in flight; tiny sd15 on cpu, {args.size}x{args.size},"
+        f" {args.steps} step(s), rank {ranks}; --max-loras {args.max_loras}, --max-cpu-loras"
+        f" {args.max_cpu_loras}, --max-batch-size 1; {platform.machine()}, {os.cpu_count()}"
+        f" cores, {memory:.0f} GiB; {datetime.date.today().isoformat()}"
+    )
+    throughput = rt.throughput / rr.throughput
+    hit_ratio = rt.hit_rate / rr.hit_rate if rr.hit_rate else float("inf")
+
+    def row(name: str, a: float, b: float, fmt: str, ratio: str = "", target: str = "") -> None:
+        print(f"{name:<40}{a:>12{fmt}}{b:>10{fmt}}{ratio:>13}{target:>18}")
+
+    print(f"{'':<40}{'round-robin':>12}{'router':>10}{'router/rr':>13}{'target':>18}")
+    row(
+        "throughput, images/s",
+        rr.throughput,
+        rt.throughput,
+        ".2f",
+        f"{throughput:.2f}",
+        f">= {THROUGHPUT_TARGET} {verdict(throughput, THROUGHPUT_TARGET)}",
+    )
+    for q, name in ((0.5, "p50"), (0.95, "p95")):
+        a, b = rr.percentile(q), rt.percentile(q)
+        row(f"{name} latency, s", a, b, ".3f", f"{b / a:.2f}")
+    row(
+        "GPU-tier hit rate",
+        rr.hit_rate,
+        rt.hit_rate,
+        ".2f",
+        f"{hit_ratio:.2f}",
+        f">= {HIT_RATE_TARGET} {verdict(hit_ratio, HIT_RATE_TARGET)}",
+    )
+    row("fresh loads (disk -> CPU tier)", rr.fresh_loads, rt.fresh_loads, ".0f")
+    row("  per 100 requests", rr.per_100(rr.fresh_loads), rt.per_100(rt.fresh_loads), ".1f")
+    row("pods serving a request's adapter", rr.spread / rr.served, rt.spread / rt.served, ".2f")
+    per_request: list[tuple[str, Callable[[Tally], float]]] = [
+        ("the pods' ms per request: generation", lambda t: t.generation_s),
+        ("                          fresh loads", lambda t: t.fresh_load_s),
+        ("                          slot copies", lambda t: t.slot_copy_s),
+        ("CPU ms per request: inference pods", lambda t: t.inference_cpu_s),
+        ("                    router pods", lambda t: t.router_cpu_s),
+    ]
+    for name, seconds in per_request:
+        row(name, rr.ms(seconds(rr)), rt.ms(seconds(rt)), ".1f")
+    cpu = [t.ms(t.inference_cpu_s + t.router_cpu_s) for t in (rr, rt)]
+    row("                    both", cpu[0], cpu[1], ".1f")
+    pairs = [b / a for a, b in zip(rr.per_round, rt.per_round, strict=True)]
+    print(
+        "throughput router/round-robin per round pair: "
+        + " ".join(f"{x:.2f}" for x in pairs)
+        + f" (median {statistics.median(pairs):.2f})"
+    )
+    both = [rr, rt]
+    generation = sum(t.generation_s for t in both) / sum(t.generations for t in both)
+    fresh = sum(t.fresh_load_s for t in both) / max(1.0, sum(t.fresh_loads for t in both))
+    copy = sum(t.slot_copy_s for t in both) / max(1.0, sum(t.slot_copies for t in both))
+    print(
+        f"each, as the pods timed it (both routes): a generation {generation * 1000:.1f} ms,"
+        f" a fresh load {fresh * 1000:.1f} ms, a slot copy {copy * 1000:.1f} ms"
+    )
+    # What the hit rates alone are worth: a request costs a generation plus its route's misses,
+    # each at the time per event of both routes together (a route's own times carry the
+    # contention of its rounds).
+    rr_ms, rt_ms = (
+        1000 * (generation + (t.fresh_loads * fresh + t.slot_copies * copy) / t.requests)
+        for t in (rr, rt)
+    )
+    print(
+        f"a generation plus each route's misses: round-robin {rr_ms:.1f} ms, router"
+        f" {rt_ms:.1f} ms a request; the throughput ratio the misses alone allow:"
+        f" {rr_ms / rt_ms:.2f}"
+    )
+    print(
+        f"throughput router/round-robin that a machine bound by these pods' CPU would give:"
+        f" {cpu[0] / cpu[1]:.2f}"
+    )
+    total = sum(rt.routes.values())
+    reasons = ", ".join(f"{k} {v / total:.0%}" for k, v in rt.routes.most_common())
+    print(f"the router's choices (x-lora-route): {reasons}")
+    for t in both:
+        if not (t.requests == round(t.lookups) == t.served):
+            print(
+                f"NOTE {t.label}: {t.requests} requests sent, the pods counted {t.lookups:.0f}"
+                f" lookups and {t.served} adapter uses"
+            )
+    print(
+        "hit rate: lookups that found the adapter in a GPU slot (the pods' counter); fresh loads:"
+        " adapters read from disk\ninto the CPU tier; pods serving a request's adapter: in its"
+        " round (GET /v1/adapters hits); the pods' ms: wall\ntime in the pipeline per request"
+        " (the pods share the cores); CPU ms: the containers' processes per request (the\nrouter"
+        " pods also poll the pods' residency during round-robin rounds)."
+    )
+    return throughput, hit_ratio
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--quick", action="store_true", help="2 round pairs of 40 requests")
+    parser.add_argument("--pods", type=int, default=4, help="inference pods (N)")
+    parser.add_argument("--adapters", type=int, default=100, help="LoRAAdapters (K)")
+    parser.add_argument("--rounds", type=int, default=8, help="measured rounds per route")
+    parser.add_argument("--requests", type=int, default=100, help="requests per round")
+    parser.add_argument("--concurrency", type=int, default=8, help="requests in flight")
+    parser.add_argument("--zipf", type=float, default=1.1, help="the stream's Zipf exponent")
+    parser.add_argument("--size", type=int, default=64, help="image side, pixels")
+    parser.add_argument("--steps", type=int, default=1, help="denoising steps")
+    parser.add_argument("--max-loras", type=int, default=4, help="GPU slots per pod")
+    parser.add_argument("--max-cpu-loras", type=int, default=32, help="CPU tier per pod")
+    parser.add_argument("--seed", type=int, default=0, help="the streams' first seed")
+    parser.add_argument("--timeout", type=float, default=600.0, help="per wait, seconds")
+    args = parser.parse_args()
+    if args.quick:
+        args.rounds, args.requests = 2, 40
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # tear the cluster down
+    node_images = images.ensure()
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="lora-bench-fleet-") as scratch:
+        work = Path(scratch)
+        with cluster_mod.joined(
+            work / "cluster", node_images=node_images, die_with_parent=True
+        ) as c:
+            h = Harness(c)
+            try:
+                pods = set_up(h, args, work)
+                tallies = measure(h, pods, args)
+            except BaseException:
+                print(h.describe_pods(NS), file=sys.stderr)
+                print(h.container_logs(NS)[-6000:], file=sys.stderr)
+                raise
+        left = cluster_mod.leftovers(work / "cluster")
+    print(
+        f"cluster up to torn down in {time.monotonic() - started:.0f} s; "
+        + (f"LEFT BEHIND: {left}" if left else "nothing left behind")
+    )
+    throughput, hit_ratio = print_report(tallies, args)
+    print(
+        f"fleet: throughput router/round-robin = {throughput:.2f}, "
+        f"hit rate router/round-robin = {hit_ratio:.2f}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except (cluster_mod.ClusterError, ApiError, AssertionError, RuntimeError) as e:
+        print(f"bench_fleet failed: {e}", file=sys.stderr)
+        sys.exit(1)
