@@ -32,6 +32,7 @@ from collections.abc import Callable, Collection, Coroutine, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import aiohttp
 import kopf
 from lora_inference.adapters import targeting
 
@@ -518,6 +519,13 @@ class Controller:
                     f"{info.namespace}; create it"
                 ) from e
             raise errors.SourceUnavailable(f"cannot read Secret {ref!r}: {e}") from e
+        except (aiohttp.ClientError, TimeoutError) as e:  # the API server unreachable: retried
+            raise errors.SourceUnavailable(f"cannot read Secret {ref!r}: {e!r}") from e
+        except ValueError as e:  # a value that is not base64 of UTF-8 text
+            raise errors.InvalidSource(
+                f"Secret {ref!r} (source.secretRef) holds a value that is not UTF-8 text; "
+                "store the credentials as plain text"
+            ) from e
         return sources.credentials_from_secret(data)
 
     # -- deletion (the finalizer) -------------------------------------------------------------

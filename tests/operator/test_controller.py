@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator, Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
 from lora_inference.adapters import layout, targeting
 from lora_operator import errors, planning, staging
@@ -84,6 +85,7 @@ class FakeApi:
         self.counted: list[tuple[str, int]] = []
         self.peering: dict[str, Any] = {}
         self.peering_changes: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+        self.secret_errors: list[Exception] = []  # raised by the next reads of a Secret
 
     async def patch_adapter_status(
         self, namespace: str, name: str, status: Mapping[str, Any]
@@ -91,6 +93,8 @@ class FakeApi:
         self.status.setdefault(name, []).append(dict(status))
 
     async def read_secret(self, namespace: str, name: str) -> dict[str, str]:
+        if self.secret_errors:
+            raise self.secret_errors.pop(0)
         return {}
 
     async def create_event(
@@ -472,3 +476,18 @@ async def test_the_target_is_published_with_the_adapter_and_after_a_restart(
         assert restarted.adapters[(NS, "a")].staging_task is None
     finally:
         await restarted.stop()
+
+
+async def test_an_unreachable_api_server_while_reading_the_secret_is_retried(
+    tmp_path: Path,
+) -> None:
+    async with Rig(tmp_path) as rig:
+        rig.api.secret_errors = [aiohttp.ClientConnectionError("connection refused")]
+        c = rig.controller
+        c.start()
+        c.pod_changed(pod("p1"))
+        body = adapter(rig.volume, "a")
+        body["spec"]["source"]["secretRef"] = {"name": "creds"}
+        c.adapter_changed(body)
+        await until("Ready after a retry", lambda: rig.ready("a"))
+        assert rig.api.secret_errors == []
