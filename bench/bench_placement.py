@@ -3,7 +3,8 @@
 K adapters on N pods with simulated capacities (CPU-tier slots drawn from a few pod sizes) and
 simulated request rates (Zipf over the adapters); each adapter's replicas come from its rate
 through the autoscaler's own rule (`autoscale.plan_scale` from a cold start, between 1 and 8),
-some adapters are pinned, and a tenth target only half the pods (a selector). It reports:
+some adapters are pinned, a tenth target only half the pods (a selector), and each has a
+creation time (the added adapter is the newest, as a newly applied one is). It reports:
 
 - the time of a full placement (median of 5; the first, which fills the hash caches, apart),
 - the moves (new placements) when a pod joins, and when one leaves, against K x replicas / N
@@ -56,6 +57,7 @@ def build_demands(
                 replicas=replicas,
                 pinned=i < 20,  # the hottest few are pinned
                 candidates=half if i % 10 == 9 else every,
+                created=f"2026-01-01T00:00:00.{i:06d}Z",  # one a microsecond, in order
             )
         )
     return demands
@@ -77,6 +79,7 @@ def with_pods(demands: list[Demand], pods: list[PodCapacity], half: int) -> list
             d.replicas,
             d.pinned,
             first_half if len(d.candidates) < len(every) - 1 else every,
+            d.created,
         )
         for d in demands
     ]
@@ -109,7 +112,10 @@ def main() -> None:
     left = [p for i, p in enumerate(pods) if i != n - 1]  # outside the selector's half
     _, after_leave = timed(left, with_pods(demands, left, n // 2))
     leave = placement.moves(plan, after_leave)
-    extra = Demand("tenant-0/newcomer", 2, False, tuple(p.name for p in pods))
+    # The newest adapter: created after every other one, as a new LoRAAdapter is.
+    extra = Demand(
+        "tenant-0/newcomer", 2, False, tuple(p.name for p in pods), "2026-02-01T00:00:00Z"
+    )
     _, after_add = timed(pods, [*demands, extra])
     add = placement.moves(plan, after_add)
     bound = k * replicas / n
