@@ -31,7 +31,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check .
 
 typecheck: $(STAMP)
-	$(VENV)/bin/mypy inference/lora_inference operator/lora_operator router/lora_router devcluster/lora_devcluster demo/lora_demo
+	$(VENV)/bin/mypy volume/lora_volume inference/lora_inference operator/lora_operator router/lora_router devcluster/lora_devcluster demo/lora_demo
 
 unit: install images
 	$(VENV)/bin/pytest

@@ -31,11 +31,12 @@ print("\n".join(p["build-system"]["requires"] + p["project"]["optional-dependenc
         > /tmp/requirements.txt \
     && pip install -r /tmp/requirements.txt \
     && rm /tmp/requirements.txt
-# The project itself, without dependencies (they are all above). devcluster/ (the local cluster,
-# a development tool) stays out, as in the operator image.
+# The project itself, without dependencies (they are all above): the server and the volume
+# contract it shares with the operator. operator/, router/ and devcluster/ stay out: the server
+# imports none of them, and changing them rebuilds no inference image.
 COPY README.md ./
+COPY volume/ volume/
 COPY inference/ inference/
-COPY operator/ operator/
 RUN pip install --no-cache-dir --no-deps --no-build-isolation . \
     && rm -rf /src/build /src/*.egg-info
 WORKDIR /

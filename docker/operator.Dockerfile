@@ -1,5 +1,6 @@
 # The operator image: `python -m lora_operator` with the [operator] extra only (kopf, aiohttp,
-# huggingface_hub, boto3). No torch: the safetensors checks it shares with the server import none.
+# huggingface_hub, boto3). No torch and no inference server: what it shares with the server (the
+# volume layout, the safetensors checks, the selectors) is lora_volume, which imports neither.
 # The router (`python -m lora_router`, the chart's router Deployment) runs from this image too: it
 # needs nothing beyond the same extra, so no third image is built, pulled or patched.
 #
@@ -24,11 +25,12 @@ print("\n".join(p["build-system"]["requires"] + p["project"]["optional-dependenc
         > /tmp/requirements.txt \
     && pip install -r /tmp/requirements.txt \
     && rm /tmp/requirements.txt
-# setuptools finds the packages under inference/ and operator/ (pyproject.toml); the operator
-# imports lora_inference's file checks, which need no torch. devcluster/ (the local cluster, a
-# development tool) stays out, so changing it rebuilds no image; its console script is inert here.
+# setuptools finds the packages under the folders copied here (pyproject.toml). inference/ stays
+# out (an import contract keeps the operator and the router off lora_inference), and so does
+# devcluster/ (the local cluster, a development tool), so changing either rebuilds no operator
+# image; their console scripts are inert here.
 COPY README.md ./
-COPY inference/ inference/
+COPY volume/ volume/
 COPY operator/ operator/
 COPY router/ router/
 RUN pip install --no-cache-dir --no-deps --no-build-isolation . \

@@ -17,7 +17,7 @@ import shlex
 from pathlib import PurePosixPath
 from typing import Any
 
-from lora_inference.adapters import layout
+from lora_volume import layout
 
 Obj = dict[str, Any]
 

@@ -75,8 +75,10 @@ _SMOKE: dict[str, tuple[str, ...]] = {
     "operator": (
         "python",
         "-c",
-        "import importlib.util, os, sys, lora_operator, lora_router.__main__; "
+        "import importlib.util, os, sys, lora_operator.__main__, lora_router.__main__; "
         "sys.exit('torch is in the operator image' if importlib.util.find_spec('torch') "
+        "else 'lora_inference is in the operator image' "
+        "if importlib.util.find_spec('lora_inference') "
         "else f'runs as uid {os.getuid()}, not 65532' if os.getuid() != 65532 else 0)",
     ),
     "inference": (

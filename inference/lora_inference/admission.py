@@ -31,8 +31,11 @@ from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from lora_volume import errors as volume_errors
+from lora_volume import files, layout, targeting
+
 from lora_inference import errors
-from lora_inference.adapters import cache, files, layout, targeting
+from lora_inference.adapters import cache
 from lora_inference.adapters.registry import (
     AdapterRecord,
     Origin,
@@ -67,7 +70,7 @@ class Reader:
                     path, name=name, max_rank=self._config.max_lora_rank
                 ),
             )
-        except errors.InferenceError:
+        except errors.DOMAIN_ERRORS:
             self._metrics.loads.labels("cpu", "error").inc()
             raise
         self._metrics.load_seconds.labels("cpu").observe(time.perf_counter() - started)
@@ -169,7 +172,7 @@ class Admission:
         if pinned:
             try:
                 await self._residency.pin(record)
-            except errors.InferenceError:
+            except errors.DOMAIN_ERRORS:
                 self._restore(record, previous)
                 raise
         return record
@@ -202,7 +205,7 @@ class Admission:
         layout.check_adapter_name(name, param=param)
         try:
             found = await asyncio.to_thread(self._published, name, param=param)
-        except errors.AdapterNotFound:
+        except (errors.AdapterNotFound, volume_errors.NotFound):
             if record is not None:
                 return record  # published, but for other pods: the request's adapter stays
             raise
@@ -262,7 +265,7 @@ class Admission:
         labels_file = self._config.pod_labels_file
         if found is None or root is None or labels_file is None:
             return found
-        target = layout.read_target(root, name)
+        target = layout.read_target(root, name, param=param)
         if target is None:
             return found
         try:

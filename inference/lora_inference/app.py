@@ -52,7 +52,8 @@ def error_body(
 async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     try:
         return await handler(request)
-    except errors.InferenceError as e:
+    except errors.DOMAIN_ERRORS as caught:
+        e = caught if isinstance(caught, errors.InferenceError) else errors.from_volume(caught)
         headers = {"Retry-After": str(e.retry_after_s)} if isinstance(e, errors.QueueFull) else None
         return web.json_response(
             error_body(e.message, e.error_type, e.status, e.param), status=e.status, headers=headers

@@ -303,10 +303,10 @@ class Engine:
         except Exception as e:
             failure = (
                 e
-                if isinstance(e, errors.InferenceError)
+                if isinstance(e, errors.DOMAIN_ERRORS)
                 else errors.InferenceError(f"generation failed: {e}")
             )
-            if not isinstance(e, errors.InferenceError):
+            if not isinstance(e, errors.DOMAIN_ERRORS):
                 log.exception("generation failed")
             for pending in batch:
                 self._release(pending)

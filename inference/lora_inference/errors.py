@@ -1,11 +1,14 @@
 """Domain errors of the inference server.
 
-Every error a user can cause is one of these, raised with a message that says what to fix. The
-HTTP layer maps them to status codes in exactly one place (`app.error_middleware`); nothing else
-in the package knows about HTTP.
+Every error a user can cause is one of these, or one of the shared volume's
+(`lora_volume.errors`: names, paths and adapter files), raised with a message that says what to
+fix. `from_volume` says which of these each volume error is; the HTTP layer maps them to status
+codes in exactly one place (`app.error_middleware`); nothing else in the package knows about HTTP.
 """
 
 from __future__ import annotations
+
+from lora_volume import errors as volume_errors
 
 
 class InferenceError(Exception):
@@ -82,3 +85,26 @@ class QueueFull(InferenceError):
 class NotReady(InferenceError):
     status = 503
     error_type = "ServiceUnavailableError"
+
+
+# Every error a user can cause, for the `except` clauses that must see all of them.
+DOMAIN_ERRORS = (InferenceError, volume_errors.VolumeError)
+
+# What the server answers for each of the volume's errors.
+_FROM_VOLUME: tuple[tuple[type[volume_errors.VolumeError], type[InferenceError]], ...] = (
+    (volume_errors.InvalidName, InvalidRequest),
+    (volume_errors.InvalidPath, InvalidRequest),
+    (volume_errors.PathForbidden, PathForbidden),
+    (volume_errors.NotFound, AdapterNotFound),
+    (volume_errors.UnsupportedFormat, UnsupportedFormat),
+    (volume_errors.InvalidAdapter, IncompatibleAdapter),
+)
+
+
+def from_volume(e: volume_errors.VolumeError) -> InferenceError:
+    """The server's error for one of the volume's. One that names no input is about the
+    adapter's files, which the API names `lora_path`."""
+    for volume_kind, kind in _FROM_VOLUME:
+        if isinstance(e, volume_kind):
+            return kind(e.message, param=e.param or "lora_path")
+    return InferenceError(e.message, param=e.param)

@@ -38,12 +38,13 @@ from diffusers.utils.state_dict_utils import (
     convert_state_dict_to_peft,
     convert_unet_state_dict_to_peft,
 )
+from lora_volume import files
 from peft import LoraConfig
 from peft.utils.other import get_pattern_key
 from PIL import Image
 
 from lora_inference import costs, errors
-from lora_inference.adapters import files, validation
+from lora_inference.adapters import validation
 from lora_inference.costs import MergePolicy
 from lora_inference.slots import Group, LayerKey, LayerWeights, Slots
 
@@ -155,8 +156,9 @@ class DiffusionBackend:
     def parse_adapter(self, path: Path, *, name: str, max_rank: int) -> ParsedAdapter:
         """Read, hash, check and convert an adapter without touching the pipeline.
 
-        Raises UnsupportedFormat (pickle), IncompatibleAdapter (corrupt file, not a LoRA, NaN or
-        Inf weights, wrong shapes or rank for this model).
+        Raises the volume's UnsupportedFormat (pickle) and InvalidAdapter (corrupt file, not a
+        LoRA), and IncompatibleAdapter (unreadable tensors, NaN or Inf weights, wrong shapes or
+        rank for this model).
         """
         weights = files.find_weights_file(path)
         data = weights.read_bytes()

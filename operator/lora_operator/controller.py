@@ -34,7 +34,7 @@ from typing import Any, Protocol
 
 import aiohttp
 import kopf
-from lora_inference.adapters import targeting
+from lora_volume import targeting
 
 from lora_operator import (
     autoscale,

@@ -11,6 +11,10 @@ condition (and of the phase's Event). The controller maps them once
                            below `retry_bound` failures in a row, Degraded from there on, until
                            an attempt succeeds
 
+The shared volume's checks (names, volume paths, the LoRA file: `lora_volume`) raise their own
+errors; `from_volume` says which staging error each one is, and `staging.Store.stage` applies it,
+the one place they meet staging.
+
 `VolumeUnsupported` is no staging error: the volume check at start raises it and the operator
 exits with its message (`__main__`). Failed calls to inference pods are `podclient.PodError`s,
 which `podstate.transition` maps the same way per pod. Messages say what to fix and never
@@ -18,6 +22,8 @@ contain credentials or signed URLs.
 """
 
 from __future__ import annotations
+
+from lora_volume import errors as volume_errors
 
 
 class StagingError(Exception):
@@ -86,3 +92,15 @@ class VolumeUnsupported(Exception):
     def __init__(self, message: str) -> None:
         super().__init__(message)
         self.message = message
+
+
+def from_volume(e: volume_errors.VolumeError) -> StagingError:
+    """The staging error for one of the volume's checks: a name, a volume path or the file."""
+    if isinstance(e, volume_errors.NotFound):
+        return SourceNotFound(f"{e.message}; check the path on the volume")
+    if isinstance(e, volume_errors.UnsupportedFormat):
+        return PickleRefused(e.message)
+    if isinstance(e, volume_errors.InvalidAdapter):
+        return NotALora(e.message)
+    # A bad name, a path naming no single adapter, or one outside the volume: fix the spec.
+    return InvalidSource(e.message)

@@ -1,7 +1,8 @@
 """Fetching a source's bytes into a `sinks.Sink`: https, hf://, s3:// and volume paths.
 
 Each fetcher writes the whole content into the sink, calling `sink.reset()` before a retry, and
-raises only `lora_operator.errors`: 404/403 and other 4xx are permanent, 5xx, 408, 429 and
+raises `lora_operator.errors` (a volume path's own checks raise `lora_volume.errors`, which
+`staging.Store.stage` maps): 404/403 and other 4xx are permanent, 5xx, 408, 429 and
 connection errors are retried with backoff and then transient. Credentials go into request
 headers or clients only; they never appear in a message or a log line.
 """
@@ -14,8 +15,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import aiohttp
-from lora_inference import errors as inference_errors
-from lora_inference.adapters import files, layout
+from lora_volume import files, layout
 
 from lora_operator import backoff, errors, sinks, sources
 
@@ -309,15 +309,8 @@ async def fetch_volume(source: sources.VolumeSource, volume_root: Path, sink: si
 
 
 def _fetch_volume_sync(source: sources.VolumeSource, volume_root: Path, sink: sinks.Sink) -> None:
-    try:
-        resolved = layout.resolve_allowed(source.path, (volume_root,), param="source.uri")
-        weights = files.find_weights_file(resolved)
-    except inference_errors.AdapterNotFound as e:
-        raise errors.SourceNotFound(f"{e.message}; check the path on the volume") from e
-    except inference_errors.UnsupportedFormat as e:
-        raise errors.PickleRefused(e.message) from e
-    except inference_errors.InferenceError as e:
-        raise errors.InvalidSource(e.message) from e
+    resolved = layout.resolve_allowed(source.path, (volume_root,), param="source.uri")
+    weights = files.find_weights_file(resolved)
     for internal in (layout.tmp_dir(volume_root), volume_root / layout.OBJECTS):
         if weights.is_relative_to(internal.resolve()):
             raise errors.InvalidSource(

@@ -15,7 +15,7 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 
-from lora_inference.adapters import layout
+from lora_volume import layout
 
 
 @dataclass(frozen=True, order=True)

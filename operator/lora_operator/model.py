@@ -20,11 +20,8 @@ from pathlib import PurePosixPath
 from typing import Any
 
 # Label selectors are shared with the inference server, which checks the same selectors against
-# its own labels before it resolves an adapter from the volume; re-exported for the operator.
-from lora_inference.adapters.targeting import Requirement as Requirement
-from lora_inference.adapters.targeting import Selector as Selector
-from lora_inference.adapters.targeting import Target
-from lora_inference.adapters.targeting import parse_selector as parse_selector
+# its own labels before it resolves an adapter from the volume.
+from lora_volume import targeting
 
 INFERENCE_LABEL = "lora.dev/inference"
 PORT_ANNOTATION = "lora.dev/port"
@@ -130,7 +127,7 @@ class AdapterInfo:
     uid: str
     generation: int
     base_model: str
-    selector: Selector
+    selector: targeting.Selector
     scale: float
     pinned: bool
     deleting: bool
@@ -151,9 +148,9 @@ class AdapterInfo:
         return (self.namespace, self.name)
 
     @property
-    def target(self) -> Target:
+    def target(self) -> targeting.Target:
         """What the operator publishes next to the staged adapter for the pods' resolvers."""
-        return Target(base_model=self.base_model, selector=self.selector)
+        return targeting.Target(base_model=self.base_model, selector=self.selector)
 
     def targets(self, pod: PodInfo, pod_base_model: str | None) -> bool:
         """Whether this adapter belongs on `pod` (a Ready pod whose base model is known)."""
@@ -178,7 +175,7 @@ def adapter_info(body: Mapping[str, Any]) -> AdapterInfo:
         uid=str(meta.get("uid", "")),
         generation=int(meta.get("generation") or 0),
         base_model=str(spec.get("baseModel", "")),
-        selector=parse_selector(spec.get("selector")),
+        selector=targeting.parse_selector(spec.get("selector")),
         scale=float(spec.get("scale", 1.0)),
         pinned=bool(spec.get("pinned", False)),
         deleting=meta.get("deletionTimestamp") is not None,

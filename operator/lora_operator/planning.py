@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import PurePosixPath
 from typing import Any
 
-from lora_inference.adapters import layout
+from lora_volume import layout
 
 _REVISION_ROOT = re.compile(r"/([^/]+)/" + layout.REVISIONS + r"/([0-9a-f]{64})/?$")
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from urllib.parse import urlsplit
 
-from lora_inference.adapters import files
+from lora_volume import files
 
 from lora_operator import errors
 

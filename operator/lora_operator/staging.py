@@ -1,6 +1,6 @@
 """The store on the shared adapter volume: download, verify, publish, point `current`.
 
-Owns every write to the volume (layout in `lora_inference.adapters.layout`). A download streams
+Owns every write to the volume (layout in `lora_volume.layout`). A download streams
 into `<volume>/.tmp/` while it is hashed and counted; only a verified file is hard-linked into
 the content store `.objects/sha256/<hex>.safetensors`, a revision directory is built in `.tmp/`
 and renamed into place, the adapter's target (which pods it is for) is a file renamed into place,
@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
-from lora_inference import errors as inference_errors
-from lora_inference.adapters import files, layout, targeting
+from lora_volume import errors as volume_errors
+from lora_volume import files, layout, targeting
 
 from lora_operator import errors, fetchers, gc, sinks, sources
 
@@ -95,10 +95,26 @@ class Store:
         """Make `source` the current revision of `namespace/name`; idempotent.
 
         With a `sha256` pin whose content is already stored, nothing is downloaded. `target`
-        (the pods the adapter is for) is published before `current`.
+        (the pods the adapter is for) is published before `current`. Raises only StagingErrors:
+        the volume's own checks (names, volume paths, the file) are mapped here, once.
         """
-        _check_name(namespace, "namespace")
-        _check_name(name, "adapter name")
+        try:
+            return await self._stage(namespace, name, source, credentials, sha256, progress, target)
+        except volume_errors.VolumeError as e:
+            raise errors.from_volume(e) from e
+
+    async def _stage(
+        self,
+        namespace: str,
+        name: str,
+        source: sources.Source,
+        credentials: sources.Credentials | None,
+        sha256: str | None,
+        progress: sinks.ProgressCallback | None,
+        target: targeting.Target | None,
+    ) -> StagedRevision:
+        layout.check_adapter_name(namespace, param="namespace")
+        layout.check_adapter_name(name, param="adapter name")
         pin = sources.check_sha256(sha256)
         sources.check_not_pickle(source)
         if isinstance(source, sources.VolumeSource):
@@ -307,18 +323,16 @@ def remove_current(volume_root: Path, namespace: str, name: str) -> bool:
 
 
 def verify_lora_file(path: Path, description: str) -> None:
-    """Refuse a file that is not a sane LoRA safetensors, with the server's own checks."""
+    """Refuse a file that is not a sane LoRA safetensors, with the server's own checks
+    (`lora_volume.errors.InvalidAdapter`)."""
     size = path.stat().st_size
-    try:
-        with path.open("rb") as f:
-            head = f.read(8)
-            if len(head) == 8:
-                (header_len,) = struct.unpack("<Q", head)
-                head += f.read(min(header_len, files.MAX_HEADER_BYTES))
-        header = files.parse_safetensors_header(head, size, name=description)
-        files.check_lora_keys(list(header.tensors), name=description)
-    except inference_errors.InferenceError as e:
-        raise errors.NotALora(e.message) from e
+    with path.open("rb") as f:
+        head = f.read(8)
+        if len(head) == 8:
+            (header_len,) = struct.unpack("<Q", head)
+            head += f.read(min(header_len, files.MAX_HEADER_BYTES))
+    header = files.parse_safetensors_header(head, size, name=description)
+    files.check_lora_keys(list(header.tensors), name=description)
 
 
 def clean_tmp(volume_root: Path) -> int:
@@ -430,13 +444,6 @@ def _check_not_other_namespace(volume_root: Path, path: Path, namespace: str) ->
         f"{path} is outside this namespace's folder on the volume: put the file under "
         f"{volume_root / namespace}/ or {volume_root / layout.SHARED}/"
     )
-
-
-def _check_name(value: str, what: str) -> None:
-    try:
-        layout.check_adapter_name(value, param=what)
-    except inference_errors.InferenceError as e:
-        raise errors.InvalidSource(e.message) from e
 
 
 def _fsync_dir(path: Path) -> None:

@@ -48,8 +48,11 @@ def test_keys_are_stable_for_an_unchanged_tree(tree: images.Tree) -> None:
 @pytest.mark.parametrize(
     ("path", "expected"),
     [
-        ("inference/lora_inference/cli.py", {"operator", "inference"}),
-        ("operator/lora_operator/__init__.py", {"operator", "inference"}),
+        # The volume contract is in both images; each side's own code only in its own.
+        ("volume/lora_volume/layout.py", {"operator", "inference"}),
+        ("inference/lora_inference/cli.py", {"inference"}),
+        ("operator/lora_operator/__init__.py", {"operator"}),
+        ("router/lora_router/routing.py", {"operator"}),
         ("devcluster/lora_devcluster/images.py", set()),  # a development tool, not in images
         ("pyproject.toml", {"operator", "inference"}),
         ("README.md", {"operator", "inference"}),
@@ -84,12 +87,14 @@ def test_an_unrelated_or_ignored_file_changes_no_key(tree: images.Tree, path: st
 
 
 def test_a_new_file_under_a_copied_directory_changes_the_keys(tree: images.Tree) -> None:
-    after = with_file(tree, "inference/lora_inference/new_module.py", "abc:-")
+    after = with_file(tree, "volume/lora_volume/new_module.py", "abc:-")
     assert changed(keys(tree), keys(after)) == {"operator", "inference"}
+    after = with_file(tree, "inference/lora_inference/new_module.py", "abc:-")
+    assert changed(keys(tree), keys(after)) == {"inference"}
 
 
 def test_the_executable_bit_is_an_input(tree: images.Tree) -> None:
-    path = "inference/lora_inference/cli.py"
+    path = "volume/lora_volume/files.py"
     digest = tree.files[path]
     flipped = digest[:-1] + ("-" if digest.endswith("x") else "x")
     assert changed(keys(tree), keys(with_file(tree, path, flipped))) == {"operator", "inference"}
@@ -139,8 +144,11 @@ def test_base_image_cannot_be_overridden(tree: images.Tree) -> None:
 def test_the_context_is_the_copied_sources_minus_the_dockerignore(tree: images.Tree) -> None:
     context = images.plan_images(tree)["operator"].context
     assert "pyproject.toml" in context and "README.md" in context
-    assert "inference/lora_inference/cli.py" in context
-    assert not [f for f in context if f.startswith("devcluster/")]
+    assert "volume/lora_volume/files.py" in context
+    assert "operator/lora_operator/__main__.py" in context
+    assert "router/lora_router/__main__.py" in context
+    # The operator image holds no inference server (and so no reason to install torch).
+    assert not [f for f in context if f.startswith(("devcluster/", "inference/"))]
     assert not [f for f in context if f.startswith(("tests/", "docs/", "charts/", ".venv"))]
     assert not [f for f in context if "__pycache__" in f or f.endswith(".pyc")]
 

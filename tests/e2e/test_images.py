@@ -33,6 +33,16 @@ def final_stage(dockerfile: Path) -> list[tuple[str, str]]:
     return steps[last_from:]
 
 
+def copied_sources(image: str) -> set[str]:
+    """What the image's Dockerfile copies from the build context."""
+    return {
+        source.rstrip("/")
+        for word, arg in instructions(DOCKER / f"{image}.Dockerfile")
+        if word == "COPY" and not arg.startswith("--from")
+        for source in arg.split()[:-1]
+    }
+
+
 def pyproject() -> dict[str, object]:
     return tomllib.loads((ROOT / "pyproject.toml").read_text())
 
@@ -85,14 +95,18 @@ def test_dockerignore_keeps_the_context_small_and_the_sources_in() -> None:
     }
     for entry in (".venv", ".git", "demo-out", "tests", "bench", ".mypy_cache", ".pytest_cache"):
         assert entry in ignored, entry
-    copied = {
-        source.rstrip("/")
-        for name in ("operator", "inference")
-        for word, arg in instructions(DOCKER / f"{name}.Dockerfile")
-        if word == "COPY" and not arg.startswith("--from")
-        for source in arg.split()[:-1]
-    }
+    copied = copied_sources("operator") | copied_sources("inference")
     # devcluster/ is a development tool: left out, so changing it rebuilds no image. router/
     # goes into the operator image only (the router runs from it).
-    assert copied == {"pyproject.toml", "README.md", "inference", "operator", "router"}
+    assert copied == {"pyproject.toml", "README.md", "volume", "inference", "operator", "router"}
     assert not copied & ignored
+
+
+@pytest.mark.parametrize(
+    ("image", "packages"),
+    [("operator", {"volume", "operator", "router"}), ("inference", {"volume", "inference"})],
+)
+def test_each_image_copies_only_the_packages_it_runs(image: str, packages: set[str]) -> None:
+    # The operator image must not hold the inference server: it would be one import away from
+    # torch. The server needs nothing of the operator or the router.
+    assert copied_sources(image) - {"pyproject.toml", "README.md"} == packages

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from lora_inference.adapters.files import WEIGHT_FILE_NAMES
+from lora_volume.files import WEIGHT_FILE_NAMES
 from safetensors.torch import load_file, save_file
 
 

@@ -21,12 +21,12 @@ import torch
 from aiohttp import ClientSession, web
 from aiohttp.test_utils import TestServer
 from diffusers import DiffusionPipeline
-from lora_inference.adapters.targeting import Target
 from lora_inference.app import create_app
 from lora_inference.config import ServerConfig
 from lora_inference.pipeline import DiffusionBackend
 from lora_inference.tools.random_adapters import write_random_adapter
 from lora_inference.tools.tiny_models import write_tiny_model
+from lora_volume.targeting import Target
 from PIL import Image
 
 ADMIN_TOKEN = "test-admin-token"

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from lora_inference.adapters import files, layout
+from lora_volume import files, layout
 
 from tests.inference.conftest import Assets, Server, publish
 

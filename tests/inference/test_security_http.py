@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from lora_inference.adapters.targeting import Target, parse_selector
+from lora_volume.targeting import Target, parse_selector
 
 from tests.inference.conftest import ADMIN_TOKEN, Assets, Server, publish
 from tests.inference.test_http_api import assert_error

@@ -15,13 +15,13 @@ from typing import Any
 
 import aiohttp
 import pytest
-from lora_inference.adapters import layout, targeting
 from lora_operator import errors, planning, staging
 from lora_operator.config import OperatorConfig
 from lora_operator.controller import Controller, needs_staging
 from lora_operator.model import PodInfo, adapter_info, pod_info
 from lora_operator.podclient import PodError
 from lora_operator.status import summarise
+from lora_volume import layout, targeting
 
 from tests.operator.conftest import lora_bytes
 

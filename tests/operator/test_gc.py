@@ -6,8 +6,8 @@ import asyncio
 from pathlib import Path
 
 import pytest
-from lora_inference.adapters import layout
 from lora_operator import gc, sources, staging
+from lora_volume import layout
 
 from tests.operator.conftest import lora_bytes, sha
 

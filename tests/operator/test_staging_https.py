@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 from aiohttp import web
-from lora_inference.adapters import files, layout
 from lora_operator import errors, fetchers, sinks, sources, staging
+from lora_volume import files, layout
 
 from tests.operator.conftest import Origin, lora_bytes, not_lora_bytes, sha
 

@@ -8,8 +8,8 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from lora_inference.adapters import files, layout, targeting
 from lora_operator import errors, sinks, sources, staging
+from lora_volume import files, layout, targeting
 
 from tests.operator.conftest import lora_bytes, sha
 from tests.operator.test_staging_https import NS, make_store, tmp_entries, visible

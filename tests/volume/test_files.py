@@ -7,8 +7,7 @@ import struct
 from pathlib import Path
 
 import pytest
-from lora_inference import errors
-from lora_inference.adapters import files, layout
+from lora_volume import errors, files, layout
 
 
 def safetensors_bytes(tensors: dict[str, tuple[str, list[int], int]], *, pad: int = 0) -> bytes:
@@ -58,7 +57,7 @@ def test_a_well_formed_header_parses() -> None:
     ],
 )
 def test_corrupt_headers_are_refused_with_the_reason(blob: bytes, message: str) -> None:
-    with pytest.raises(errors.IncompatibleAdapter, match=message):
+    with pytest.raises(errors.InvalidAdapter, match=message):
         parse(blob)
 
 
@@ -70,7 +69,7 @@ def test_overlapping_tensors_are_refused() -> None:
         }
     ).encode()
     blob = struct.pack("<Q", len(raw)) + raw + b"\0" * 8
-    with pytest.raises(errors.IncompatibleAdapter, match="overlaps"):
+    with pytest.raises(errors.InvalidAdapter, match="overlaps"):
         parse(blob)
 
 
@@ -99,12 +98,12 @@ def test_lora_keys_are_accepted(key: str) -> None:
     ],
 )
 def test_non_lora_keys_are_refused(key: str, message: str) -> None:
-    with pytest.raises(errors.IncompatibleAdapter, match=message):
+    with pytest.raises(errors.InvalidAdapter, match=message):
         files.check_lora_keys(["unet.x.lora_A.weight", key])
 
 
 def test_an_empty_state_dict_is_refused() -> None:
-    with pytest.raises(errors.IncompatibleAdapter, match="no tensors"):
+    with pytest.raises(errors.InvalidAdapter, match="no tensors"):
         files.check_lora_keys([])
 
 
@@ -131,7 +130,7 @@ def test_directory_prefers_the_diffusers_file_name(tmp_path: Path) -> None:
 def test_ambiguous_directory_asks_which_file(tmp_path: Path) -> None:
     (tmp_path / "one.safetensors").write_bytes(b"")
     (tmp_path / "two.safetensors").write_bytes(b"")
-    with pytest.raises(errors.InvalidRequest, match="several"):
+    with pytest.raises(errors.InvalidPath, match="several"):
         files.find_weights_file(tmp_path)
 
 
@@ -152,7 +151,7 @@ def test_valid_adapter_names(name: str) -> None:
 
 @pytest.mark.parametrize("name", ["", "../x", "a/b", "-a", "a-", "a..b", "x" * 254, 7, None, "a b"])
 def test_invalid_adapter_names(name: object) -> None:
-    with pytest.raises(errors.InvalidRequest):
+    with pytest.raises(errors.InvalidName):
         layout.check_adapter_name(name)
 
 
@@ -168,9 +167,9 @@ def test_resolve_allowed_follows_symlinks_and_dotdot(tmp_path: Path) -> None:
         layout.resolve_allowed(root / "escape", roots, param="p")
     with pytest.raises(errors.PathForbidden):
         layout.resolve_allowed(f"{root}/../outside", roots, param="p")
-    with pytest.raises(errors.AdapterNotFound):
+    with pytest.raises(errors.NotFound):
         layout.resolve_allowed(root / "missing", roots, param="p")
-    with pytest.raises(errors.InvalidRequest, match="absolute"):
+    with pytest.raises(errors.InvalidPath, match="absolute"):
         layout.resolve_allowed("relative/path", roots, param="p")
     with pytest.raises(errors.PathForbidden, match="allows no adapter paths"):
         layout.resolve_allowed(root / "ok", (), param="p")

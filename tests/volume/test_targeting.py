@@ -7,8 +7,8 @@ from typing import Any
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from lora_inference.adapters import targeting
-from lora_inference.adapters.targeting import Target, parse_selector
+from lora_volume import targeting
+from lora_volume.targeting import Target, parse_selector
 
 POD = {"lora.dev/inference": "true", "tier": "gpu"}
 

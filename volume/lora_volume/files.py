@@ -2,7 +2,7 @@
 
 Everything here reads bytes and JSON only. It imports no torch and no diffusers, so the operator
 uses the same checks when it stages a download, and a pickle file is refused without ever being
-opened.
+opened. Its errors (`lora_volume.errors`) name no `param`: every fault here is the file's.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lora_inference import errors
+from lora_volume import errors
 
 # Formats that execute code when loaded. They are refused by name, never opened.
 PICKLE_SUFFIXES = frozenset({".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle"})
@@ -77,10 +77,9 @@ class AdapterConfig:
     alpha: float | None
 
 
-def _corrupt(path_hint: str, why: str) -> errors.IncompatibleAdapter:
-    return errors.IncompatibleAdapter(
-        f"{path_hint} is not a valid safetensors file ({why}); re-export or re-download it",
-        param="lora_path",
+def _corrupt(path_hint: str, why: str) -> errors.InvalidAdapter:
+    return errors.InvalidAdapter(
+        f"{path_hint} is not a valid safetensors file ({why}); re-export or re-download it"
     )
 
 
@@ -157,26 +156,24 @@ def check_lora_keys(keys: list[str], *, name: str = "adapter") -> None:
     deltas and DoRA magnitudes would change the base model itself, so they are refused too.
     """
     if not keys:
-        raise errors.IncompatibleAdapter(f"{name} holds no tensors", param="lora_path")
+        raise errors.InvalidAdapter(f"{name} holds no tensors")
     for key in keys:
         if key.endswith(_BASE_MUTATING_SUFFIXES) or any(m in key for m in _BASE_MUTATING_MARKERS):
-            raise errors.IncompatibleAdapter(
+            raise errors.InvalidAdapter(
                 f"{name}: tensor {key!r} would modify the base model's own weights; only plain "
-                "LoRA pairs (lora_A/lora_B or lora_down/lora_up) are served",
-                param="lora_path",
+                "LoRA pairs (lora_A/lora_B or lora_down/lora_up) are served"
             )
         if not (key.endswith(".alpha") or any(m in key for m in _LORA_MARKERS)):
-            raise errors.IncompatibleAdapter(
+            raise errors.InvalidAdapter(
                 f"{name}: tensor {key!r} is not part of a LoRA; is this a full checkpoint "
-                "rather than an adapter?",
-                param="lora_path",
+                "rather than an adapter?"
             )
 
 
 def find_weights_file(path: Path) -> Path:
     """The safetensors file of an adapter given as a file or a directory.
 
-    Refuses pickle formats by name (415) and says which file it expected.
+    Refuses pickle formats by name (UnsupportedFormat) and says which file it expected.
     """
     if path.is_file():
         return _check_suffix(path)
@@ -188,18 +185,16 @@ def find_weights_file(path: Path) -> Path:
     if len(safetensors) == 1:
         return safetensors[0]
     if len(safetensors) > 1:
-        raise errors.InvalidRequest(
+        raise errors.InvalidPath(
             f"{path} holds several .safetensors files ({', '.join(p.name for p in safetensors)}); "
-            f"name one of them, or rename the weights to {WEIGHT_FILE_NAMES[0]}",
-            param="lora_path",
+            f"name one of them, or rename the weights to {WEIGHT_FILE_NAMES[0]}"
         )
     if any(p.suffix in PICKLE_SUFFIXES for p in candidates):
         raise errors.UnsupportedFormat(
             f"{path} holds only pickle weights, which can run code when opened and are never "
-            "loaded; convert them to .safetensors",
-            param="lora_path",
+            "loaded; convert them to .safetensors"
         )
-    raise errors.AdapterNotFound(f"{path} holds no .safetensors file", param="lora_path")
+    raise errors.NotFound(f"{path} holds no .safetensors file")
 
 
 def _check_suffix(file: Path) -> Path:
@@ -208,12 +203,10 @@ def _check_suffix(file: Path) -> Path:
     if file.suffix in PICKLE_SUFFIXES:
         raise errors.UnsupportedFormat(
             f"{file.name} is a pickle file, which can run code when opened and is never loaded; "
-            "convert it to .safetensors",
-            param="lora_path",
+            "convert it to .safetensors"
         )
     raise errors.UnsupportedFormat(
-        f"{file.name} is not a .safetensors file; adapters are served only in safetensors format",
-        param="lora_path",
+        f"{file.name} is not a .safetensors file; adapters are served only in safetensors format"
     )
 
 
@@ -226,9 +219,7 @@ def read_adapter_config(adapter_path: Path) -> AdapterConfig | None:
     try:
         text = config_file.read_text()
     except (OSError, UnicodeDecodeError) as e:
-        raise errors.IncompatibleAdapter(
-            f"{config_file} cannot be read: {e}", param="lora_path"
-        ) from e
+        raise errors.InvalidAdapter(f"{config_file} cannot be read: {e}") from e
     raw = _json_object(text, where=str(config_file))
     base = raw.get("base_model_name_or_path")
     rank = raw.get("r")
@@ -256,9 +247,7 @@ def _json_object(text: str, *, where: str) -> dict[str, Any]:
     try:
         value = json.loads(text)
     except json.JSONDecodeError as e:
-        raise errors.IncompatibleAdapter(
-            f"{where} is not valid JSON: {e}", param="lora_path"
-        ) from e
+        raise errors.InvalidAdapter(f"{where} is not valid JSON: {e}") from e
     if not isinstance(value, dict):
-        raise errors.IncompatibleAdapter(f"{where} must hold a JSON object", param="lora_path")
+        raise errors.InvalidAdapter(f"{where} must hold a JSON object")
     return value

@@ -1,11 +1,11 @@
 """Where adapters live on disk and which paths a client may name.
 
 The shared adapter volume is written only by the operator and read by every inference pod. Its
-layout is defined here, once, for both sides (this module imports no torch):
+layout is defined here, once, for both sides:
 
     <adapter-root>/<name>/current            symlink -> revisions/<sha256>
     <adapter-root>/<name>/revisions/<sha256>/  the adapter's files, never changed once published
-    <adapter-root>/<name>/target.json        which pods it is for (adapters.targeting.Target)
+    <adapter-root>/<name>/target.json        which pods it is for (targeting.Target)
 
 `current` is replaced atomically (a new symlink renamed over the old one), so a reader sees either
 the old revision or the new one, never a half-written directory. `target.json` is replaced the
@@ -29,8 +29,7 @@ import re
 from pathlib import Path, PurePath
 from typing import TypeVar
 
-from lora_inference import errors
-from lora_inference.adapters import targeting
+from lora_volume import errors, targeting
 
 _P = TypeVar("_P", bound=PurePath)
 
@@ -53,11 +52,11 @@ _NAME = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9._-]{0,251}[A-Za-z0-9])?$")
 
 
 def check_adapter_name(name: object, *, param: str = "lora_name") -> str:
-    """Return `name` if it is a valid adapter name, else raise InvalidRequest saying why."""
+    """Return `name` if it is a valid adapter name, else raise InvalidName saying why."""
     if not isinstance(name, str) or not name:
-        raise errors.InvalidRequest(f"'{param}' must be a non-empty string", param=param)
+        raise errors.InvalidName(f"'{param}' must be a non-empty string", param=param)
     if not _NAME.match(name) or ".." in name:
-        raise errors.InvalidRequest(
+        raise errors.InvalidName(
             f"invalid adapter name {name!r}: use 1-253 letters, digits, '.', '_' or '-', "
             "starting and ending with a letter or digit",
             param=param,
@@ -78,19 +77,24 @@ def target_file(root: Path, name: str) -> Path:
     return root / name / TARGET
 
 
-def read_target(root: Path, name: str) -> targeting.Target | None:
-    """The pods `name` is meant for, or None when the volume does not say (filled by hand)."""
+def read_target(root: Path, name: str, *, param: str | None = None) -> targeting.Target | None:
+    """The pods `name` is meant for, or None when the volume does not say (filled by hand).
+
+    `param` is the caller's name for `name`, carried by the NotFound a damaged target raises."""
     try:
         text = target_file(root, name).read_text()
     except FileNotFoundError:
         return None
     except OSError as e:
-        raise errors.AdapterNotFound(f"reading the target of adapter {name!r} failed: {e}") from e
+        raise errors.NotFound(
+            f"reading the target of adapter {name!r} failed: {e}", param=param
+        ) from e
     try:
         return targeting.parse_target(text)
     except ValueError as e:
-        raise errors.AdapterNotFound(
-            f"the target of adapter {name!r} on the volume is damaged ({e}); stage it again"
+        raise errors.NotFound(
+            f"the target of adapter {name!r} on the volume is damaged ({e}); stage it again",
+            param=param,
         ) from e
 
 
@@ -126,20 +130,20 @@ def resolve_on_root(root: Path, name: str) -> Path | None:
 def resolve_allowed(path: str | Path, allowed_roots: tuple[Path, ...], *, param: str) -> Path:
     """Resolve `path` (symlinks and `..` included) and check it lies under an allowed root.
 
-    404 when it does not exist, 403 when it resolves outside every root. The resolved path is
-    returned, so later reads cannot be redirected by swapping a symlink.
+    NotFound when it does not exist, PathForbidden when it resolves outside every root. The
+    resolved path is returned, so later reads cannot be redirected by swapping a symlink.
     """
     raw = Path(path)
     if not raw.is_absolute():
-        raise errors.InvalidRequest(
+        raise errors.InvalidPath(
             f"{param} must be an absolute path, got {str(path)!r}", param=param
         )
     try:
         resolved = raw.resolve(strict=True)
     except FileNotFoundError as e:
-        raise errors.AdapterNotFound(f"{path} does not exist", param=param) from e
+        raise errors.NotFound(f"{path} does not exist", param=param) from e
     except (OSError, RuntimeError) as e:
-        raise errors.AdapterNotFound(f"{path} cannot be resolved: {e}", param=param) from e
+        raise errors.NotFound(f"{path} cannot be resolved: {e}", param=param) from e
     if not allowed_roots:
         raise errors.PathForbidden(
             f"{path} is outside every allowed root: this server allows no adapter paths; "

@@ -6,7 +6,7 @@ file) resolves from the volume only the adapters whose target matches it, as the
 load them. Both sides use this module, so they cannot disagree on what a selector means.
 
 Purely computational: parses and decides; reading and writing the files is the caller's job.
-Imports no torch and nothing of the operator.
+Imports only the standard library.
 """
 
 from __future__ import annotations
