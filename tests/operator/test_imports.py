@@ -1,10 +1,14 @@
 """The operator's modules import each other in one direction only: a cycle (fetchers and staging
-once imported each other) means a shared piece belongs in a module both can import."""
+once imported each other) means a shared piece belongs in a module both can import. And the
+operator image's code (the operator and the router) runs without torch or the inference server."""
 
 from __future__ import annotations
 
 import ast
 import graphlib
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import lora_operator
@@ -37,3 +41,31 @@ def test_no_module_of_the_operator_imports_itself_back() -> None:
         tuple(graphlib.TopologicalSorter(graph).static_order())
     except graphlib.CycleError as e:
         raise AssertionError(f"an import cycle: {' -> '.join(e.args[1])}") from e
+
+
+def test_the_operator_and_the_router_import_no_torch_and_no_inference_server() -> None:
+    # In a fresh interpreter (the test process may hold torch for other tests). Every module is
+    # imported, so a torch import anywhere in the operator image's code fails here, not in a pod.
+    script = textwrap.dedent(
+        """
+        import importlib, pkgutil, sys
+        import lora_operator, lora_router
+        names = [
+            m.name
+            for pkg in (lora_operator, lora_router)
+            for m in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + ".")
+        ]
+        for name in names:
+            importlib.import_module(name)
+        heavy = {"torch", "diffusers", "peft", "transformers", "lora_inference"}
+        loaded = sorted({n.split(".")[0] for n in sys.modules} & heavy)
+        assert not loaded, f"imported {loaded}"
+        print(len(names))
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    modules = len(list(PACKAGE.glob("*.py"))) - 1  # walk_packages lists no __init__
+    assert int(done.stdout) >= modules, "the script imported fewer modules than the operator has"
