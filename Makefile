@@ -26,9 +26,11 @@ $(STAMP): pyproject.toml
 binaries:
 	@if [ -x hack/build-binaries.sh ]; then hack/build-binaries.sh; fi
 
+# ruff, then the import contracts in .importlinter (which package may import which; why, there).
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/lint-imports
 
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy volume/lora_volume inference/lora_inference operator/lora_operator router/lora_router devcluster/lora_devcluster demo/lora_demo
@@ -70,4 +72,4 @@ docs: $(STAMP) binaries
 	PATH="$$PATH:$$($(PY) -m lora_devcluster.cli bin-dir 2>/dev/null)" $(PY) hack/gen-docs.py
 
 clean:
-	rm -rf $(VENV) demo-out .mypy_cache .ruff_cache .pytest_cache
+	rm -rf $(VENV) demo-out .mypy_cache .ruff_cache .pytest_cache .import_linter_cache
