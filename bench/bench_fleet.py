@@ -31,8 +31,9 @@ read through the API server before and after every round (GET /metrics and GET /
                      counts requests);
   fresh loads        lora_adapter_loads_total{tier="cpu",result="ok"}: adapters read from disk
                      into the CPU tier during the round;
-  spread             from /v1/adapters `hits`: for each request, how many pods served its
-                     adapter in its round;
+  spread             from /v1/adapters `hits` and `tier`: for each request, how many pods
+                     served its adapter in its round, and how many held it in memory (CPU or
+                     GPU tier) when the round began;
   the pods' own time per request: generation, fresh loads and slot copies
                      (lora_generation_seconds, lora_adapter_load_seconds), and the CPU time of the
                      inference and router containers (their host processes).
@@ -243,6 +244,7 @@ class Snapshot:
 
     metrics: dict[str, dict[str, float]]  # pod -> sample -> value
     hits: dict[str, dict[str, int]]  # pod -> adapter -> requests (GET /v1/adapters `hits`)
+    tiers: dict[str, dict[str, str]]  # pod -> adapter -> gpu, cpu or disk (GET /v1/adapters)
     inference_cpu_s: float
     router_cpu_s: float
 
@@ -266,7 +268,7 @@ def cpu_seconds(processes: list[psutil.Process]) -> float:
 def snapshot(
     h: Harness, pods: list[str], inference: list[psutil.Process], router: list[psutil.Process]
 ) -> Snapshot:
-    metrics, hits = {}, {}
+    metrics, hits, tiers = {}, {}, {}
     for pod in pods:
         status, raw = h.proxy(NS, release.pod_target(pod), "/metrics", timeout=30)
         if status != 200:
@@ -274,7 +276,8 @@ def snapshot(
         metrics[pod] = parse_metrics(raw.decode())
         listing = release.call(h, NS, release.pod_target(pod), "/v1/adapters")
         hits[pod] = {a["id"]: int(a["hits"]) for a in listing["data"]}
-    return Snapshot(metrics, hits, cpu_seconds(inference), cpu_seconds(router))
+        tiers[pod] = {a["id"]: str(a["tier"]) for a in listing["data"]}
+    return Snapshot(metrics, hits, tiers, cpu_seconds(inference), cpu_seconds(router))
 
 
 def counted(before: Snapshot, after: Snapshot, sample: str) -> float:
@@ -308,10 +311,11 @@ class Tally:
     inference_cpu_s: float = 0.0
     router_cpu_s: float = 0.0
     spread: int = 0  # summed over requests: the pods that served its adapter in its round
+    held: int = 0  # summed over requests: the pods holding its adapter in memory at round start
     per_round: list[float] = field(default_factory=list)  # images/s of each round
     routes: collections.Counter[str] = field(default_factory=collections.Counter)
 
-    def add(self, result: Obj, before: Snapshot, after: Snapshot) -> None:
+    def add(self, stream: list[str], result: Obj, before: Snapshot, after: Snapshot) -> None:
         self.requests += int(result["requests"])
         self.wall_s += float(result["wall"])
         self.per_round.append(result["requests"] / result["wall"])
@@ -338,6 +342,10 @@ class Tally:
                     uses[adapter].append(used)
         self.served += sum(sum(per_pod) for per_pod in uses.values())
         self.spread += sum(len(per_pod) * sum(per_pod) for per_pod in uses.values())
+        self.held += sum(
+            sum(tiers.get(adapter) in ("gpu", "cpu") for tiers in before.tiers.values())
+            for adapter in stream
+        )
 
     @property
     def throughput(self) -> float:
@@ -444,7 +452,7 @@ def measure(h: Harness, pods: list[str], args: argparse.Namespace) -> dict[str, 
             after = snapshot(h, pods, inference, router)
             tally = tallies[label]
             hits, lookups = tally.gpu_hits, tally.lookups
-            tally.add(result, before, after)
+            tally.add(stream, result, before, after)
             rate = (tally.gpu_hits - hits) / max(1.0, tally.lookups - lookups)
             line.append(
                 f"{label} {result['requests'] / result['wall']:.2f} images/s, hit rate {rate:.2f}"
@@ -501,6 +509,12 @@ def print_report(tallies: dict[str, Tally], args: argparse.Namespace) -> tuple[f
     row("fresh loads (disk -> CPU tier)", rr.fresh_loads, rt.fresh_loads, ".0f")
     row("  per 100 requests", rr.per_100(rr.fresh_loads), rt.per_100(rt.fresh_loads), ".1f")
     row("pods serving a request's adapter", rr.spread / rr.served, rt.spread / rt.served, ".2f")
+    row(
+        "  holding it in memory at round start",
+        rr.held / rr.requests,
+        rt.held / rt.requests,
+        ".2f",
+    )
     per_request: list[tuple[str, Callable[[Tally], float]]] = [
         ("the pods' ms per request: generation", lambda t: t.generation_s),
         ("                          fresh loads", lambda t: t.fresh_load_s),
@@ -542,6 +556,18 @@ def print_report(tallies: dict[str, Tally], args: argparse.Namespace) -> tuple[f
         f"throughput router/round-robin that a machine bound by these pods' CPU would give:"
         f" {cpu[0] / cpu[1]:.2f}"
     )
+    streams = [
+        zipf_stream(args.requests, args.adapters, args.zipf, seed=args.seed + 1 + r)
+        for r in range(args.rounds)
+    ]
+    counts = sorted(collections.Counter(m for st in streams for m in st).values(), reverse=True)
+    slots = args.pods * args.max_loras
+    print(
+        f"the measured streams: the {args.max_loras} most requested adapters took"
+        f" {sum(counts[: args.max_loras]) / sum(counts):.0%} of the requests (what every pod's"
+        f" slots can hold), the {slots} most {sum(counts[:slots]) / sum(counts):.0%} (what"
+        f" {args.pods} x {args.max_loras} slots hold, one copy each)"
+    )
     total = sum(rt.routes.values())
     reasons = ", ".join(f"{k} {v / total:.0%}" for k, v in rt.routes.most_common())
     print(f"the router's choices (x-lora-route): {reasons}")
@@ -554,9 +580,10 @@ def print_report(tallies: dict[str, Tally], args: argparse.Namespace) -> tuple[f
     print(
         "hit rate: lookups that found the adapter in a GPU slot (the pods' counter); fresh loads:"
         " adapters read from disk\ninto the CPU tier; pods serving a request's adapter: in its"
-        " round (GET /v1/adapters hits); the pods' ms: wall\ntime in the pipeline per request"
-        " (the pods share the cores); CPU ms: the containers' processes per request (the\nrouter"
-        " pods also poll the pods' residency during round-robin rounds)."
+        " round (GET /v1/adapters hits), and holding it in\nthe CPU or GPU tier at the round's"
+        " start; the pods' ms: wall time in the pipeline per request (the pods share\nthe"
+        " cores); CPU ms: the containers' processes per request (the router pods also poll the"
+        " pods' residency\nduring round-robin rounds)."
     )
     return throughput, hit_ratio
 
