@@ -348,12 +348,13 @@ async def health(_: web.Request) -> web.Response:
 
 
 async def ready(request: web.Request) -> web.Response:
-    """Ready once the pods and the adapters have been listed (before, every answer would be a
-    503 or a guess)."""
-    missing = {"endpoints", "adapters"} - request.app[FLEET].synced
+    """Ready once the pods and the adapters have been listed and every listed pod has been
+    polled once (before, every answer would be a 503 or a guess: a restarted router taking
+    traffic before it knows residency would warm adapters where they are not placed)."""
+    missing = {"endpoints", "adapters", "residency"} - request.app[FLEET].synced
     if missing:
         return _json_error(
-            f"the router has not listed {', '.join(sorted(missing))} yet",
+            f"the router has not read {', '.join(sorted(missing))} yet",
             "ServiceUnavailable",
             503,
         )
@@ -397,7 +398,11 @@ async def poll_residency(fleet: Fleet, state: ProxyState) -> None:
 
     while True:
         headers = poll_headers(config)
+        listed = "endpoints" in fleet.synced
         await asyncio.gather(*(one(p, ep.address, headers) for p, ep in fleet.ready().items()))
+        if listed:
+            # Every pod listed was asked once (answered or not): the router knows what it can.
+            fleet.synced.add("residency")
         state.update_gauges()
         await asyncio.sleep(config.poll_interval_s)
 

@@ -115,7 +115,9 @@ class Fleet:
     adapters: dict[str, AdapterPlacement] = field(default_factory=dict)
     reports: dict[str, Report] = field(default_factory=dict)  # pod -> its last report
     inflight: dict[str, int] = field(default_factory=dict)  # pod -> requests sent, unanswered
-    synced: set[str] = field(default_factory=set)  # the sources listed at least once
+    # What has been read at least once: "endpoints", "adapters" (listed), "residency" (every
+    # pod listed was polled once).
+    synced: set[str] = field(default_factory=set)
 
     def endpoints(self) -> dict[str, Endpoint]:
         """Pod -> its endpoint (a pod in two slices at once, during a move, counts once)."""

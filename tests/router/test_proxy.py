@@ -18,8 +18,8 @@ import aiohttp
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
-from lora_router.app import create_app
-from lora_router.fleet import Report
+from lora_router.app import STATE, ProxyState, create_app
+from lora_router.fleet import Endpoint, Fleet, Report
 from lora_router.routing import Residency
 
 from tests.router.conftest import ROUTER_CONFIG, Router, StartRouter
@@ -38,6 +38,7 @@ class Pod:
         self.reporting = True
         self.release = asyncio.Event()
         self.token = token  # the client token it requires, as `--client-token-file` makes it
+        self.report_gate: asyncio.Event | None = None  # set: /v1/adapters waits for it
 
     def refusal(self, request: web.Request) -> web.Response | None:
         """The server's 401 when a client token is required and not given."""
@@ -56,6 +57,8 @@ class Pod:
     async def adapters(self, request: web.Request) -> web.Response:
         if refusal := self.refusal(request):
             return refusal
+        if self.report_gate is not None:
+            await self.report_gate.wait()
         if not self.reporting:
             return web.json_response({"error": "broken"}, status=500)
         data = [{"id": a, "tier": "gpu"} for a in self.gpu]
@@ -355,6 +358,36 @@ async def test_ready_only_once_the_api_has_been_listed() -> None:
         assert resp.status == 503
         assert "endpoints" in (await resp.json())["error"]["message"]
         assert (await client.get("/health")).status == 200
+
+
+async def test_ready_only_once_every_listed_pod_has_been_polled(
+    start_backend: StartBackend,
+) -> None:
+    pod = Pod("a", gpu=("x",))
+    pod.report_gate = asyncio.Event()
+    address = await start_backend(pod.app())
+
+    async def lists_one_pod(fleet: Fleet, _: ProxyState) -> None:
+        fleet.slices = {"slice": [Endpoint("a", address, True)]}
+        fleet.synced.update({"endpoints", "adapters"})
+
+    app = create_app(ROUTER_CONFIG, sources=[lists_one_pod])
+    async with TestClient(TestServer(app)) as client:
+        # Listed, but the pod has not answered its first poll: a restarted router would route
+        # blind, so it stays out of the Service.
+        for _ in range(5):
+            resp = await client.get("/ready")
+            assert resp.status == 503
+            assert "residency" in (await resp.json())["error"]["message"]
+            await asyncio.sleep(0.05)
+        pod.report_gate.set()
+        for _ in range(100):
+            if (await client.get("/ready")).status == 200:
+                break
+            await asyncio.sleep(0.02)
+        else:
+            raise AssertionError("never Ready after the first poll")
+        assert "a" in app[STATE].fleet.reports
 
 
 def closed_port() -> int:
