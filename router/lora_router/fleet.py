@@ -83,7 +83,7 @@ def parse_report(payload: Any, at: float) -> Report:
     """A `GET /v1/adapters` answer; raise ValueError when it is not one."""
     if not isinstance(payload, Mapping) or not isinstance(payload.get("data"), list):
         raise ValueError("GET /v1/adapters did not return {'data': [...]}")
-    gpu, cpu = set(), set()
+    gpu, cpu, disk = set(), set(), set()
     for card in payload["data"]:
         if not isinstance(card, Mapping) or not isinstance(card.get("id"), str):
             raise ValueError(f"GET /v1/adapters returned an entry without an id: {card!r}")
@@ -91,6 +91,8 @@ def parse_report(payload: Any, at: float) -> Report:
             gpu.add(card["id"])
         elif card.get("tier") == "cpu":
             cpu.add(card["id"])
+        else:
+            disk.add(card["id"])
     max_loras = payload.get("max_loras")
     free_slot = isinstance(max_loras, int) and len(gpu) < max_loras
     waiting, running = payload.get("num_requests_waiting"), payload.get("num_requests_running")
@@ -99,7 +101,9 @@ def parse_report(payload: Any, at: float) -> Report:
         queue = waiting + running
     model = payload.get("model")
     return Report(
-        residency=Residency(gpu=frozenset(gpu), cpu=frozenset(cpu), free_slot=free_slot),
+        residency=Residency(
+            gpu=frozenset(gpu), cpu=frozenset(cpu), free_slot=free_slot, disk=frozenset(disk)
+        ),
         queue=queue,
         base_model=model if isinstance(model, str) else None,
         at=at,

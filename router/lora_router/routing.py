@@ -1,17 +1,20 @@
 """Which pod one request goes to (pure).
 
-For a request that names an adapter, the candidates are the Ready pods the adapter is placed on
-(all Ready pods when it has no `spec.replicas`: it is on every pod). Among the candidates whose
-load stays within the bound, the router prefers, in this order:
+For a request that names an adapter, the candidates are the Ready pods the adapter is placed on;
+for one without `spec.replicas` (on every pod its selector matches), the Ready pods that report
+holding it (any tier) and those that report nothing, or every Ready pod when none reports it.
+Among the candidates whose load stays within the bound, the router prefers, in this order:
 
 1. a pod where the adapter is GPU-resident (no load at all),
 2. one where it is CPU-resident (a copy into a GPU slot),
 3. one with a free GPU slot (a load that evicts nothing),
 4. the least queued,
 
-and, inside a preference, the least queued, then a stable hash of (adapter, pod) so the same
-adapter keeps going to the same pod rather than warming two. The bound is the one of consistent
-hashing with bounded loads: no pod takes a request that would put it above
+and, inside one of the first three preferences, a stable hash of (adapter, pod), not the queue:
+the same adapter keeps going to the same pod while that pod is within the bound, rather than
+warming its copies on several pods that then crowd each other out of their slots. Inside the
+last, the least queued, then the hash. The bound is the one of consistent hashing with bounded
+loads: no pod takes a request that would put it above
 `ceil((1 + e) x (total load + 1) / pods)`. When every candidate is at the bound the request
 overflows to the least-queued Ready pod; when no candidate is Ready, or the name is not an
 adapter the router knows, it goes to the least-queued Ready pod (the server's resolver answers
@@ -55,6 +58,10 @@ class Residency:
     gpu: frozenset[str]
     cpu: frozenset[str]
     free_slot: bool
+    disk: frozenset[str] = frozenset()  # registered, on the volume only
+
+    def holds(self, adapter: str) -> bool:
+        return adapter in self.gpu or adapter in self.cpu or adapter in self.disk
 
 
 @dataclass(frozen=True)
@@ -88,6 +95,13 @@ def _affinity(adapter: str, pod: str) -> int:
     return int.from_bytes(digest, "big")
 
 
+def _preference(adapter: str, backend: Backend) -> tuple[int, int, int]:
+    """Rank first; inside a resident or free-slot rank the stable hash (the load bound keeps it
+    fair), inside the last rank the queue."""
+    rank = _rank(adapter, backend)
+    return (rank, backend.load if rank == 3 else 0, _affinity(adapter, backend.name))
+
+
 def load_bound(backends: Sequence[Backend], load_factor: float) -> int:
     """The most requests one pod may hold once this one is added."""
     total = sum(b.load for b in backends) + 1
@@ -117,14 +131,18 @@ def route(
         return None
     if adapter is None:
         return Decision(_least_queued(ready, "").name, Reason.BASE)
-    candidates = [b for b in ready if placed is None or b.name in placed]
+    if placed is not None:
+        candidates = [b for b in ready if b.name in placed]
+    else:  # on every pod its selector matches: those that hold it, and the silent ones
+        holders = [b for b in ready if b.residency is not None and b.residency.holds(adapter)]
+        candidates = holders + [b for b in ready if b.residency is None] if holders else ready
     if not known or not candidates:
         return Decision(_least_queued(ready, adapter).name, Reason.UNPLACED)
     bound = load_bound(ready, load_factor)
     within = [b for b in candidates if b.load + 1 <= bound]
     if not within:
         return Decision(_least_queued(ready, adapter).name, Reason.OVERFLOW)
-    best = min(within, key=lambda b: (_rank(adapter, b), b.load, _affinity(adapter, b.name)))
+    best = min(within, key=lambda b: _preference(adapter, b))
     if best.residency is None:
         return Decision(best.name, Reason.NO_RESIDENCY)
     return Decision(best.name, _REASONS[_rank(adapter, best)])

@@ -88,7 +88,8 @@ def test_reports_read_tiers_slots_queue_and_model() -> None:
         "data": [{"id": "a", "tier": "gpu"}, {"id": "b", "tier": "cpu"}, {"id": "c"}],
     }
     report = parse_report(payload, at=5.0)
-    assert report == Report(Residency(frozenset("a"), frozenset("b"), True), 4, "tiny", 5.0)
+    residency = Residency(frozenset("a"), frozenset("b"), True, disk=frozenset("c"))
+    assert report == Report(residency, 4, "tiny", 5.0)
     # A server that says nothing of slots or queue: no free slot known, queue unknown.
     old = parse_report({"data": [{"id": "a", "tier": "gpu"}]}, at=1.0)
     assert old.residency.free_slot is False and old.queue is None and old.base_model is None

@@ -54,6 +54,40 @@ def test_preferences(backends: list[Backend], expected: Decision) -> None:
     assert route("x", backends, ALL, known=True) == expected
 
 
+def test_inside_a_resident_rank_the_hash_not_the_queue_chooses() -> None:
+    """Consistent hashing with bounded loads: while its pod is within the bound, an adapter
+    resident on several pods keeps going to one of them, whatever the queues say."""
+    for tier in ("gpu", "cpu"):
+        names = [f"p{i}" for i in range(4)]
+        chosen = set()
+        for loads in ((0, 1, 1, 1), (1, 0, 1, 1), (1, 1, 0, 1), (1, 1, 1, 0)):
+            backends = [
+                pod(n, load=load, **{tier: ("x",)}) for n, load in zip(names, loads, strict=True)
+            ]
+            decision = route("x", backends, ALL, known=True, load_factor=1.0)
+            assert decision is not None and decision.reason.affinity
+            chosen.add(decision.pod)
+        assert len(chosen) == 1, chosen
+    # Beyond the bound, it goes to another resident pod.
+    first = route("x", [pod("p0", gpu=("x",)), pod("p1", gpu=("x",))], ALL, known=True)
+    assert first is not None
+    busy = [pod(n, load=9 if n == first.pod else 0, gpu=("x",)) for n in ("p0", "p1")]
+    other = route("x", busy, ALL, known=True)
+    assert other is not None and other.pod != first.pod and other.reason is Reason.GPU
+
+
+def test_an_adapter_without_replicas_goes_to_the_pods_that_hold_it() -> None:
+    """Its selector may leave pods out: only those that report it (any tier) or report nothing
+    are candidates; when no pod reports it, any Ready pod (the server's resolver answers)."""
+    backends = [pod("a", free_slot=True), pod("b", load=3), pod("c", load=5, reporting=False)]
+    held = Residency(frozenset(), frozenset(), False, disk=frozenset({"x"}))
+    backends[1] = Backend("b", 3, held)
+    decision = route("x", backends, ALL, known=True, load_factor=2.0)
+    assert decision is not None and decision.pod in {"b", "c"}
+    nobody = [pod("a", load=1), pod("b", load=0)]
+    assert route("x", nobody, ALL, known=True) == Decision("b", Reason.LEAST_QUEUED)
+
+
 def test_only_placed_pods_are_candidates() -> None:
     backends = [pod("a", gpu=("x",)), pod("b"), pod("c", cpu=("x",))]
     assert route("x", backends, frozenset({"b", "c"}), known=True) == Decision("c", Reason.CPU)
