@@ -32,6 +32,9 @@ def test_replicas_place_on_a_subset_and_a_deleted_pod_is_replaced(
     h.apply(
         cluster.inference_deployment(h.image("inference"), "inference", 3, models.root, volume), ns
     )
+    # All three pods first: a pod becoming Ready later takes placements (as it should), which
+    # would move the adapter after the status below was read.
+    cluster.ready_pods(h, ns, "app=inference", 3)
     h.apply(cluster.adapter("pixel", str(src), replicas=2), ns)
     st = cluster.wait_phase(h, ns, "pixel", "Ready", "2/2", timeout=240)["status"]
     placed = set(st["placedPods"])
@@ -79,6 +82,7 @@ def test_autoscale_widens_a_hot_adapter_and_narrows_it_when_it_cools(
         "targetRequestsPerSecond": 0.5,
         "scaleDownDelaySeconds": 5,
     }
+    cluster.ready_pods(h, ns, "app=inference", 3)
     with op.running():
         h.apply(cluster.adapter("hot", str(src), autoscale=autoscale), ns)
         st = cluster.wait_phase(h, ns, "hot", "Ready", "1/1", timeout=240)["status"]
