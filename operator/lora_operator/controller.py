@@ -72,6 +72,8 @@ Body = kopf.Body | Mapping[str, Any]
 
 COALESCE_S = 0.1  # a burst of changes becomes one status computation per adapter
 UNHEARD_FAILURES = 3  # a pod that failed this many reads in a row no longer holds status back
+# A burst of changes (a thousand adapters applied) becomes one placement every this often.
+PLACEMENT_COALESCE_S = 0.5
 
 
 def needs_staging(
@@ -235,6 +237,8 @@ class Controller:
         # recomputed when an input changed (placement.plan_placement decides).
         self._placements: dict[str, placement.Placement] = {}
         self._stale_placements: set[str] = set()
+        self._placed_at: dict[str, float] = {}  # when each namespace's placement was computed
+        self._placement_due: set[str] = set()  # a recompute is scheduled
         self._dirty: set[Key] = set()
         self._due: dict[Key, float] = {}
         self._writer_wake = asyncio.Event()
@@ -689,7 +693,9 @@ class Controller:
             if not info.targets(pod, base_model):
                 continue
             if info.placed:
-                if placed is None:  # not every pod has reported yet: nothing moves
+                if placed is None or info.name not in placed.adapters:
+                    # Not every pod has reported yet, or the adapter is newer than the
+                    # placement: nothing moves until it is placed.
                     keep.add(info.name)
                     continue
                 if pod.name not in placed.pods_of(info.name):
@@ -859,13 +865,22 @@ class Controller:
         or another base model; an adapter came, went or changed its placement fields). None
         until every Ready pod has reported since this replica began to act: a placement made
         from some pods' reports would move adapters for nothing. A change wakes the namespace's
-        pods and marks the adapters it moved."""
+        pods and marks the adapters it moved. Changes in a burst are placed together, at most
+        every PLACEMENT_COALESCE_S (the placement reads every adapter and pod of the namespace)."""
         current = self._placements.get(namespace)
         if namespace not in self._stale_placements and current is not None:
             return current
         if not self._heard(namespace):
             return current
+        wait = self._placed_at.get(namespace, -PLACEMENT_COALESCE_S) + PLACEMENT_COALESCE_S
+        wait -= time.monotonic()
+        if current is not None and wait > 0:
+            if namespace not in self._placement_due:
+                self._placement_due.add(namespace)
+                asyncio.get_running_loop().call_later(wait, self._place_later, namespace)
+            return current
         self._stale_placements.discard(namespace)
+        self._placed_at[namespace] = time.monotonic()
         reports = {
             p.info.name: (p.info, p.report)
             for p in self._pods_in(namespace)
@@ -877,16 +892,21 @@ class Controller:
             if (c := placement.capacity(name, report)) is not None
         ]
         demands = []
+        # Adapters share a few (base model, selector) pairs: their candidates are worked out once.
+        candidates_of: dict[tuple[str, Any], tuple[str, ...]] = {}
         for info in self._indexed(namespace):
             rec = self.adapters.get(info.key)
             info = rec.info if rec is not None else info
             if info.deleting:
                 continue
-            candidates = tuple(
-                name
-                for name, (pod, report) in sorted(reports.items())
-                if info.targets(pod, report.base_model)
-            )
+            key = (info.base_model, info.selector)
+            candidates = candidates_of.get(key)
+            if candidates is None:
+                candidates = candidates_of[key] = tuple(
+                    name
+                    for name, (pod, report) in sorted(reports.items())
+                    if info.targets(pod, report.base_model)
+                )
             replicas = self._replicas(info, rec) if info.placed else None
             demands.append(
                 placement.Demand(info.name, replicas, info.pinned, candidates, info.created)
@@ -904,6 +924,13 @@ class Controller:
                     self._mark((namespace, name))
             self._wake_namespace(namespace)
         return new
+
+    def _place_later(self, namespace: str) -> None:
+        """The end of a coalescing wait: place now if something changed meanwhile (what moved
+        is marked and its pods woken)."""
+        self._placement_due.discard(namespace)
+        if namespace in self._stale_placements:
+            self._placement(namespace)
 
     def _replicas(self, info: AdapterInfo, rec: AdapterRecord | None) -> int:
         """How many pods an adapter with spec.replicas or spec.autoscale should be on."""
