@@ -82,6 +82,12 @@ def test_a_standby_takes_over_when_the_active_replica_dies_mid_apply(
             assert "action=load " not in second.log() and "action=activate" not in second.log()
             first.kill()
             killed = datetime.datetime.now()
+            # The first may have written most statuses already: wait for the takeover itself.
+            h.wait_for(
+                "the standby to take over",
+                lambda: "action=activate" in second.log(),
+                timeout=120,
+            )
             h.wait_for(
                 f"all {K} adapters Ready 2/2 after the takeover",
                 lambda: cluster.adapters_ready(h, ns, names, "2/2"),
