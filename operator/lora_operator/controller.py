@@ -682,10 +682,14 @@ class Controller:
         not known yet, and deleted ones not unpublished yet)."""
         wants: dict[str, planning.Want] = {}
         keep: set[str] = set()
-        placed = self._placement(pod.namespace)
-        for indexed in self._indexed(pod.namespace):
-            rec = self.adapters.get(indexed.key)
-            info = rec.info if rec is not None else indexed
+        adapters = [
+            rec.info if (rec := self.adapters.get(i.key)) is not None else i
+            for i in self._indexed(pod.namespace)
+        ]
+        # Placement is read only where an adapter asks for it (it reads the whole namespace).
+        placed = self._placement(pod.namespace) if any(a.placed for a in adapters) else None
+        for info in adapters:
+            rec = self.adapters.get(info.key)
             if info.deleting:
                 if rec is None or not rec.unpublished:
                     keep.add(info.name)
