@@ -10,22 +10,31 @@ from collections.abc import Sequence
 
 from aiohttp import web
 
-from lora_router.app import create_app, metrics_app
+from lora_router.app import STATE, Source, create_app, metrics_app
 from lora_router.config import RouterConfig, parse_args
 from lora_router.metrics import Metrics
 from lora_router.sources import kube_sources
 
+log = logging.getLogger("lora_router")
 
-async def serve(config: RouterConfig, stop: asyncio.Event) -> None:
+
+async def serve(
+    config: RouterConfig, stop: asyncio.Event, sources: list[Source] | None = None
+) -> None:
+    """Serve until `stop` is set, then drain: answer for `shutdown_delay_s` more (not Ready),
+    let the requests in flight finish, and close."""
     metrics = Metrics()
+    app = create_app(
+        config, sources=kube_sources(config) if sources is None else sources, metrics=metrics
+    )
     runners = [
-        web.AppRunner(create_app(config, sources=kube_sources(config), metrics=metrics)),
+        web.AppRunner(app),
         web.AppRunner(metrics_app(metrics), access_log=None),
     ]
     for runner, port in zip(runners, (config.port, config.metrics_port), strict=True):
         await runner.setup()
         await web.TCPSite(runner, "0.0.0.0", port).start()
-    logging.getLogger("lora_router").info(
+    log.info(
         "listening on :%d (metrics :%d) for %s/%s, polling residency %s",
         config.port,
         config.metrics_port,
@@ -37,6 +46,9 @@ async def serve(config: RouterConfig, stop: asyncio.Event) -> None:
     )
     try:
         await stop.wait()
+        app[STATE].draining = True
+        log.info("action=shutdown result=draining seconds=%s", config.shutdown_delay_s)
+        await asyncio.sleep(config.shutdown_delay_s)
     finally:
         # In-flight requests finish (the sites' graceful shutdown) before the sessions close.
         for runner in runners:

@@ -103,6 +103,10 @@ class ProxyState:
         self.config, self.fleet, self.metrics = config, fleet, metrics
         self.session: aiohttp.ClientSession | None = None
         self._gone: dict[str, asyncio.Event] = {}
+        # Background loops that raised (each should run for ever): name -> the error. The
+        # liveness probe fails while any did, so the kubelet restarts a router whose view froze.
+        self.stopped: dict[str, str] = {}
+        self.draining = False  # SIGTERM came: still answering, no longer Ready
 
     def gone_event(self, pod: str) -> asyncio.Event:
         return self._gone.setdefault(pod, asyncio.Event())
@@ -122,6 +126,18 @@ class ProxyState:
         self.metrics.pods.labels("reporting").set(
             sum(1 for b in backends if b.residency is not None)
         )
+        self.metrics.load.set(sum(b.load for b in backends))
+
+    def loop_ended(self, task: asyncio.Task[None]) -> None:
+        """A background loop ended: one that raised is recorded for the liveness probe."""
+        if task.cancelled() or task.exception() is None:
+            return
+        error = task.exception()
+        log.error(
+            "action=background loop=%s result=stopped error=%r", task.get_name(), error,
+            exc_info=error,
+        )  # fmt: skip
+        self.stopped[task.get_name()] = repr(error)
 
     def http(self) -> aiohttp.ClientSession:
         if self.session is None:
@@ -343,7 +359,13 @@ async def list_models(request: web.Request) -> web.StreamResponse:
     return web.json_response({"object": "list", "data": ordered})
 
 
-async def health(_: web.Request) -> web.Response:
+async def health(request: web.Request) -> web.Response:
+    """Alive while every background loop runs: one that ended leaves the fleet's view frozen,
+    and only a restart brings it back."""
+    stopped = request.app[STATE].stopped
+    if stopped:
+        loops = ", ".join(f"{name} ({why})" for name, why in sorted(stopped.items()))
+        return _json_error(f"background work stopped: {loops}", "ServiceUnavailable", 503)
     return web.json_response({"status": "ok"})
 
 
@@ -351,6 +373,8 @@ async def ready(request: web.Request) -> web.Response:
     """Ready once the pods and the adapters have been listed and every listed pod has been
     polled once (before, every answer would be a 503 or a guess: a restarted router taking
     traffic before it knows residency would warm adapters where they are not placed)."""
+    if request.app[STATE].draining:
+        return _json_error("the router is shutting down", "ServiceUnavailable", 503)
     missing = {"endpoints", "adapters", "residency"} - request.app[FLEET].synced
     if missing:
         return _json_error(
@@ -439,9 +463,11 @@ async def _background(app: web.Application, sources: list[Source]) -> AsyncItera
         connector=aiohttp.TCPConnector(limit=0),
     )
     tasks = [
-        asyncio.create_task(source(app[FLEET], state), name=f"source-{i}")
+        asyncio.create_task(source(app[FLEET], state), name=getattr(source, "__name__", str(i)))
         for i, source in enumerate([*sources, poll_residency])
     ]
+    for task in tasks:
+        task.add_done_callback(state.loop_ended)
     yield
     for task in tasks:
         task.cancel()

@@ -25,6 +25,9 @@ class RouterConfig:
     max_body_bytes: int = 1024**2
     connect_timeout_s: float = 3.0
     upstream_timeout_s: float = 600.0  # a whole request, answer included
+    # After SIGTERM, new connections still arrive until kube-proxy and the Service's other
+    # clients have seen the pod leave its endpoints: keep answering for this long, not Ready.
+    shutdown_delay_s: float = 5.0
     # The pods' client token, sent with the router's own residency polls only: client requests
     # carry their own Authorization, so the router never lends its token to a client.
     client_token_file: Path | None = None
@@ -78,6 +81,12 @@ def parse_args(argv: Sequence[str] | None = None) -> RouterConfig:
     p.add_argument("--connect-timeout-seconds", type=float, default=d.connect_timeout_s)
     p.add_argument("--upstream-timeout-seconds", type=float, default=d.upstream_timeout_s)
     p.add_argument(
+        "--shutdown-delay-seconds",
+        type=float,
+        default=d.shutdown_delay_s,
+        help="after SIGTERM, keep answering new requests this long (not Ready) before stopping",
+    )
+    p.add_argument(
         "--client-token-file",
         type=Path,
         help="a file holding the pods' client token, for the residency polls (GET /v1/adapters)",
@@ -94,6 +103,8 @@ def parse_args(argv: Sequence[str] | None = None) -> RouterConfig:
             p.error(f"{flag} must be positive")
     if a.load_factor < 0:
         p.error("--load-factor must be at least 0")
+    if a.shutdown_delay_seconds < 0:
+        p.error("--shutdown-delay-seconds must be at least 0")
     if a.client_token_file is not None:
         try:
             read_token(a.client_token_file)
@@ -114,5 +125,6 @@ def parse_args(argv: Sequence[str] | None = None) -> RouterConfig:
         max_body_bytes=a.max_body_bytes,
         connect_timeout_s=a.connect_timeout_seconds,
         upstream_timeout_s=a.upstream_timeout_seconds,
+        shutdown_delay_s=a.shutdown_delay_seconds,
         client_token_file=a.client_token_file,
     )

@@ -54,6 +54,12 @@ class Metrics:
             ["state"],
             registry=r,
         )
+        self.load = Gauge(
+            "lora_router_load",
+            "Requests queued or running on the Ready pods as the router counts them (per pod, "
+            "the larger of its own requests in flight and the pod's last report)",
+            registry=r,
+        )
         self.report_failures = Counter(
             "lora_router_report_failures",
             "Residency polls (GET /v1/adapters) that failed",

@@ -143,6 +143,15 @@ class Fleet:
         key = tuple(sorted(labels.items()))
         return sum(self.router_samples(p).get((name, key), 0.0) for p in pods)
 
+    def idle(self, routers: list[str]) -> None:
+        """Until the routers `routers` count no request on any pod: a request sent right after
+        a load stops would otherwise meet the queues their last polls saw, and may overflow."""
+        self.h.wait_for(
+            "the routers to see the pods idle",
+            lambda: self.metric(routers, "lora_router_load") == 0,
+            timeout=30,
+        )
+
     def healthy(self) -> None:
         """Every inference pod, both routers and the adapters as the fixture left them."""
         release.ready_inference_pods(self.h, self.ns, PODS, timeout=240)
@@ -256,6 +265,7 @@ def test_the_service_answers_while_routers_go_and_a_new_one_is_ready_with_reside
     answers = load.stop()
     assert answers and all(a.status == 200 for a in answers), summary(answers, deleted_at)
     (new,) = set(current) - set(routers)
+    fleet.idle([new])
 
     # Ready means it has listed the pods and polled each once: its very first request, sent
     # to it directly, follows residency.
@@ -291,6 +301,7 @@ def test_the_service_answers_while_routers_go_and_a_new_one_is_ready_with_reside
     assert all(a.ended - a.started < 30 for a in answers), summary(answers, killed_at)
     assert all(a.started - killed_at < 15 for a in failed), summary(answers, killed_at)
     assert [a.status for a in answers[-4:]] == [200] * 4, summary(answers, killed_at)
+    fleet.idle([victim])
     first = post(
         f"http://{fleet.ip(victim)}:8000/v1/images/generations",
         manifests.generation_request("one", **SHORT),
@@ -415,8 +426,13 @@ def test_a_pod_that_stops_reporting_residency_is_routed_by_its_queue(fleet: Flee
         assert every.status == 200 and every.route[0] != name, every.route
         assert fleet.routed(routers, "no-residency") - before == 6
         assert fleet.metric(routers, "lora_router_pods", state="reporting") == ROUTERS * PODS
+        # Its polls keep failing (counted), while its Ready endpoint keeps it routable.
+        h.wait_for(
+            "the routers to count failed polls of the extra pod",
+            lambda: fleet.metric(routers, "lora_router_report_failures_total") > failures_before,
+            timeout=30,
+        )
         failed_polls = fleet.metric(routers, "lora_router_report_failures_total") - failures_before
-        assert failed_polls > 0
         print(
             f"pod {name} withholds residency: 6 of 6 requests for 'quiet' 200 by no-residency, "
             f"'every' {every.route}; routers report {PODS} of {PODS + 1} pods, "

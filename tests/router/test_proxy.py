@@ -5,24 +5,27 @@ retried once on another pod, nothing hangs, and a pod that is not Ready gets not
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 import socket
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
-from aiohttp import web
-from aiohttp.test_utils import TestClient, TestServer
+from aiohttp import ClientSession, web
+from aiohttp.test_utils import TestClient, TestServer, unused_port
+from lora_router.__main__ import serve
 from lora_router.app import STATE, ProxyState, create_app
 from lora_router.fleet import Endpoint, Fleet, Report
 from lora_router.routing import Residency
 
-from tests.router.conftest import ROUTER_CONFIG, Router, StartRouter
+from tests.router.conftest import ROUTER_CONFIG, Router, StartRouter, listed
 
 StartBackend = Callable[[web.Application], Awaitable[str]]
 
@@ -39,6 +42,7 @@ class Pod:
         self.release = asyncio.Event()
         self.token = token  # the client token it requires, as `--client-token-file` makes it
         self.report_gate: asyncio.Event | None = None  # set: /v1/adapters waits for it
+        self.queue: tuple[int, int] | None = None  # (waiting, running) it reports, if any
 
     def refusal(self, request: web.Request) -> web.Response | None:
         """The server's 401 when a client token is required and not given."""
@@ -62,7 +66,10 @@ class Pod:
         if not self.reporting:
             return web.json_response({"error": "broken"}, status=500)
         data = [{"id": a, "tier": "gpu"} for a in self.gpu]
-        return web.json_response({"object": "list", "data": data, "max_loras": 2})
+        report: dict[str, Any] = {"object": "list", "data": data, "max_loras": 2}
+        if self.queue is not None:
+            report["num_requests_waiting"], report["num_requests_running"] = self.queue
+        return web.json_response(report)
 
     async def models(self, request: web.Request) -> web.Response:
         if refusal := self.refusal(request):
@@ -394,3 +401,60 @@ def closed_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+async def test_not_alive_once_a_background_loop_has_raised() -> None:
+    async def broken(*_: Any) -> None:
+        raise RuntimeError("the watch broke")
+
+    app = create_app(ROUTER_CONFIG, sources=[broken])
+    async with TestClient(TestServer(app)) as client:
+        for _ in range(100):
+            resp = await client.get("/health")
+            if resp.status != 200:
+                break
+            await asyncio.sleep(0.01)
+        assert resp.status == 503
+        message = (await resp.json())["error"]["message"]
+        assert "broken" in message and "the watch broke" in message
+
+
+async def test_the_load_gauge_is_the_queues_the_pods_report(
+    start_router: StartRouter, start_backend: StartBackend
+) -> None:
+    router = await start_router()
+    a, b = Pod("a"), Pod("b")
+    a.queue, b.queue = (2, 1), (0, 1)
+    await pods(start_backend, router, a, b)
+    await router.wait_until("a load of 4", lambda: router.metric("lora_router_load") == 4)
+    a.queue = b.queue = (0, 0)
+    await router.wait_until("no load", lambda: router.metric("lora_router_load") == 0)
+
+
+async def test_a_stopping_router_answers_for_its_shutdown_delay_not_ready() -> None:
+    config = replace(
+        ROUTER_CONFIG, port=unused_port(), metrics_port=unused_port(), shutdown_delay_s=1.0
+    )
+    stop = asyncio.Event()
+    serving = asyncio.create_task(serve(config, stop, sources=[listed]))
+    url = f"http://127.0.0.1:{config.port}"
+    async with ClientSession() as session:
+        for _ in range(100):
+            with contextlib.suppress(aiohttp.ClientConnectionError):
+                async with session.get(f"{url}/ready") as r:
+                    if r.status == 200:
+                        break
+            await asyncio.sleep(0.02)
+        stop.set()
+        await asyncio.sleep(0.1)
+        # Draining: new connections are still answered, and /ready says it is leaving.
+        async with session.get(f"{url}/ready") as r:
+            assert r.status == 503
+            assert "shutting down" in (await r.json())["error"]["message"]
+        async with session.get(f"{url}/health") as r:
+            assert r.status == 200
+        assert not serving.done()
+        await asyncio.wait_for(serving, timeout=10)
+        with pytest.raises(aiohttp.ClientConnectionError):
+            async with session.get(f"{url}/health"):
+                pass
