@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from lora_inference import errors
-from lora_inference.engine import GenerationParams
 
 MAX_IMAGES = 10
 MAX_STEPS = 200
@@ -20,6 +19,21 @@ MAX_SIDE = 2048
 MAX_PROMPT_CHARS = 4000
 SCALE_RANGE = (-10.0, 10.0)
 _SIZE = re.compile(r"^(\d{1,5})x(\d{1,5})$")
+
+
+@dataclass(frozen=True)
+class GenerationParams:
+    """A validated generation request (`parse_generation`), as the engine takes it."""
+
+    prompt: str
+    negative_prompt: str | None
+    n: int
+    width: int
+    height: int
+    steps: int
+    guidance_scale: float
+    seed: int | None
+    scale: float | None  # None: the adapter's default scale (its load call's `scale`)
 
 
 @dataclass(frozen=True)

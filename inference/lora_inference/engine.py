@@ -32,27 +32,13 @@ from PIL import Image
 
 from lora_inference import admission, errors, residency, scheduling
 from lora_inference.adapters.registry import AdapterRecord, Registry
+from lora_inference.api import GenerationParams
 from lora_inference.config import ServerConfig
 from lora_inference.metrics import Metrics
 from lora_inference.pipeline import BatchOutcome, DiffusionBackend, ImageJob
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-
-
-@dataclass(frozen=True)
-class GenerationParams:
-    """A validated generation request (see api.parse_generation)."""
-
-    prompt: str
-    negative_prompt: str | None
-    n: int
-    width: int
-    height: int
-    steps: int
-    guidance_scale: float
-    seed: int | None
-    scale: float | None  # None: the adapter's default scale (its load call's `scale`)
 
 
 @dataclass(frozen=True)

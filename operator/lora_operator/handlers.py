@@ -12,12 +12,11 @@ Both kinds of object are held in kopf indices keyed by namespace (`lora_adapters
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
 from typing import Any
 
 import kopf
 
+from lora_operator import kube
 from lora_operator.config import OperatorConfig
 from lora_operator.controller import Controller
 from lora_operator.metrics import serve as serve_metrics
@@ -49,7 +48,7 @@ def build_registry(controller: Controller) -> kopf.OperatorRegistry:
 
     @kopf.on.login(id="login", registry=registry)
     async def login(**kwargs: Any) -> kopf.ConnectionInfo | None:  # async: in the operator's loop
-        info = in_cluster_login() or kopf.login_with_kubeconfig(**kwargs)
+        info = kube.in_cluster_login() or kopf.login_with_kubeconfig(**kwargs)
         if info is not None:
             controller.use_credentials(info)
         return info
@@ -90,28 +89,6 @@ def build_registry(controller: Controller) -> kopf.OperatorRegistry:
         await controller.delete(body)
 
     return registry
-
-
-SERVICE_ACCOUNT = Path("/var/run/secrets/kubernetes.io/serviceaccount")
-
-
-def in_cluster_login() -> kopf.ConnectionInfo | None:
-    """The pod's service account, at the address Kubernetes gives every pod in its environment
-    (as client-go does; kopf's own helper assumes the kubernetes.default.svc DNS name)."""
-    host = os.environ.get("KUBERNETES_SERVICE_HOST")
-    token_file = SERVICE_ACCOUNT / "token"
-    if not host or not token_file.is_file():
-        return None
-    port = os.environ.get("KUBERNETES_SERVICE_PORT", "443")
-    server_host = f"[{host}]" if ":" in host else host
-    ca = SERVICE_ACCOUNT / "ca.crt"
-    namespace = SERVICE_ACCOUNT / "namespace"
-    return kopf.ConnectionInfo(
-        server=f"https://{server_host}:{port}",
-        ca_path=str(ca) if ca.is_file() else None,
-        token=token_file.read_text().strip(),
-        default_namespace=namespace.read_text().strip() if namespace.is_file() else None,
-    )
 
 
 class NoDiffBase(kopf.AnnotationsDiffBaseStorage):

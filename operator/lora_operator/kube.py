@@ -2,8 +2,9 @@
 
 kopf watches and patches what its handlers return; the controller also writes adapters' status,
 posts Events (events.k8s.io/v1, with series for repeats), reads credential Secrets and watches
-kopf's peering object. It does so with the credentials kopf logged in with
-(`kopf.ConnectionInfo`), over one aiohttp session. `now_iso` is the operator's one clock in the
+kopf's peering object; the router lists and watches with it too. It does so with the credentials
+kopf logged in with (`kopf.ConnectionInfo`; `in_cluster_login` in a pod), over one aiohttp
+session. `now_iso` is the operator's one clock in the
 API's timestamp formats.
 """
 
@@ -12,7 +13,9 @@ from __future__ import annotations
 import base64
 import datetime
 import json
+import os
 from collections.abc import AsyncIterator, Mapping
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -23,12 +26,38 @@ from lora_operator.model import GROUP, PLURAL, VERSION
 EVENTS = "/apis/events.k8s.io/v1"
 REPORTING_CONTROLLER = "lora.dev/operator"
 WATCH_READ_TIMEOUT_S = 120.0  # a watch asks the server to end it sooner (timeoutSeconds)
+SERVICE_ACCOUNT = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 
 
 class ApiError(Exception):
     def __init__(self, status: int, message: str) -> None:
         super().__init__(f"{status}: {message}")
         self.status = status
+
+
+def in_cluster_login() -> kopf.ConnectionInfo | None:
+    """The pod's service account, at the address Kubernetes gives every pod in its environment
+    (as client-go does; kopf's own helper assumes the kubernetes.default.svc DNS name). None
+    outside a pod. The token file is read at each call, so a rotated token is picked up."""
+    host = os.environ.get("KUBERNETES_SERVICE_HOST")
+    token_file = SERVICE_ACCOUNT / "token"
+    if not host or not token_file.is_file():
+        return None
+    port = os.environ.get("KUBERNETES_SERVICE_PORT", "443")
+    server_host = f"[{host}]" if ":" in host else host
+    ca = SERVICE_ACCOUNT / "ca.crt"
+    return kopf.ConnectionInfo(
+        server=f"https://{server_host}:{port}",
+        ca_path=str(ca) if ca.is_file() else None,
+        token=token_file.read_text().strip(),
+        default_namespace=pod_namespace(),
+    )
+
+
+def pod_namespace() -> str | None:
+    """The namespace of the pod this process runs in (None outside a pod)."""
+    path = SERVICE_ACCOUNT / "namespace"
+    return path.read_text().strip() if path.is_file() else None
 
 
 class KubeApi:

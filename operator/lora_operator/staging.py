@@ -183,9 +183,9 @@ class Store:
         """Delete revisions neither current nor in `in_use` (what pods report), and the
         objects left without a revision; returns the plan applied and the bytes freed."""
         async with self._publish_lock:
-            snapshot = await asyncio.to_thread(gc.scan_volume, self.root)
+            snapshot = await asyncio.to_thread(scan_volume, self.root)
             plan = gc.plan_gc(snapshot, in_use)
-            freed = await asyncio.to_thread(gc.apply_gc, self.root, plan) if plan else 0
+            freed = await asyncio.to_thread(apply_gc, self.root, plan) if plan else 0
         return plan, freed
 
     def _publish(
@@ -358,6 +358,71 @@ VOLUME_STEPS = (
     "rename a symbolic link over another",
     "rename a directory out of .tmp/",
 )
+
+
+def scan_volume(volume_root: Path) -> gc.VolumeSnapshot:
+    """What the volume holds: every revision, what each `current` points to, every object."""
+    revisions: set[gc.RevisionRef] = set()
+    current: set[gc.RevisionRef] = set()
+    for ns_dir in _subdirs(volume_root):
+        if ns_dir.name.startswith("."):
+            continue  # .objects, .tmp: the store's own folders
+        for adapter in _subdirs(ns_dir):
+            for rev in _subdirs(adapter / layout.REVISIONS):
+                revisions.add(gc.RevisionRef(ns_dir.name, adapter.name, rev.name))
+            link = layout.current_link(ns_dir, adapter.name)
+            if link.is_symlink():
+                current.add(gc.RevisionRef(ns_dir.name, adapter.name, Path(os.readlink(link)).name))
+    objects_dir = layout.object_path(volume_root, "x").parent
+    objects = (
+        {p.name.removesuffix(".safetensors") for p in objects_dir.iterdir()}
+        if objects_dir.is_dir()
+        else set()
+    )
+    return gc.VolumeSnapshot(frozenset(revisions), frozenset(current), frozenset(objects))
+
+
+def apply_gc(volume_root: Path, plan: gc.GcPlan) -> int:
+    """Delete what `plan` names; returns the bytes freed (objects only, the revisions' links
+    share their inodes). A revision is renamed into `.tmp/` first, so no reader ever sees a
+    half-deleted directory; files a pod still has open stay readable until it closes them.
+    """
+    tmp_root = layout.tmp_dir(volume_root)
+    tmp_root.mkdir(parents=True, exist_ok=True)
+    for ref in plan.revisions:
+        ns_root = layout.namespace_root(volume_root, ref.namespace)
+        revision = layout.revision_dir(ns_root, ref.name, ref.sha256)
+        doomed = tmp_root / f"gc-{os.urandom(8).hex()}"
+        try:
+            os.rename(revision, doomed)
+        except FileNotFoundError:
+            continue
+        shutil.rmtree(doomed, ignore_errors=True)
+        _rmdir_if_empty(revision.parent)
+        _rmdir_if_empty(revision.parent.parent)
+    freed = 0
+    for digest in plan.objects:
+        obj = layout.object_path(volume_root, digest)
+        try:
+            freed += obj.stat().st_size
+            obj.unlink()
+        except FileNotFoundError:
+            continue
+    return freed
+
+
+def _subdirs(path: Path) -> list[Path]:
+    if not path.is_dir():
+        return []
+    return [p for p in path.iterdir() if p.is_dir() and not p.is_symlink()]
+
+
+def _rmdir_if_empty(path: Path) -> None:
+    try:
+        path.rmdir()
+    except OSError as e:
+        if e.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOENT):
+            raise
 
 
 def volume_hint(step: str, errno_: int | None) -> str:

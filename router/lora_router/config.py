@@ -8,8 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lora_operator.config import parse_size
-
-from lora_router import kube
+from lora_operator.kube import pod_namespace
 
 
 @dataclass(frozen=True)
@@ -110,7 +109,7 @@ def parse_args(argv: Sequence[str] | None = None) -> RouterConfig:
             read_token(a.client_token_file)
         except (OSError, ValueError) as e:
             p.error(f"--client-token-file: {e}")
-    namespace = a.namespace or kube.pod_namespace()
+    namespace = a.namespace or pod_namespace()
     if not namespace:
         p.error("--namespace is required outside a pod")
     return RouterConfig(

@@ -98,7 +98,7 @@ async def test_collect_on_a_real_volume(tmp_path: Path) -> None:
     assert not (tmp_path / "other" / "b").exists()
     assert layout.resolve_on_root(tmp_path / "ns", "a") == second.path
     assert list(layout.tmp_dir(tmp_path).iterdir()) == []
-    assert gc.scan_volume(tmp_path) == gc.VolumeSnapshot(
+    assert staging.scan_volume(tmp_path) == gc.VolumeSnapshot(
         frozenset({gc.RevisionRef("ns", "a", second.sha256)}),
         frozenset({gc.RevisionRef("ns", "a", second.sha256)}),
         frozenset({second.sha256}),
@@ -111,7 +111,7 @@ async def test_restaging_after_collection_rebuilds(tmp_path: Path) -> None:
     await _stage(store, tmp_path, "ns", "a", data)
     await store.unpublish("ns", "a")
     await store.collect(set())
-    assert gc.scan_volume(tmp_path).objects == frozenset()
+    assert staging.scan_volume(tmp_path).objects == frozenset()
     again = await _stage(store, tmp_path, "ns", "a", data)
     assert not again.reused and (again.path / layout.WEIGHTS_FILE).read_bytes() == data
 
@@ -147,6 +147,6 @@ async def test_collect_racing_stagings_never_breaks_a_current(tmp_path: Path) ->
         digest = staging.current_revision(tmp_path, "ns", name)
         assert digest is not None
         assert sha((found / layout.WEIGHTS_FILE).read_bytes()) == digest
-    snapshot = gc.scan_volume(tmp_path)
+    snapshot = staging.scan_volume(tmp_path)
     assert snapshot.revisions == snapshot.current
     assert snapshot.objects == {r.sha256 for r in snapshot.current}
