@@ -6,9 +6,15 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install packages binaries test lint typecheck unit demo demo-inference images e2e-kind bench bench-operator docs clean
+.PHONY: install prepare packages binaries test lint typecheck unit demo demo-inference images e2e-kind bench bench-operator docs clean
 
 install: $(STAMP) packages binaries
+
+# What the local cluster needs (the virtualenv, the binaries, the images), the three builds side
+# by side: on a fresh machine the Go builds keep the cores busy for about 20 minutes while the
+# virtualenv and the images mostly wait on downloads and the disk. Each prints its own lines.
+prepare: packages
+	@$(MAKE) --no-print-directory -j3 $(STAMP) binaries images
 
 # Debian packages for the local cluster's node and the image builds (apt-get, only when missing).
 packages:
@@ -35,13 +41,13 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy volume/lora_volume inference/lora_inference operator/lora_operator router/lora_router devcluster/lora_devcluster demo/lora_demo
 
-unit: install images
+unit: prepare
 	$(VENV)/bin/pytest
 
-test: install lint typecheck unit
+test: prepare lint typecheck unit
 
 # The main job on the local cluster: the chart, the operator, two adapters, images in demo-out/.
-demo: install images
+demo: prepare
 	$(PY) -m lora_demo --out demo-out
 
 # The inference server alone (no cluster): tiny model, two adapters, images in demo-out/.
@@ -58,7 +64,7 @@ images: packages
 
 # The end-to-end suite against a kind cluster: needs Docker and kind (see docs/operations.md);
 # kind loads the archives `make images` built.
-e2e-kind: install images
+e2e-kind: prepare
 	PYTHON=$(PY) hack/e2e-kind.sh
 
 bench: install
@@ -67,7 +73,7 @@ bench: install
 bench-operator: install
 	$(PY) bench/bench_operator.py
 
-# docs/reference/ from the CRD, the chart and the metrics in code (tests/test_docs.py checks it).
+# docs/reference/ from the CRD, the chart and the metrics in code (tests/unit/test_docs.py checks it).
 docs: $(STAMP) binaries
 	PATH="$$PATH:$$($(PY) -m lora_devcluster.cli bin-dir 2>/dev/null)" $(PY) hack/gen-docs.py
 

@@ -73,14 +73,16 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from diffusers import DiffusionPipeline  # noqa: E402
+from lora_demo import release  # noqa: E402
 from lora_devcluster.certs import write_pki  # noqa: E402
 from lora_devcluster.harness import Harness  # noqa: E402
 from lora_devcluster.pytest_plugin import running_cluster  # noqa: E402
 from lora_inference.tools.random_adapters import write_random_adapter  # noqa: E402
 from lora_inference.tools.tiny_models import write_tiny_model  # noqa: E402
 
-from tests.operator import cluster  # noqa: E402
-from tests.operator.cluster import MODEL_NAME, POD_VOLUME, TOKEN  # noqa: E402
+from tests.support import cluster  # noqa: E402
+from tests.support.cluster import MODEL_NAME, POD_VOLUME, TOKEN  # noqa: E402
+from tests.support.http import free_port  # noqa: E402
 
 NS = "bench"
 SA = "lora-operator-bench"
@@ -195,7 +197,7 @@ def operator_requests(h: Harness) -> dict[str, int]:
 
 
 def pods(h: Harness, n: int, timeout: float = 900) -> list[dict[str, Any]]:
-    return cluster.ready_pods(h, NS, SELECTOR, n, timeout=timeout)
+    return release.ready_pods(h, NS, SELECTOR, n, timeout=timeout, all_ready=False)
 
 
 def names_on(ip: str) -> set[str]:
@@ -464,7 +466,7 @@ class FileOrigin:
     is measured; it answers HTTP/1.0 without a Content-Length, which the fetcher accepts)."""
 
     def __init__(self, path: Path, cert: Path, key: Path) -> None:
-        self.port = cluster.free_port()
+        self.port = free_port()
         self._proc = subprocess.Popen(
             [
                 *("openssl", "s_server", "-accept", str(self.port)),
@@ -546,7 +548,7 @@ def measure_staging(work: Path, sizes_mib: list[int], repeats: int) -> list[Stag
     volume = work / "staging-volume"
     volume.mkdir(parents=True, exist_ok=True)
     pki = write_pki(work / "pki", ["127.0.0.1"], ["localhost"], "bench", "127.0.0.1")
-    moto_port = cluster.free_port()
+    moto_port = free_port()
     moto = subprocess.Popen(
         [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(moto_port)],
         stdout=subprocess.DEVNULL,

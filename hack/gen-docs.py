@@ -7,7 +7,8 @@
 - metrics.md       from the Prometheus metrics the operator and the inference server register in
                    code, and the alerts of the chart's PrometheusRule (rendered with helm)
 
-`make docs` writes them; `--check` exits 1 and names the files that differ (tests/test_docs.py).
+`make docs` writes them; `--check` exits 1 and names the files that differ
+(tests/unit/test_docs.py).
 The renderers are pure functions of their inputs; only `main` reads and writes files.
 """
 

@@ -1,8 +1,36 @@
-"""Settings shared by every test: keep diffusers' and transformers' chatter out of test output."""
+"""Settings and rules for every test: the kind of a test (unit, cluster, e2e) is the folder it
+is in, and becomes its marker (`pytest -m unit`); a unit test that needs the cluster is a
+collection error. The `phase` fixture (tests/support/phases.py) is for every suite.
+Diffusers' and transformers' chatter stays out of test output."""
 
 from __future__ import annotations
 
 import logging
+from pathlib import Path
+
+import pytest
+
+from tests.support import kinds
 
 logging.getLogger("diffusers").setLevel(logging.ERROR)
 logging.getLogger("transformers").setLevel(logging.ERROR)
+
+pytest_plugins = ["tests.support.phases"]
+
+TESTS = Path(__file__).resolve().parent
+
+
+# tryfirst: the markers must be there before `-m` deselects by them.
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    files = {item.nodeid: Path(item.path).resolve() for item in items}
+    problems = kinds.misplaced(
+        ((item.nodeid, files[item.nodeid], getattr(item, "fixturenames", ())) for item in items),
+        TESTS,
+    )
+    if problems:
+        raise pytest.UsageError("misplaced tests:\n" + "\n".join(problems))
+    for item in items:
+        kind = kinds.kind_of(files[item.nodeid], TESTS)
+        if kind is not None:  # always, once misplaced() found nothing
+            item.add_marker(kind)

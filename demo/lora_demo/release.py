@@ -81,17 +81,29 @@ def prepare_adapters(
 
 def ready_inference_pods(h: Harness, namespace: str, n: int, timeout: float = 300) -> list[Obj]:
     """Wait for exactly `n` ready, not deleting inference pods."""
+    return ready_pods(h, namespace, INFERENCE_LABELS, n, timeout)
+
+
+def ready_pods(
+    h: Harness,
+    namespace: str,
+    selector: str,
+    n: int,
+    timeout: float = 300,
+    *,
+    all_ready: bool = True,
+) -> list[Obj]:
+    """Wait for exactly `n` ready, not deleting pods matching the label `selector`; with
+    `all_ready=False`, other pods of the selector that are not ready may be there too."""
 
     def check() -> list[Obj] | None:
         pods = [
-            p
-            for p in h.pods(namespace, INFERENCE_LABELS)
-            if not p["metadata"].get("deletionTimestamp")
+            p for p in h.pods(namespace, selector) if not p["metadata"].get("deletionTimestamp")
         ]
         ready = [p for p in pods if is_ready(p)]
-        return ready if len(ready) == n == len(pods) else None
+        return ready if len(ready) == n and (len(pods) == n or not all_ready) else None
 
-    return h.wait_for(f"{n} ready inference pods in {namespace}", check, timeout=timeout)
+    return h.wait_for(f"{n} ready pods {selector} in {namespace}", check, timeout=timeout)
 
 
 def is_ready(pod: Obj) -> bool:

@@ -15,13 +15,12 @@ import io
 import json
 from pathlib import Path
 
-import pytest
 from lora_demo import manifests, release
 from lora_demo.manifests import MODEL_NAME, RELEASE, SERVICE, AdapterSource
 from lora_devcluster.harness import Harness
 from PIL import Image
 
-pytestmark = pytest.mark.e2e
+from tests.support.phases import Phase
 
 N = 2
 INSTANCE = f"app.kubernetes.io/instance={RELEASE}"
@@ -44,7 +43,7 @@ def weights_sha(h: Harness, ns: str, pod: str, source: AdapterSource) -> str:
 
 
 def test_install_apply_generate_reconcile_update_delete_uninstall(
-    e2e: tuple[Harness, str], tmp_path: Path
+    e2e: tuple[Harness, str], tmp_path: Path, phase: Phase
 ) -> None:
     h, ns = e2e
     # In the namespace's own folder, under sources/ so the server's resolver never takes
@@ -52,6 +51,7 @@ def test_install_apply_generate_reconcile_update_delete_uninstall(
     folder = f"{ns}/sources"
     sources = (AdapterSource("a", seed=1, folder=folder), AdapterSource("b", seed=2, folder=folder))
     try:
+        phase("install: the model, the CRD, the chart, the sources; helm test")
         release.prepare_model(h, ns)
         release.install_crd(h)
         release.install_chart(h, ns, manifests.local_values(ns, replicas=N), tmp_path)
@@ -61,6 +61,7 @@ def test_install_apply_generate_reconcile_update_delete_uninstall(
 
         operator = h.pods(ns, "app.kubernetes.io/component=operator")[0]["metadata"]["name"]
         shas = {s.name: weights_sha(h, ns, operator, s) for s in sources}
+        phase(f"apply the adapter -> Ready {N}/{N}")
         h.apply(
             {
                 "apiVersion": "lora.dev/v1alpha1",
@@ -74,6 +75,7 @@ def test_install_apply_generate_reconcile_update_delete_uninstall(
         table = h.kubectl("get", "lora", "-n", ns, "--no-headers").split()
         assert table[:4] == ["pixel-art", MODEL_NAME, "Ready", f"{N}/{N}"], table
 
+        phase("generate on every pod, through the Service and by its DNS name")
         # Every pod serves the adapter by name, different from the base; so does the Service,
         # from outside (the API server's proxy) and from a pod by its DNS name.
         names = [p["metadata"]["name"] for p in pods]
@@ -88,6 +90,7 @@ def test_install_apply_generate_reconcile_update_delete_uninstall(
         summary = release.generate_in_cluster(h, ns, "dns-client", "pixel-art")
         assert summary == {"status": 200, "images": 1, "seed": 42}
 
+        phase("a killed container gets the adapter back")
         # A killed inference container restarts empty and gets the adapter back.
         victim = names[0]
         h.kill_container(ns, victim, "inference")
@@ -99,6 +102,7 @@ def test_install_apply_generate_reconcile_update_delete_uninstall(
 
         h.wait_for("the killed container to get the adapter back", restarted_with_adapter, 180)
 
+        phase("a deleted pod's replacement gets it")
         # A deleted pod's replacement gets it too.
         gone = names[1]
         h.kubectl("delete", "pod", "-n", ns, gone, "--wait=false")
@@ -110,6 +114,7 @@ def test_install_apply_generate_reconcile_update_delete_uninstall(
         h.wait_for("the replacement pod to hold the adapter", replaced, timeout=240)
         release.wait_adapter_ready(h, ns, "pixel-art", f"{N}/{N}", timeout=120)
 
+        phase("a source update moves every pod")
         # An update of the source moves every pod to the new revision.
         patch = {"spec": {"source": {"uri": sources[1].uri}}}
         h.kubectl("patch", "loraadapter", "pixel-art", "-n", ns, "--type=merge",
@@ -122,10 +127,12 @@ def test_install_apply_generate_reconcile_update_delete_uninstall(
         )
         release.wait_adapter_ready(h, ns, "pixel-art", f"{N}/{N}", timeout=60, sha256=shas["b"])
 
+        phase("delete the adapter")
         # Deleted: unloaded from every pod, then the object is gone.
         h.kubectl("delete", "loraadapter", "pixel-art", "-n", ns, "--timeout=90s")
         assert not any("pixel-art" in release.served_adapters(h, ns, p) for p in current)
 
+        phase("helm uninstall")
         # Uninstall leaves nothing of the release but what the chart keeps on purpose (objects
         # annotated helm.sh/resource-policy: keep); the CRD stays.
         uninstall = h.run(

@@ -44,8 +44,6 @@ from lora_devcluster import pytest_plugin
 from lora_devcluster.harness import ApiError, Harness
 from prometheus_client.parser import text_string_to_metric_families
 
-pytestmark = pytest.mark.e2e
-
 Obj = dict[str, Any]
 PODS = 3
 ROUTERS = 2  # the chart's default

@@ -9,7 +9,7 @@ import pytest
 from lora_operator import gc, sources, staging
 from lora_volume import layout
 
-from tests.operator.conftest import lora_bytes, sha
+from tests.support.loras import lora_bytes, sha
 
 A1 = gc.RevisionRef("ns", "a", "1" * 64)
 A2 = gc.RevisionRef("ns", "a", "2" * 64)

@@ -1,0 +1,114 @@
+"""LoRA slots on real peft layers: activation cost, and merges that always come back exactly."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from lora_inference.pipeline import DiffusionBackend, ParsedAdapter
+from lora_inference.slots import LayerWeights, Slots
+from peft.tuners.lora import LoraLayer
+
+from tests.unit.inference.conftest import Assets
+
+
+@pytest.fixture
+def parsed(backend: DiffusionBackend, assets: Assets) -> Iterator[list[ParsedAdapter]]:
+    yield [
+        backend.parse_adapter(path, name=path.name, max_rank=64)
+        for path in (assets.adapter_a, assets.adapter_b, assets.kohya)
+    ]
+    for slot in backend.resident_keys():
+        backend.clear(slot)
+
+
+def enabled_layers(backend: DiffusionBackend) -> dict[str, list[str]]:
+    """Every LoRA layer of the pipeline that runs a branch, with its active slots."""
+    return {
+        f"{component}.{name}": list(module.active_adapters)
+        for component in backend.components
+        for name, module in getattr(backend.pipe, component).named_modules()
+        if isinstance(module, LoraLayer) and not module.disable_adapters
+    }
+
+
+def test_activation_touches_the_batch_and_the_previous_batch_whatever_is_resident(
+    backend: DiffusionBackend, parsed: list[ParsedAdapter]
+) -> None:
+    a, b, _ = parsed
+    backend.place("only", a)
+    backend.slots.activate({})
+    alone = backend.slots.activate({"only": 1.0})
+    backend.clear("only")
+
+    for i in range(12):  # twelve resident adapters, in three layouts
+        backend.place(f"many{i}", parsed[i % 3])
+    backend.slots.activate({})
+    assert backend.slots.activate({"many0": 1.0}) == alone == len(a.layers)
+    assert enabled_layers(backend) == {f"{c}.{m}": ["many0"] for c, m in a.layers}
+    # The next batch switches off what the previous one left on, and nothing else.
+    assert backend.slots.activate({"many1": 0.5}) == len(a.layers.keys() | b.layers.keys())
+    assert enabled_layers(backend) == {f"{c}.{m}": ["many1"] for c, m in b.layers}
+    # Routed: peft runs no branch; the routing hooks add each image's own.
+    backend.slots.activate({"many0": 1.0, "many1": 1.0}, routed=True)
+    assert enabled_layers(backend) == {}
+
+
+def test_an_evicted_slot_takes_the_newcomers_layers_only(
+    backend: DiffusionBackend, parsed: list[ParsedAdapter]
+) -> None:
+    a, b, _ = parsed
+    backend.place("s", b)  # UNet and text encoder
+    backend.slots.activate({"s": 1.0})
+    backend.place("s", a)  # UNet only: the text-encoder layers must lose the slot
+    holding = {
+        f"{component}.{name}"
+        for component in backend.components
+        for name, module in getattr(backend.pipe, component).named_modules()
+        if isinstance(module, LoraLayer) and "s" in module.lora_A
+    }
+    assert holding == {f"{c}.{m}" for c, m in a.layers}
+    assert enabled_layers(backend) == {}  # the text encoder is not left running the old branch
+
+
+def probe_layer(dtype: torch.dtype) -> tuple[Slots, Any, tuple[str, str]]:
+    """One Linear holding one slot; returns the slots, the (wrapped) layer and its key."""
+    torch.manual_seed(0)
+    probe = torch.nn.ModuleDict({"layer": torch.nn.Linear(64, 64, dtype=dtype)})
+    slots = Slots({"probe": probe})
+    key = ("probe", "layer")
+    down, up = torch.randn(8, 64, dtype=dtype), torch.randn(64, 8, dtype=dtype)
+    slots.place("s", {key: LayerWeights(down=down, up=up, alpha=8, rslora=False)})
+    return slots, probe["layer"], key
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["float16", "float32"])
+def test_merged_weights_come_back_bit_for_bit_where_subtracting_would_drift(
+    dtype: torch.dtype,
+) -> None:
+    slots, layer, key = probe_layer(dtype)
+    weight = layer.get_base_layer().weight
+    before = weight.clone()
+    subtracted = weight.clone()
+    for scale in [1.0, 0.3, -2.0, 0.7] * 3:
+        slots.activate({"s": scale}, merged=[key])
+        with slots.merged("s", [key]):
+            assert not torch.equal(weight, before)
+            delta = layer.get_delta_weight("s")
+        subtracted += delta
+        subtracted -= delta
+        assert torch.equal(weight, before)
+    if dtype == torch.float16:
+        assert not torch.equal(subtracted, before)  # why restores copy instead
+
+
+def test_a_call_that_fails_inside_a_merge_still_restores() -> None:
+    slots, layer, key = probe_layer(torch.float32)
+    weight = layer.get_base_layer().weight
+    before = weight.clone()
+    slots.activate({"s": 1.0}, merged=[key])
+    with pytest.raises(RuntimeError, match="generation failed"), slots.merged("s", [key]):
+        raise RuntimeError("generation failed")
+    assert torch.equal(weight, before)

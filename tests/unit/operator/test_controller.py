@@ -1,0 +1,493 @@
+"""The controller with its seams swapped: pods that answer from memory (our own PodClient's
+interface), an API client that records what it is asked to write, and the real store on a
+temporary volume (or one that fails on cue). No cluster: what is tested here is the controller's
+bookkeeping (writes per adapter, Events, deletion order, backoff, standby); the operator against
+a real API server and real pods is in test_operator_*.py."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import os
+from collections.abc import AsyncIterator, Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from lora_operator import errors, planning, staging
+from lora_operator.config import OperatorConfig
+from lora_operator.controller import Controller, needs_staging
+from lora_operator.model import PodInfo, adapter_info, pod_info
+from lora_operator.podclient import PodError
+from lora_operator.status import summarise
+from lora_volume import layout, targeting
+
+from tests.support.loras import lora_bytes
+
+SHA = "d" * 64
+NS = "ns"
+FAST = dict(
+    resync_s=0.3,
+    max_backoff_s=0.02,
+    verify_every_s=0.05,
+    status_settle_s=3.0,
+    status_progress_s=10.0,
+    retry_bound=3,
+)
+
+
+class FakePods:
+    """Inference pods in memory: /v1/models from what was loaded, failures on cue."""
+
+    def __init__(self, log: list[tuple[str, ...]]) -> None:
+        self.held: dict[str, dict[str, planning.Card]] = {}
+        self.log = log
+        self.fail: dict[tuple[str, str], list[PodError]] = {}
+        self.blocked: dict[str, asyncio.Event] = {}
+        self.in_flight: set[tuple[str, str]] = set()
+        self.delay = 0.0  # seconds per load call
+
+    async def models(self, pod: PodInfo) -> planning.PodReport:
+        if pod.name in self.blocked:
+            await self.blocked[pod.name].wait()
+        return planning.PodReport("sd", dict(self.held.setdefault(pod.name, {})))
+
+    async def load(self, pod: PodInfo, want: planning.Want, *, inplace: bool) -> None:
+        key = (pod.name, want.name)
+        assert key not in self.in_flight, f"{key} loaded twice at once"
+        self.in_flight.add(key)
+        try:
+            await asyncio.sleep(self.delay)
+            self.log.append(("load", pod.name, want.name))
+            if self.fail.get(key):
+                raise self.fail[key].pop(0)
+            self.held.setdefault(pod.name, {})[want.name] = planning.Card(
+                want.name, want.sha256, want.scale, want.pinned
+            )
+        finally:
+            self.in_flight.discard(key)
+
+    async def unload(self, pod: PodInfo, name: str) -> None:
+        self.log.append(("unload", pod.name, name))
+        self.held.setdefault(pod.name, {}).pop(name, None)
+
+    async def close(self) -> None:
+        pass
+
+
+class FakeApi:
+    """Records status patches and Events; serves a peering object from a queue of states."""
+
+    def __init__(self) -> None:
+        self.status: dict[str, list[dict[str, Any]]] = {}
+        self.events: list[tuple[str, str, str, str]] = []  # (object, type, reason, note)
+        self.counted: list[tuple[str, int]] = []
+        self.peering: dict[str, Any] = {}
+        self.peering_changes: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+        self.secret_errors: list[Exception] = []  # raised by the next reads of a Secret
+
+    async def patch_adapter_status(
+        self, namespace: str, name: str, status: Mapping[str, Any]
+    ) -> None:
+        self.status.setdefault(name, []).append(dict(status))
+
+    async def read_secret(self, namespace: str, name: str) -> dict[str, str]:
+        if self.secret_errors:
+            raise self.secret_errors.pop(0)
+        return {}
+
+    async def create_event(
+        self, regarding: Mapping[str, str], name: str, type_: str, reason: str, note: str
+    ) -> None:
+        self.events.append((regarding["name"], type_, reason, note))
+
+    async def count_event(self, namespace: str, name: str, count: int) -> None:
+        self.counted.append((name, count))
+
+    async def request(self, method: str, path: str) -> Any:
+        items = [{"status": self.peering}] if self.peering else []
+        return {"metadata": {"resourceVersion": "1"}, "items": items}
+
+    async def watch(
+        self, collection: str, params: Mapping[str, str]
+    ) -> AsyncIterator[tuple[str, dict[str, Any]]]:
+        while True:
+            self.peering = await self.peering_changes.get()
+            yield "MODIFIED", {"metadata": {"resourceVersion": "2"}, "status": self.peering}
+
+    async def close(self) -> None:
+        pass
+
+    def phases(self, name: str) -> list[str]:
+        return [s["phase"] for s in self.status.get(name, [])]
+
+    def reasons(self, name: str) -> list[str]:
+        return [reason for obj, _, reason, _ in self.events if obj == name]
+
+
+class RecordingStore(staging.Store):
+    """The real store, noting when an adapter is unpublished (to order it against unloads)."""
+
+    def __init__(self, root: Path, log: list[tuple[str, ...]]) -> None:
+        super().__init__(root)
+        self.log = log
+
+    async def unpublish(self, namespace: str, name: str) -> bool:
+        self.log.append(("unpublish", name))
+        return await super().unpublish(namespace, name)
+
+
+def pod(name: str) -> PodInfo:
+    return pod_info(
+        {
+            "metadata": {
+                "namespace": NS,
+                "name": name,
+                "uid": name,
+                "labels": {"lora.dev/inference": "true"},
+            },
+            "status": {"podIP": "10.0.0.1", "conditions": [{"type": "Ready", "status": "True"}]},
+        }
+    )
+
+
+def adapter(volume: Path, name: str, seed: int = 0, **spec: Any) -> dict[str, Any]:
+    src = volume / NS / "src" / f"{name}.safetensors"
+    if not src.exists():
+        src.parent.mkdir(parents=True, exist_ok=True)
+        src.write_bytes(lora_bytes(seed))
+    return {
+        "metadata": {"namespace": NS, "name": name, "uid": f"uid-{name}", "generation": 1},
+        "spec": {"baseModel": "sd", "source": {"uri": str(src)}, **spec},
+    }
+
+
+async def until(what: str, check: Callable[[], bool], timeout: float = 20) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not check():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.01)
+
+
+class Rig:
+    def __init__(self, tmp_path: Path, **config: Any) -> None:
+        self.log: list[tuple[str, ...]] = []
+        self.volume = tmp_path / "volume"
+        self.volume.mkdir()
+        self.pods = FakePods(self.log)
+        self.api = FakeApi()
+        self.store = RecordingStore(self.volume, self.log)
+        self.controller = Controller(
+            OperatorConfig(volume_root=self.volume, **{**FAST, **config}),
+            pods=self.pods,
+            volume=self.store,
+            api=self.api,
+            identity="me",
+        )
+
+    def ready(self, name: str) -> bool:
+        return "Ready" in self.api.phases(name)
+
+    async def __aenter__(self) -> Rig:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.controller.stop()
+
+
+async def test_apply_loads_every_pod_with_one_status_write_and_one_event(tmp_path: Path) -> None:
+    async with Rig(tmp_path) as rig:
+        c = rig.controller
+        c.start()
+        for p in ("p1", "p2", "p3"):
+            c.pod_changed(pod(p))
+        names = [f"a{i}" for i in range(5)]
+        for i, name in enumerate(names):
+            c.adapter_changed(adapter(rig.volume, name, seed=i))
+        await until("every adapter Ready", lambda: all(rig.ready(n) for n in names))
+        await asyncio.sleep(0.3)  # anything still queued would be written now
+        for name in names:
+            assert rig.api.phases(name) == ["Ready"]
+            assert rig.api.reasons(name) == ["Ready"]
+            (status,) = rig.api.status[name]
+            assert status["ready"] == "3/3" and status["readyPods"] == 3
+            assert {p["state"] for p in status["pods"]} == {"Loaded"}
+        notes = {note for obj, _, _, note in rig.api.events}
+        assert all(n.startswith("Loaded on 3/3 pods (revision ") for n in notes)
+        assert sorted(rig.log) == sorted(("load", p, n) for p in ("p1", "p2", "p3") for n in names)
+
+
+async def test_a_pod_restart_reloads_and_a_repeated_ready_counts_into_its_series(
+    tmp_path: Path,
+) -> None:
+    async with Rig(tmp_path, status_settle_s=0.0) as rig:  # Loading is written at once
+        c = rig.controller
+        c.start()
+        c.pod_changed(pod("p1"))
+        c.adapter_changed(adapter(rig.volume, "a"))
+        await until("Ready", lambda: rig.ready("a"))
+        rig.pods.delay = 0.5  # long enough for the writer to see Loading
+        for restarts in (1, 2):
+            rig.pods.held["p1"] = {}  # the server restarted empty
+            c.pod_changed(PodInfo(**{**pod("p1").__dict__, "restarts": restarts}))
+            await until("loaded again", lambda n=1 + restarts: len(rig.log) == n)
+            await until("Ready again", lambda: rig.api.phases("a")[-1] == "Ready")
+        # Each Event is created once, and its repeats counted into its series.
+        assert rig.api.reasons("a") == ["Ready", "Loading"]
+        assert [count for _, count in rig.api.counted] == [2, 2, 3]
+
+
+async def test_transient_load_failures_reach_degraded_then_ready(tmp_path: Path) -> None:
+    async with Rig(tmp_path) as rig:
+        c = rig.controller
+        failures = rig.pods.fail[("p1", "a")] = [PodError("503 busy", permanent=False)] * 1000
+        c.start()
+        c.pod_changed(pod("p1"))
+        c.pod_changed(pod("p2"))
+        c.adapter_changed(adapter(rig.volume, "a"))
+        await until("Degraded", lambda: "Degraded" in rig.api.phases("a"))
+        failures.clear()  # the pod recovers
+        await until("Ready", lambda: rig.ready("a"))
+        phases = rig.api.phases("a")
+        assert phases[-1] == "Ready" and "Degraded" in phases
+        degraded = rig.api.status["a"][phases.index("Degraded")]
+        assert degraded["readyPods"] == 1
+        cond = next(x for x in degraded["conditions"] if x["type"] == "Degraded")
+        assert cond["reason"] == "LoadRetrying" and "p1: 503 busy" in cond["message"]
+        assert rig.api.reasons("a") == ["LoadRetrying", "Ready"]
+        assert ("Warning", "LoadRetrying") in {(t, r) for _, t, r, _ in rig.api.events}
+
+
+async def test_a_refusal_is_not_retried_until_the_spec_changes(tmp_path: Path) -> None:
+    async with Rig(tmp_path) as rig:
+        c = rig.controller
+        rig.pods.fail[("p1", "a")] = [PodError("422 wrong shapes", permanent=True)]
+        c.start()
+        c.pod_changed(pod("p1"))
+        body = adapter(rig.volume, "a")
+        c.adapter_changed(body)
+        await until("Failed", lambda: "Failed" in rig.api.phases("a"))
+        await asyncio.sleep(1.0)  # three resyncs
+        assert rig.log.count(("load", "p1", "a")) == 1
+        assert rig.api.reasons("a") == ["LoadFailed"]
+        body["spec"]["scale"] = 0.5
+        body["metadata"]["generation"] = 2
+        c.adapter_changed(body)
+        await until("Ready", lambda: rig.ready("a"))
+        assert rig.log.count(("load", "p1", "a")) == 2
+
+
+async def test_deletion_unpublishes_before_any_pod_unloads(tmp_path: Path) -> None:
+    async with Rig(tmp_path) as rig:
+        c = rig.controller
+        c.start()
+        for p in ("p1", "p2"):
+            c.pod_changed(pod(p))
+        body = adapter(rig.volume, "a")
+        c.adapter_changed(body)
+        await until("Ready", lambda: rig.ready("a"))
+        writes = len(rig.api.status["a"])
+        current = rig.volume / NS / "a" / "current"
+        assert current.is_symlink()
+        body["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+        await c.delete(body)
+        steps = [e for e in rig.log if e[0] in ("unpublish", "unload")]
+        assert steps[0] == ("unpublish", "a")
+        assert sorted(steps[1:]) == [("unload", "p1", "a"), ("unload", "p2", "a")]
+        assert not current.exists() and not os.path.lexists(current)
+        assert ("ns", "a") not in c.adapters
+        assert len(rig.api.status["a"]) == writes  # nothing written about a deleted adapter
+
+
+async def test_status_waits_until_every_ready_pod_has_reported(tmp_path: Path) -> None:
+    async with Rig(tmp_path) as rig:
+        c = rig.controller
+        rig.pods.blocked["p2"] = asyncio.Event()
+        c.start()
+        c.pod_changed(pod("p1"))
+        c.pod_changed(pod("p2"))
+        c.adapter_changed(adapter(rig.volume, "a"))
+        await until("p1 holds it", lambda: "a" in rig.pods.held.get("p1", {}))
+        await asyncio.sleep(0.5)
+        assert "a" not in rig.api.status  # 1/1 would be less than an earlier process saw
+        rig.pods.blocked.pop("p2").set()
+        await until("Ready", lambda: rig.ready("a"))
+        assert rig.api.status["a"][-1]["ready"] == "2/2"
+
+
+class FlakyStore(RecordingStore):
+    """Fails staging `failures` times with a transient error, then stages for real."""
+
+    def __init__(self, root: Path, log: list[tuple[str, ...]], failures: int) -> None:
+        super().__init__(root, log)
+        self.failures = failures
+
+    async def stage(self, *args: Any, **kwargs: Any) -> staging.StagedRevision:
+        if self.failures:
+            self.failures -= 1
+            raise errors.SourceUnavailable("connection refused")
+        return await super().stage(*args, **kwargs)
+
+
+async def test_a_source_in_backoff_stays_degraded_with_one_event_per_change(
+    tmp_path: Path,
+) -> None:
+    async with Rig(tmp_path, max_backoff_s=0.3, status_settle_s=0.0) as rig:
+        c = rig.controller
+        c.volume = FlakyStore(rig.volume, rig.log, failures=6)
+        c.start()
+        c.pod_changed(pod("p1"))
+        c.adapter_changed(adapter(rig.volume, "a"))
+        await until("Ready", lambda: rig.ready("a"))
+        phases = rig.api.phases("a")
+        first_degraded = phases.index("Degraded")
+        assert set(phases[first_degraded:-1]) == {"Degraded"}  # never back to Staging
+        assert set(phases[:first_degraded]) <= {"Staging"}
+        assert rig.api.reasons("a") == ["SourceUnavailable", "SourceUnavailable", "Ready"]
+        assert [t for _, t, _, _ in rig.api.events] == ["Warning", "Warning", "Normal"]
+        degraded = rig.api.status["a"][first_degraded]
+        message = next(x for x in degraded["conditions"] if x["type"] == "Degraded")["message"]
+        assert "connection refused" in message and "attempt" in message
+
+
+async def test_a_standby_acts_only_once_the_active_replica_stops_renewing(
+    tmp_path: Path,
+) -> None:
+    async with Rig(tmp_path, standalone=False, peering="p", peering_priority=0) as rig:
+        c = rig.controller
+        leftover = rig.volume / ".tmp" / "download-x.part"
+        leftover.parent.mkdir()
+        leftover.write_bytes(b"the active replica is writing this")
+        now = datetime.datetime.now(datetime.UTC)
+        alive = {"priority": 5, "lifetime": 60, "lastseen": now.isoformat()}
+        rig.api.peering = {"other": alive, "me": {**alive, "priority": 0}}
+        c.start()
+        c.pod_changed(pod("p1"))
+        c.adapter_changed(adapter(rig.volume, "a"))
+        await asyncio.sleep(0.5)
+        assert not c.active.is_set()
+        assert leftover.exists() and rig.log == [] and rig.api.status == {}
+        dead = {**alive, "lastseen": (now - datetime.timedelta(seconds=61)).isoformat()}
+        await rig.api.peering_changes.put({"other": dead, "me": alive})
+        await until("Ready", lambda: rig.ready("a"))
+        assert not leftover.exists()
+        # The other replica is back and wins: this one stops acting.
+        await rig.api.peering_changes.put({"other": alive, "me": {**alive, "priority": 0}})
+        await until("standby", lambda: not c.active.is_set())
+        assert all(p.task is None for p in c.pods.values())
+
+
+def seeded_body(
+    generation: int, staged_reason: str, staged_status: str, observed: int
+) -> dict[str, Any]:
+    return {
+        "metadata": {"namespace": "ns", "name": "a", "generation": generation},
+        "spec": {"baseModel": "sd", "source": {"uri": "/v/ns/a"}},
+        "status": {
+            "phase": "Failed" if staged_status == "False" else "Ready",
+            "observedGeneration": observed,
+            "staged": {"sha256": SHA, "sizeBytes": 3, "path": "/v/ns/a/revisions/" + SHA},
+            "conditions": [
+                {"type": "Staged", "status": staged_status, "reason": staged_reason, "message": "m"}
+            ],
+        },
+    }
+
+
+@pytest.mark.parametrize("active", [False, True], ids=["standby", "active"])
+async def test_a_permanent_failure_of_the_current_generation_survives_a_restart(
+    tmp_path: Path, active: bool
+) -> None:
+    c = Controller(OperatorConfig(volume_root=tmp_path), api=FakeApi(), identity="me")
+    if active:
+        c.set_active(True)
+    b = seeded_body(
+        generation=2, staged_reason="ChecksumMismatch", staged_status="False", observed=2
+    )
+    c.adapter_changed(b)
+    rec = c.adapters[("ns", "a")]
+    assert (rec.staging_state.permanent, rec.staging_state.error_reason) == (
+        True,
+        "ChecksumMismatch",
+    )
+    assert rec.staging_task is None  # not staged again
+    info = adapter_info(b)
+    assert summarise(info, rec.staging_state, []).phase == "Failed"
+    # Generation 1's revision is still on the volume: resuming does not download again.
+    assert not needs_staging(info, rec.staging_state.observed_generation, volume_current=SHA)
+    assert rec.written_headline == ("Failed", None)
+
+
+async def test_a_staged_generation_is_seeded_as_staged(tmp_path: Path) -> None:
+    c = Controller(OperatorConfig(volume_root=tmp_path), api=FakeApi(), identity="me")
+    c.adapter_changed(
+        seeded_body(generation=3, staged_reason="Staged", staged_status="True", observed=3)
+    )
+    state = c.adapters[("ns", "a")].staging_state
+    assert state.permanent is False
+    assert state.path == "/v/ns/a/revisions/" + SHA
+    assert state.staged is not None and state.staged.sha256 == SHA
+
+
+def test_the_fakes_speak_the_real_interfaces() -> None:
+    """The fakes above stand in for our own seams: keep them honest about the signatures."""
+    import inspect
+
+    from lora_operator import kube, podclient
+
+    for fake, real in ((FakePods, podclient.PodClient), (FakeApi, kube.KubeApi)):
+        for name in ("models", "load", "unload", "patch_adapter_status", "create_event"):
+            if hasattr(real, name):
+                assert list(inspect.signature(getattr(fake, name)).parameters) == list(
+                    inspect.signature(getattr(real, name)).parameters
+                ), name
+
+
+async def test_the_target_is_published_with_the_adapter_and_after_a_restart(
+    tmp_path: Path,
+) -> None:
+    selector = {"matchLabels": {"tier": "gpu"}}
+    target_file = layout.target_file(layout.namespace_root(tmp_path / "volume", NS), "a")
+    async with Rig(tmp_path) as rig:
+        rig.controller.start()
+        body = adapter(rig.volume, "a", selector=selector)
+        rig.controller.adapter_changed(body)
+        await until("staged", lambda: any(s.get("staged") for s in rig.api.status.get("a", [])))
+        assert targeting.parse_target(target_file.read_text()) == targeting.Target(
+            "sd", targeting.parse_selector(selector)
+        )
+        status = next(s for s in reversed(rig.api.status["a"]) if s.get("staged"))
+    # Staged by a release that published no target: a restarted operator publishes it without
+    # staging again.
+    target_file.unlink()
+    restarted = Controller(
+        OperatorConfig(volume_root=rig.volume, **FAST),
+        pods=FakePods(rig.log),
+        volume=rig.store,
+        api=FakeApi(),
+        identity="me",
+    )
+    restarted.start()
+    try:
+        restarted.adapter_changed({**body, "status": status})
+        await until("target published", target_file.exists)
+        assert restarted.adapters[(NS, "a")].staging_task is None
+    finally:
+        await restarted.stop()
+
+
+async def test_an_unreachable_api_server_while_reading_the_secret_is_retried(
+    tmp_path: Path,
+) -> None:
+    async with Rig(tmp_path) as rig:
+        rig.api.secret_errors = [aiohttp.ClientConnectionError("connection refused")]
+        c = rig.controller
+        c.start()
+        c.pod_changed(pod("p1"))
+        body = adapter(rig.volume, "a")
+        body["spec"]["source"]["secretRef"] = {"name": "creds"}
+        c.adapter_changed(body)
+        await until("Ready after a retry", lambda: rig.ready("a"))
+        assert rig.api.secret_errors == []

@@ -1,0 +1,191 @@
+"""The controller placing adapters with spec.replicas and spec.autoscale, with its seams swapped
+(the rig of test_controller.py: pods answering from memory, a recording API, the real store).
+What is tested: the adapter goes to exactly the placed pods and leaves the others, the status
+names them and counts them in READY, a pod that goes away is replaced, a shortfall is Degraded
+with its reason, and the request rate the pods count widens and narrows the set."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+from lora_operator import planning
+from lora_operator.model import PodInfo
+
+from tests.unit.operator.test_controller import FakePods, Rig, adapter, pod, until
+
+
+class CountingPods(FakePods):
+    """Pods that advertise their tiers and count requests per adapter, as the server does."""
+
+    def __init__(self, log: list[tuple[str, ...]], max_loras: int = 4, max_cpu: int = 8) -> None:
+        super().__init__(log)
+        self.max_loras, self.max_cpu = max_loras, max_cpu
+        self.hits: dict[tuple[str, str], int] = {}
+
+    async def models(self, pod: PodInfo) -> planning.PodReport:
+        report = await super().models(pod)
+        cards = {
+            name: dataclasses.replace(card, hits=self.hits.get((pod.name, name), 0))
+            for name, card in report.cards.items()
+        }
+        return planning.PodReport(
+            report.base_model, cards, max_loras=self.max_loras, max_cpu_loras=self.max_cpu
+        )
+
+
+def created(body: dict[str, Any], minute: int) -> dict[str, Any]:
+    body["metadata"]["creationTimestamp"] = f"2026-01-01T00:{minute:02d}:00Z"
+    return body
+
+
+def placed_rig(tmp_path: Path, **config: Any) -> Rig:
+    rig = Rig(tmp_path, **config)
+    rig.pods = CountingPods(rig.log)
+    rig.controller.pod_client = rig.pods
+    return rig
+
+
+def holders(rig: Rig, name: str) -> set[str]:
+    return {p for p, cards in rig.pods.held.items() if name in cards}
+
+
+def last_status(rig: Rig, name: str) -> dict[str, Any]:
+    return rig.api.status[name][-1] if rig.api.status.get(name) else {}
+
+
+async def test_replicas_place_the_adapter_on_that_many_pods_and_status_names_them(
+    tmp_path: Path,
+) -> None:
+    async with placed_rig(tmp_path) as rig:
+        c = rig.controller
+        c.start()
+        for p in ("p1", "p2", "p3", "p4"):
+            c.pod_changed(pod(p))
+        body = adapter(rig.volume, "a", replicas=2)
+        c.adapter_changed(body)
+        await until("Ready", lambda: rig.ready("a"))
+        status = last_status(rig, "a")
+        assert len(holders(rig, "a")) == 2
+        assert sorted(status["placedPods"]) == sorted(holders(rig, "a"))
+        assert status["ready"] == "2/2" and status["replicas"] == 2
+
+        # Widening keeps the pods it had (a stable hash) and adds one.
+        before = holders(rig, "a")
+        body["spec"]["replicas"], body["metadata"]["generation"] = 3, 2
+        c.adapter_changed(body)
+        await until("on 3 pods", lambda: last_status(rig, "a").get("ready") == "3/3")
+        assert before < holders(rig, "a") and len(holders(rig, "a")) == 3
+
+        # Narrowing unloads from the pods it leaves.
+        wide = holders(rig, "a")
+        body["spec"]["replicas"], body["metadata"]["generation"] = 1, 3
+        c.adapter_changed(body)
+        await until("on 1 pod", lambda: len(holders(rig, "a")) == 1)
+        await until("1/1", lambda: last_status(rig, "a").get("ready") == "1/1")
+        assert last_status(rig, "a")["placedPods"] == sorted(holders(rig, "a"))
+        unloaded = {e[1] for e in rig.log if e[0] == "unload" and e[2] == "a"}
+        assert unloaded == wide - holders(rig, "a")
+
+
+async def test_a_placed_pod_that_goes_away_is_replaced(tmp_path: Path) -> None:
+    async with placed_rig(tmp_path) as rig:
+        c = rig.controller
+        c.start()
+        for p in ("p1", "p2", "p3"):
+            c.pod_changed(pod(p))
+        c.adapter_changed(adapter(rig.volume, "a", replicas=1))
+        await until("Ready", lambda: rig.ready("a"))
+        (first,) = holders(rig, "a")
+        c.pod_changed(pod(first), deleted=True)
+        rig.pods.held.pop(first)
+        await until("placed elsewhere", lambda: len(holders(rig, "a")) == 1)
+        await until(
+            "Ready there",
+            lambda: last_status(rig, "a").get("placedPods") == [next(iter(holders(rig, "a")))],
+        )
+        assert first not in holders(rig, "a")
+        assert last_status(rig, "a")["ready"] == "1/1"
+
+
+async def test_more_replicas_than_room_is_degraded_with_the_reason(tmp_path: Path) -> None:
+    async with placed_rig(tmp_path) as rig:
+        rig.pods.max_cpu = 1  # each pod holds one adapter
+        c = rig.controller
+        c.start()
+        for p in ("p1", "p2"):
+            c.pod_changed(pod(p))
+        c.adapter_changed(created(adapter(rig.volume, "a", replicas=2), 1))
+        await until("a Ready", lambda: rig.ready("a"))
+        c.adapter_changed(created(adapter(rig.volume, "b", seed=1, replicas=1), 2))
+        await until("b Degraded", lambda: "Degraded" in rig.api.phases("b"))
+        status = last_status(rig, "b")
+        degraded = next(x for x in status["conditions"] if x["type"] == "Degraded")
+        assert degraded["reason"] == "InsufficientCapacity"
+        assert "placed on 0 of 1 pods" in degraded["message"]
+        assert status["placedPods"] == [] and holders(rig, "b") == set()
+        assert ("Warning", "InsufficientCapacity") in {(t, r) for _, t, r, _ in rig.api.events}
+        # The newer adapter waits: the older one keeps both its pods.
+        assert holders(rig, "a") == {"p1", "p2"} and rig.api.phases("a") == ["Ready"]
+
+
+async def test_fewer_pods_than_replicas_is_degraded_and_serves_on_all(tmp_path: Path) -> None:
+    async with placed_rig(tmp_path) as rig:
+        c = rig.controller
+        c.start()
+        for p in ("p1", "p2"):
+            c.pod_changed(pod(p))
+        c.adapter_changed(adapter(rig.volume, "a", replicas=3))
+        await until("Degraded", lambda: "Degraded" in rig.api.phases("a"))
+        await until("loaded on both", lambda: holders(rig, "a") == {"p1", "p2"})
+        status = last_status(rig, "a")
+        assert status["ready"] == "2/2" and status["replicas"] == 3
+        assert rig.api.reasons("a")[-1] == "FewerPodsThanReplicas"
+
+
+async def test_every_pod_adapters_are_untouched_by_placement(tmp_path: Path) -> None:
+    async with placed_rig(tmp_path) as rig:
+        c = rig.controller
+        c.start()
+        for p in ("p1", "p2", "p3"):
+            c.pod_changed(pod(p))
+        c.adapter_changed(adapter(rig.volume, "all"))
+        await until("Ready", lambda: rig.ready("all"))
+        assert holders(rig, "all") == {"p1", "p2", "p3"}
+        status = last_status(rig, "all")
+        assert status["ready"] == "3/3"
+        assert status.get("placedPods") is None and status.get("replicas") is None
+
+
+async def test_autoscale_widens_when_hot_and_narrows_when_cool(tmp_path: Path) -> None:
+    async with placed_rig(tmp_path, autoscale_interval_s=0.2) as rig:
+        c = rig.controller
+        c.start()
+        for p in ("p1", "p2", "p3", "p4"):
+            c.pod_changed(pod(p))
+        spec = {"minReplicas": 1, "maxReplicas": 4}
+        auto = {"targetRequestsPerSecond": 10, "scaleDownDelaySeconds": 1}
+        c.adapter_changed(adapter(rig.volume, "a", autoscale={**spec, **auto}))
+        await until("Ready", lambda: rig.ready("a"))
+        assert len(holders(rig, "a")) == 1 and last_status(rig, "a")["replicas"] == 1
+
+        async def serve(rps: float, seconds: float) -> None:
+            """The placed pods count requests at `rps` in all, spread evenly."""
+            for _ in range(int(seconds / 0.05)):
+                pods = sorted(holders(rig, "a"))
+                for p in pods:
+                    key = (p, "a")
+                    rig.pods.hits[key] = rig.pods.hits.get(key, 0) + round(rps * 0.05 / len(pods))
+                await asyncio.sleep(0.05)
+
+        hot = asyncio.ensure_future(serve(60, 30))
+        await until("widened to 4", lambda: len(holders(rig, "a")) == 4, timeout=15)
+        await until("status says 4", lambda: last_status(rig, "a").get("replicas") == 4)
+        hot.cancel()
+        await until("narrowed to 1", lambda: len(holders(rig, "a")) == 1, timeout=15)
+        await until("status says 1", lambda: last_status(rig, "a").get("replicas") == 1)
+        scaled = [n for o, _, r, n in rig.api.events if o == "a" and r == "Scaled"]
+        assert "replicas 1 -> " in scaled[0] and any(n.endswith("-> 4") for n in scaled)
+        assert scaled[-1].endswith("-> 1")

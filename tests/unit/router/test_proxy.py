@@ -1,0 +1,454 @@
+"""The router over real HTTP, in front of stand-in pods that fail in the ways real ones do:
+answers pass through unchanged, bodies are bounded, a connection that fails before the answer is
+retried once on another pod, nothing hangs, and a pod that is not Ready gets nothing."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import math
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import ClientSession, web
+from aiohttp.test_utils import TestClient, TestServer, unused_port
+from lora_router.__main__ import serve
+from lora_router.app import STATE, ProxyState, create_app
+from lora_router.fleet import Endpoint, Fleet, Report
+from lora_router.routing import Residency
+
+from tests.support.http import free_port
+from tests.unit.router.conftest import ROUTER_CONFIG, Router, StartRouter, listed
+
+StartBackend = Callable[[web.Application], Awaitable[str]]
+
+
+class Pod:
+    """A stand-in inference pod: answers, or fails as told."""
+
+    def __init__(
+        self, name: str, gpu: tuple[str, ...] = (), mode: str = "ok", token: str | None = None
+    ) -> None:
+        self.name, self.gpu, self.mode = name, gpu, mode
+        self.calls: Counter[str] = Counter()
+        self.reporting = True
+        self.release = asyncio.Event()
+        self.token = token  # the client token it requires, as `--client-token-file` makes it
+        self.report_gate: asyncio.Event | None = None  # set: /v1/adapters waits for it
+        self.queue: tuple[int, int] | None = None  # (waiting, running) it reports, if any
+
+    def refusal(self, request: web.Request) -> web.Response | None:
+        """The server's 401 when a client token is required and not given."""
+        if self.token is None or request.headers.get("Authorization") == f"Bearer {self.token}":
+            return None
+        error = {"message": "needs the client token", "type": "Unauthorized", "code": 401}
+        return web.json_response({"error": {**error, "param": None}}, status=401)
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=64 * 1024**2)
+        app.router.add_get("/v1/adapters", self.adapters)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_route("*", "/{tail:.*}", self.handle)
+        return app
+
+    async def adapters(self, request: web.Request) -> web.Response:
+        if refusal := self.refusal(request):
+            return refusal
+        if self.report_gate is not None:
+            await self.report_gate.wait()
+        if not self.reporting:
+            return web.json_response({"error": "broken"}, status=500)
+        data = [{"id": a, "tier": "gpu"} for a in self.gpu]
+        report: dict[str, Any] = {"object": "list", "data": data, "max_loras": 2}
+        if self.queue is not None:
+            report["num_requests_waiting"], report["num_requests_running"] = self.queue
+        return web.json_response(report)
+
+    async def models(self, request: web.Request) -> web.Response:
+        if refusal := self.refusal(request):
+            return refusal
+        cards = [{"id": "base", "parent": None}] + [{"id": a, "parent": "base"} for a in self.gpu]
+        return web.json_response({"object": "list", "data": cards})
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        self.calls[request.path] += 1
+        body = await request.read()
+        if refusal := self.refusal(request):
+            return refusal
+        if self.mode == "reset":
+            assert request.transport is not None
+            request.transport.close()
+            await asyncio.sleep(1)
+        if self.mode == "hang":
+            await self.release.wait()
+        if self.mode == "midstream":
+            response = web.StreamResponse(status=200)
+            response.content_length = 1000
+            await response.prepare(request)
+            await response.write(b"x" * 10)
+            assert request.transport is not None
+            request.transport.close()
+            return response
+        if request.query.get("status"):
+            status = int(request.query["status"])
+            error = {"error": {"message": "teapot", "type": "X", "param": None, "code": status}}
+            return web.json_response(error, status=status, headers={"X-Upstream": "yes"})
+        if request.query.get("big"):
+            return web.Response(body=b"\x01\x02" * (int(request.query["big"]) // 2))
+        echo = {
+            "pod": self.name,
+            "method": request.method,
+            "path": request.path_qs,
+            "authorization": request.headers.get("Authorization"),
+            "body": body.decode(),
+        }
+        return web.json_response(echo)
+
+
+async def pods(
+    start_backend: StartBackend, router: Router, *stand_ins: Pod, ready: bool = True
+) -> dict[str, str]:
+    addresses = {p.name: await start_backend(p.app()) for p in stand_ins}
+    router.set_pods(addresses, ready=ready)
+    return addresses
+
+
+def generation(model: str = "x") -> dict[str, Any]:
+    return {"model": model, "prompt": "a lighthouse"}
+
+
+async def test_answers_and_requests_pass_through_unchanged(
+    start_router: StartRouter, start_backend: StartBackend
+) -> None:
+    router = await start_router()
+    await pods(start_backend, router, Pod("a"))
+    payload = json.dumps(generation())
+    async with router.session.post(
+        router.url("/v1/images/generations?x=1"),
+        data=payload,
+        headers={"Authorization": "Bearer t", "Content-Type": "application/json"},
+    ) as resp:
+        assert resp.status == 200
+        assert resp.headers["x-lora-pod"] == "a"
+        echo = await resp.json()
+    assert echo == {
+        "pod": "a",
+        "method": "POST",
+        "path": "/v1/images/generations?x=1",
+        "authorization": "Bearer t",
+        "body": payload,
+    }
+    async with router.session.post(
+        router.url("/v1/images/generations?status=418"), json=generation()
+    ) as resp:
+        assert resp.status == 418
+        assert resp.headers["X-Upstream"] == "yes"
+        assert (await resp.json())["error"]["message"] == "teapot"
+    async with router.session.get(router.url("/anything?big=5000000")) as resp:
+        assert resp.status == 200
+        assert await resp.read() == b"\x01\x02" * 2_500_000
+    assert router.metric("lora_router_requests_total", reason="unplaced", code="418") == 1
+
+
+async def test_request_bodies_are_bounded(
+    start_router: StartRouter, start_backend: StartBackend
+) -> None:
+    router = await start_router(max_body_bytes=1000)
+    pod = Pod("a")
+    await pods(start_backend, router, pod)
+    big = {"model": "x", "prompt": "p" * 2000}
+    async with router.session.post(router.url("/v1/images/generations"), json=big) as resp:
+        assert resp.status == 413
+        error = (await resp.json())["error"]
+    assert error["code"] == 413 and "1000 bytes" in error["message"]
+    assert pod.calls == Counter()
+
+
+@pytest.mark.parametrize("failure", ["reset", "refused"])
+async def test_a_connection_that_fails_before_the_answer_is_retried_once_elsewhere(
+    start_router: StartRouter, start_backend: StartBackend, failure: str
+) -> None:
+    router = await start_router()
+    good = Pod("good")
+    addresses = await pods(start_backend, router, good, Pod("bad", gpu=("x",), mode="reset"))
+    if failure == "refused":
+        addresses["bad"] = f"127.0.0.1:{free_port()}"  # nobody listens
+        router.set_pods(addresses)
+    router.place("x", None)
+    # The failing pod holds the adapter, for ever fresh: the router tries it first.
+    residency = Residency(gpu=frozenset({"x"}), cpu=frozenset(), free_slot=False)
+    router.fleet.reports["bad"] = Report(residency, queue=0, base_model=None, at=math.inf)
+    async with router.session.post(router.url("/v1/images/generations"), json=generation()) as r:
+        assert r.status == 200
+        assert r.headers["x-lora-pod"] == "good"
+    assert router.metric("lora_router_retries_total") == 1
+    assert good.calls["/v1/images/generations"] == 1
+
+
+async def test_when_the_retry_fails_too_the_answer_is_a_clear_503(
+    start_router: StartRouter, start_backend: StartBackend
+) -> None:
+    router = await start_router()
+    await pods(start_backend, router, Pod("a", mode="reset"), Pod("b", mode="reset"))
+    async with router.session.post(router.url("/v1/images/generations"), json=generation()) as r:
+        assert r.status == 503
+        assert r.headers["Retry-After"] == "1"
+        error = (await r.json())["error"]
+    assert error["code"] == 503
+    assert "a:" in error["message"] and "b:" in error["message"]
+    assert router.metric("lora_router_retries_total") == 1  # once, not more
+
+
+async def test_a_pod_that_leaves_the_endpoints_while_a_request_waits_is_given_up_on(
+    start_router: StartRouter, start_backend: StartBackend
+) -> None:
+    router = await start_router()
+    stuck, other = Pod("stuck", mode="hang"), Pod("other")
+    addresses = await pods(start_backend, router, stuck)
+    addresses["other"] = await start_backend(other.app())
+    request = asyncio.ensure_future(
+        router.session.post(router.url("/v1/images/generations"), json=generation())
+    )
+    await router.wait_until("the stuck call", lambda: stuck.calls["/v1/images/generations"] > 0)
+    router.set_pods({"other": addresses["other"]})  # the pod was deleted
+    async with await request as resp:
+        assert resp.status == 200
+        assert resp.headers["x-lora-pod"] == "other"
+    assert router.metric("lora_router_upstream_failures_total", kind="gone") == 1
+    stuck.release.set()
+
+
+async def test_an_answer_broken_midway_ends_the_clients_connection(
+    start_router: StartRouter, start_backend: StartBackend
+) -> None:
+    router = await start_router()
+    await pods(start_backend, router, Pod("a", mode="midstream"))
+    with pytest.raises(aiohttp.ClientPayloadError):
+        async with router.session.get(router.url("/anything")) as resp:
+            await resp.read()
+    assert router.metric("lora_router_upstream_failures_total", kind="midstream") == 1
+
+
+async def test_a_pod_that_is_not_ready_gets_nothing(
+    start_router: StartRouter, start_backend: StartBackend
+) -> None:
+    router = await start_router()
+    pod = Pod("a")
+    await pods(start_backend, router, pod, ready=False)
+    async with router.session.post(router.url("/v1/images/generations"), json=generation()) as r:
+        assert r.status == 503
+        assert "no inference pod is Ready" in (await r.json())["error"]["message"]
+    assert pod.calls == Counter()
+
+
+async def test_requests_go_where_the_adapter_is_resident_and_by_queue_without_reports(
+    start_router: StartRouter, start_backend: StartBackend
+) -> None:
+    router = await start_router()
+    a, b = Pod("a", gpu=("x",)), Pod("b", gpu=("y",))
+    await pods(start_backend, router, a, b)
+    router.place("x", None)
+    router.place("y", frozenset({"a", "b"}))
+    await router.wait_reports({"a", "b"})
+    for model, expected in (("x", "a"), ("y", "b")):
+        async with router.session.post(
+            router.url("/v1/images/generations"), json=generation(model)
+        ) as r:
+            assert (r.headers["x-lora-pod"], r.headers["x-lora-route"]) == (
+                expected,
+                "gpu-resident",
+            )
+    assert router.metric("lora_router_affinity_hits_total") == 2
+    # Pod b stops reporting: once its report is stale, y is routed by queue alone.
+    b.reporting = False
+    a.reporting = False
+    await router.wait_until(
+        "both reports stale",
+        lambda: all(x.residency is None for x in router.fleet.backends(time.monotonic())),
+    )
+    async with router.session.post(router.url("/v1/images/generations"), json=generation("y")) as r:
+        assert r.status == 200 and r.headers["x-lora-route"] == "no-residency"
+
+
+async def test_the_polls_carry_the_client_token_and_client_requests_only_their_own(
+    start_router: StartRouter, start_backend: StartBackend, tmp_path: Path
+) -> None:
+    token = tmp_path / "token"
+    token.write_text("s3cret\n")
+    router = await start_router(client_token_file=token)
+    pod = Pod("a", gpu=("x",), token="s3cret")
+    await pods(start_backend, router, pod)
+    router.place("x", None)
+    await router.wait_reports({"a"})
+    url = router.url("/v1/images/generations")
+    # Routed by residency either way; a client without the token gets the pod's own 401: the
+    # router lends it nothing.
+    async with router.session.post(url, json=generation()) as r:
+        assert (r.status, r.headers["x-lora-route"]) == (401, "gpu-resident")
+        assert (await r.json())["error"]["message"] == "needs the client token"
+    client = {"Authorization": "Bearer s3cret"}
+    async with router.session.post(url, json=generation(), headers=client) as r:
+        assert (r.status, r.headers["x-lora-route"]) == (200, "gpu-resident")
+        assert (await r.json())["authorization"] == "Bearer s3cret"
+    async with router.session.get(router.url("/v1/models")) as r:
+        assert r.status == 401
+    async with router.session.get(router.url("/v1/models"), headers=client) as r:
+        assert [c["id"] for c in (await r.json())["data"]] == ["base", "x"]
+    assert router.metric("lora_router_report_failures_total") == 0
+
+    # A rotated token is read again: refused until the file says the new one.
+    pod.token = "rotated"
+    refused = router.metric("lora_router_report_failures_total")
+    await router.wait_until(
+        "a refused poll", lambda: router.metric("lora_router_report_failures_total") > refused
+    )
+    token.write_text("rotated")
+    written = time.monotonic()
+    await router.wait_until(
+        "a poll with the new token", lambda: router.fleet.reports["a"].at > written
+    )
+
+
+async def test_without_the_token_the_polls_are_refused_and_routing_is_by_queue(
+    start_router: StartRouter, start_backend: StartBackend
+) -> None:
+    router = await start_router()
+    await pods(start_backend, router, Pod("a", gpu=("x",), token="s3cret"))
+    router.place("x", None)
+    await router.wait_until(
+        "refused polls", lambda: router.metric("lora_router_report_failures_total") >= 3
+    )
+    assert router.fleet.reports == {}
+    client = {"Authorization": "Bearer s3cret"}
+    async with router.session.post(
+        router.url("/v1/images/generations"), json=generation(), headers=client
+    ) as r:
+        assert (r.status, r.headers["x-lora-route"]) == (200, "no-residency")
+
+
+async def test_per_pod_endpoints_are_not_routed(
+    start_router: StartRouter, start_backend: StartBackend
+) -> None:
+    router = await start_router()
+    pod = Pod("a")
+    await pods(start_backend, router, pod)
+    async with router.session.post(router.url("/v1/load_lora_adapter"), json={}) as r:
+        assert r.status == 404
+        assert "per pod" in (await r.json())["error"]["message"]
+    assert pod.calls == Counter()
+
+
+async def test_models_are_the_union_of_the_pods_cards(
+    start_router: StartRouter, start_backend: StartBackend
+) -> None:
+    router = await start_router()
+    await pods(start_backend, router, Pod("a", gpu=("x",)), Pod("b", gpu=("y", "x")))
+    async with router.session.get(router.url("/v1/models")) as r:
+        ids = [c["id"] for c in (await r.json())["data"]]
+    assert ids == ["base", "x", "y"]
+
+
+async def test_ready_only_once_the_api_has_been_listed() -> None:
+    async def never(*_: Any) -> None:
+        await asyncio.Event().wait()
+
+    app = create_app(ROUTER_CONFIG, sources=[never])
+    async with TestClient(TestServer(app)) as client:
+        resp = await client.get("/ready")
+        assert resp.status == 503
+        assert "endpoints" in (await resp.json())["error"]["message"]
+        assert (await client.get("/health")).status == 200
+
+
+async def test_ready_only_once_every_listed_pod_has_been_polled(
+    start_backend: StartBackend,
+) -> None:
+    pod = Pod("a", gpu=("x",))
+    pod.report_gate = asyncio.Event()
+    address = await start_backend(pod.app())
+
+    async def lists_one_pod(fleet: Fleet, _: ProxyState) -> None:
+        fleet.slices = {"slice": [Endpoint("a", address, True)]}
+        fleet.synced.update({"endpoints", "adapters"})
+
+    app = create_app(ROUTER_CONFIG, sources=[lists_one_pod])
+    async with TestClient(TestServer(app)) as client:
+        # Listed, but the pod has not answered its first poll: a restarted router would route
+        # blind, so it stays out of the Service.
+        for _ in range(5):
+            resp = await client.get("/ready")
+            assert resp.status == 503
+            assert "residency" in (await resp.json())["error"]["message"]
+            await asyncio.sleep(0.05)
+        pod.report_gate.set()
+        for _ in range(100):
+            if (await client.get("/ready")).status == 200:
+                break
+            await asyncio.sleep(0.02)
+        else:
+            raise AssertionError("never Ready after the first poll")
+        assert "a" in app[STATE].fleet.reports
+
+
+async def test_not_alive_once_a_background_loop_has_raised() -> None:
+    async def broken(*_: Any) -> None:
+        raise RuntimeError("the watch broke")
+
+    app = create_app(ROUTER_CONFIG, sources=[broken])
+    async with TestClient(TestServer(app)) as client:
+        for _ in range(100):
+            resp = await client.get("/health")
+            if resp.status != 200:
+                break
+            await asyncio.sleep(0.01)
+        assert resp.status == 503
+        message = (await resp.json())["error"]["message"]
+        assert "broken" in message and "the watch broke" in message
+
+
+async def test_the_load_gauge_is_the_queues_the_pods_report(
+    start_router: StartRouter, start_backend: StartBackend
+) -> None:
+    router = await start_router()
+    a, b = Pod("a"), Pod("b")
+    a.queue, b.queue = (2, 1), (0, 1)
+    await pods(start_backend, router, a, b)
+    await router.wait_until("a load of 4", lambda: router.metric("lora_router_load") == 4)
+    a.queue = b.queue = (0, 0)
+    await router.wait_until("no load", lambda: router.metric("lora_router_load") == 0)
+
+
+async def test_a_stopping_router_answers_for_its_shutdown_delay_not_ready() -> None:
+    config = replace(
+        ROUTER_CONFIG, port=unused_port(), metrics_port=unused_port(), shutdown_delay_s=1.0
+    )
+    stop = asyncio.Event()
+    serving = asyncio.create_task(serve(config, stop, sources=[listed]))
+    url = f"http://127.0.0.1:{config.port}"
+    async with ClientSession() as session:
+        for _ in range(100):
+            with contextlib.suppress(aiohttp.ClientConnectionError):
+                async with session.get(f"{url}/ready") as r:
+                    if r.status == 200:
+                        break
+            await asyncio.sleep(0.02)
+        stop.set()
+        await asyncio.sleep(0.1)
+        # Draining: new connections are still answered, and /ready says it is leaving.
+        async with session.get(f"{url}/ready") as r:
+            assert r.status == 503
+            assert "shutting down" in (await r.json())["error"]["message"]
+        async with session.get(f"{url}/health") as r:
+            assert r.status == 200
+        assert not serving.done()
+        await asyncio.wait_for(serving, timeout=10)
+        with pytest.raises(aiohttp.ClientConnectionError):
+            async with session.get(f"{url}/health"):
+                pass
