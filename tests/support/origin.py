@@ -12,9 +12,10 @@ from __future__ import annotations
 import asyncio
 import ssl
 import threading
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 
+import pytest
 from aiohttp import web
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -141,3 +142,15 @@ class Origin:
         site = web.TCPSite(self._runner, "127.0.0.1", 0, ssl_context=self._context)
         await site.start()
         return int(self._runner.addresses[0][1])
+
+
+@pytest.fixture
+def origin() -> Iterator[Origin]:
+    """A plain-HTTP origin on 127.0.0.1 for one test (tests/conftest.py loads this module as a
+    plugin). Staging tests build HttpsSource directly; parse_source's https-only rule is tested
+    on its own."""
+    server = Origin()
+    try:
+        yield server
+    finally:
+        server.close()

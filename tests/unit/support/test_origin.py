@@ -8,22 +8,12 @@ import ssl
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from lora_devcluster.certs import write_pki
 
 from tests.support.origin import Origin
-
-
-@pytest.fixture
-def origin() -> Iterator[Origin]:
-    server = Origin()
-    try:
-        yield server
-    finally:
-        server.close()
 
 
 def get(
