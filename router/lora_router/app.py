@@ -360,7 +360,7 @@ async def list_models(request: web.Request) -> web.StreamResponse:
 
 
 async def health(request: web.Request) -> web.Response:
-    """Alive while every background loop runs: one that ended leaves the fleet's view frozen,
+    """Alive while no background loop has raised: one that did leaves the fleet's view frozen,
     and only a restart brings it back."""
     stopped = request.app[STATE].stopped
     if stopped:
