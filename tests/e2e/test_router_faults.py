@@ -232,9 +232,14 @@ class Load:
         return sorted(self.answers, key=lambda a: a.started)
 
 
-def summary(answers: list[Answer], since: float = 0.0) -> list[tuple[float, Any, Any, Any]]:
-    """For failure messages: (seconds since `since`, status or error, pod, reason)."""
-    return [(round(a.started - since, 1), a.status or a.error, *a.route) for a in answers]
+def summary(
+    answers: list[Answer], since: float = 0.0
+) -> list[tuple[float, float, Any, Any, Any]]:
+    """For failure messages: (seconds since `since`, seconds taken, status or error, pod, reason)."""
+    return [
+        (round(a.started - since, 1), round(a.ended - a.started, 1), a.status or a.error, *a.route)
+        for a in answers
+    ]
 
 
 # ---- a router deleted, another killed
@@ -538,7 +543,13 @@ def test_an_adapter_deleted_under_requests_answers_200_or_the_servers_404(fleet:
     deleting_at = time.monotonic()
     h.kubectl("delete", "loraadapter", "doomed", "-n", ns, "--timeout=90s")
     deleted_at = time.monotonic()
-    time.sleep(3)
+    # The clients may all be inside generations that began before the delete: wait for answers
+    # to requests sent after it rather than for a fixed time.
+    h.wait_for(
+        "answers to requests sent after the delete",
+        lambda: sum(a.started > deleted_at for a in list(load.answers)) >= 4,
+        timeout=120,
+    )
     answers = load.stop()
     assert {a.status for a in answers} <= {200, 404}, summary(answers, deleting_at)
     later = [a.status for a in answers if a.started > deleted_at]

@@ -254,8 +254,11 @@ def revisions(volume: Path, ns: str, name: str) -> list[str]:
 
 
 def event_notes(h: Harness, ns: str, name: str, type_: str | None = None) -> dict[str, list[str]]:
-    """The Events about the object `name` in `ns`: reason -> their messages."""
-    items = h.get(f"/api/v1/namespaces/{ns}/events")["items"]
+    """The Events about the object `name` in `ns`: reason -> their messages, oldest first."""
+    items = sorted(
+        h.get(f"/api/v1/namespaces/{ns}/events")["items"],
+        key=lambda e: e["metadata"]["creationTimestamp"],  # the API lists them by name
+    )
     out: dict[str, list[str]] = {}
     for e in items:
         if e["involvedObject"].get("name") == name and type_ in (None, e["type"]):

@@ -16,9 +16,10 @@ from lora_inference.tools.tiny_models import write_tiny_model
 from tests.support.cluster import MODEL_NAME, Models, Operator, readable_by_pods
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="session", autouse=True)
 def crd(devcluster: Any) -> Any:
-    """The cluster with the LoRAAdapter CRD installed and established."""
+    """The cluster with the LoRAAdapter CRD installed and established: every test here needs
+    it, including one that runs alone and starts its own operator."""
     release.install_crd(devcluster)
     return devcluster
 
@@ -41,7 +42,7 @@ def volume(tmp_path: Path) -> Path:
 
 @pytest.fixture
 def operator(
-    crd: None, devcluster: Harness, devcluster_namespace: str, volume: Path, tmp_path: Path
+    devcluster: Harness, devcluster_namespace: str, volume: Path, tmp_path: Path
 ) -> Iterator[Operator]:
     op = Operator(volume=volume, namespaces=[devcluster_namespace], log_path=tmp_path / "op.log")
     with op.running():
