@@ -27,14 +27,14 @@ import collections
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from lora_volume import errors as volume_errors
 from lora_volume import files, layout, targeting
 
-from lora_inference import errors
+from lora_inference import errors, stacking
 from lora_inference.adapters import cache
 from lora_inference.adapters.registry import (
     AdapterRecord,
@@ -43,6 +43,7 @@ from lora_inference.adapters.registry import (
     next_version,
     plan_register,
 )
+from lora_inference.api import StackMember
 from lora_inference.config import ServerConfig
 from lora_inference.metrics import Metrics
 from lora_inference.pipeline import DiffusionBackend, ParsedAdapter
@@ -75,6 +76,29 @@ class Reader:
             raise
         self._metrics.load_seconds.labels("cpu").observe(time.perf_counter() - started)
         return parsed
+
+    async def compose(
+        self, members: Sequence[tuple[AdapterRecord, float]], parts: Sequence[ParsedAdapter]
+    ) -> ParsedAdapter:
+        """One adapter equal to `members` at their scales (`stacking.compose`), from their
+        parses (`parts`, in the same order)."""
+        stacked = [
+            stacking.Member(name=record.name, sha256=part.sha256, scale=scale, layers=part.layers)
+            for (record, scale), part in zip(members, parts, strict=True)
+        ]
+        layers = await asyncio.get_running_loop().run_in_executor(
+            self._pool, stacking.compose, stacked
+        )
+        return ParsedAdapter(
+            sha256=stacking.stack_sha256([(m.name, m.sha256, m.scale) for m in stacked]),
+            size_bytes=sum(
+                w.down.nbytes + w.up.nbytes
+                for w in layers.values()  # held in memory
+            ),
+            rank=max((w.rank for w in layers.values()), default=0),
+            weights_file=parts[0].weights_file,
+            layers=layers,
+        )
 
     async def check_base_model(self, path: Path, name: str) -> None:
         await asyncio.get_running_loop().run_in_executor(
@@ -110,6 +134,9 @@ class Admission:
         self._registry = registry
         self._residency = residency
         self._reader = reader
+        # Stacks built for requests, by their members' versions and scales: a request naming the
+        # same adapters at the same scales reuses one (see `stack`).
+        self._stacks: dict[tuple[tuple[str, int, float], ...], AdapterRecord] = {}
         self._name_locks: dict[str, asyncio.Lock] = {}
         self._name_users: collections.Counter[str] = collections.Counter()
         # Requests between arriving and reaching the queue because their adapter is being
@@ -167,6 +194,7 @@ class Admission:
             previous = self._registry.put(record)
             if previous is not None:
                 self._residency.retire(previous)
+                self._retire_stale_stacks()
             self._residency.update_gauges()
         log.info("registered adapter %s v%d from %s (%s)", name, record.version, resolved, origin)
         if pinned:
@@ -188,6 +216,7 @@ class Admission:
             )
         self._registry.remove(name)
         self._residency.retire(record)
+        self._retire_stale_stacks()
         log.info("unregistered adapter %s v%d", name, record.version)
         return record
 
@@ -244,6 +273,57 @@ class Admission:
             return existing
         async with self._arriving():
             return await self.register(name, resolved, origin="request")
+
+    async def resolve_stack(self, members: Sequence[StackMember]) -> AdapterRecord:
+        """One record for adapters a request stacks (`lora` as a list), built on first use.
+
+        Each member resolves as a lone name does (404 naming it if unknown); a member without a
+        scale is applied at its default. The stack is one adapter (`stacking.compose`) that the
+        CPU tier caches and a GPU slot holds like any other; requests naming the same members at
+        the same scales, in any order, share it. It is never registered: it has no name of its
+        own, and it is retired when a member is replaced or unloaded.
+        """
+        resolved = []
+        for i, member in enumerate(members):
+            record = await self.resolve(member.name, param=f"lora[{i}].name")
+            resolved.append((record, record.scale if member.scale is None else member.scale))
+        resolved.sort(key=lambda m: m[0].name)
+        key = tuple((record.name, record.version, scale) for record, scale in resolved)
+        name = stacking.stack_name([(record.name, scale) for record, scale in resolved])
+        async with self._one_at_a_time(name):
+            found = self._stacks.get(key)
+            if found is not None:
+                return found
+            async with self._arriving():
+                parts = [await self._residency.parse(record) for record, _ in resolved]
+                parsed = await self._reader.compose(resolved, parts)
+            first = resolved[0][0]
+            stack = AdapterRecord(
+                name=name,
+                path=first.path,
+                weights_file=first.weights_file,
+                sha256=parsed.sha256,
+                size_bytes=parsed.size_bytes,
+                rank=parsed.rank,
+                pinned=False,
+                origin="stack",
+                version=next_version(),
+                members=tuple(resolved),
+            )
+            self._residency.add(stack, parsed)
+            self._stacks[key] = stack
+            self._retire_stale_stacks()
+        log.info("stacked %s as v%d (rank %d)", name, stack.version, stack.rank)
+        return stack
+
+    def _retire_stale_stacks(self) -> None:
+        """Retire stacks a member left (replaced or unloaded), and stacks no tier holds any more
+        (built again if asked for), so that stacks never outgrow the tiers."""
+        for key, stack in list(self._stacks.items()):
+            stale = any(self._registry.get(m.name) is not m for m, _ in stack.members)
+            if stale or self._residency.tier_of(stack) == "disk":
+                del self._stacks[key]
+                self._residency.retire(stack)
 
     # -- blocking lookups (run in a thread) -----------------------------------------------------
 

@@ -18,6 +18,7 @@ MAX_STEPS = 200
 MAX_SIDE = 2048
 MAX_PROMPT_CHARS = 4000
 SCALE_RANGE = (-10.0, 10.0)
+MAX_STACK = 4  # adapters one request may stack (`lora` as a list)
 _SIZE = re.compile(r"^(\d{1,5})x(\d{1,5})$")
 
 
@@ -46,12 +47,22 @@ class LoadAdapterRequest:
 
 
 @dataclass(frozen=True)
+class StackMember:
+    """One adapter of a stacked request (`lora: [...]`) and its weight (None: its default)."""
+
+    name: str
+    scale: float | None
+
+
+@dataclass(frozen=True)
 class AdapterChoice:
-    """Which adapter a generation request asked for (None: the base model)."""
+    """Which adapter a generation request asked for (None: the base model), or which stack."""
 
     name: str | None
     local_path: str | None
     param: str
+    # Two or more adapters applied together (`lora` as a list); `name` is None then.
+    stack: tuple[StackMember, ...] = ()
 
 
 def _require_object(body: Any) -> dict[str, Any]:
@@ -93,7 +104,9 @@ def _number(
     high: float,
     *,
     integer: bool = False,
+    param: str | None = None,
 ) -> float:
+    param = param or field
     value = body.get(field, default)
     if value is None:
         value = default
@@ -103,10 +116,10 @@ def _number(
         or (integer and not isinstance(value, int))
     ):
         kind = "an integer" if integer else "a number"
-        raise errors.InvalidRequest(f"'{field}' must be {kind}", param=field)
+        raise errors.InvalidRequest(f"'{param}' must be {kind}", param=param)
     if not math.isfinite(value) or not low <= value <= high:
         raise errors.InvalidRequest(
-            f"'{field}' must be between {low:g} and {high:g}, got {value}", param=field
+            f"'{param}' must be between {low:g} and {high:g}, got {value}", param=param
         )
     return value
 
@@ -189,9 +202,12 @@ def _adapter_choice(body: dict[str, Any], base_model: str) -> tuple[AdapterChoic
     if lora is None:
         name = None if model in (None, base_model) else model
         return AdapterChoice(name=name, local_path=None, param="model"), None
+    if isinstance(lora, list):
+        return _stack_choice(lora, model, base_model)
     if not isinstance(lora, dict):
         raise errors.InvalidRequest(
-            "'lora' must be an object with 'name' and optional 'scale'", param="lora"
+            "'lora' must be an object with 'name' and optional 'scale', or a list of them",
+            param="lora",
         )
     unknown = set(lora) - {"name", "scale", "local_path"}
     if unknown:
@@ -199,8 +215,7 @@ def _adapter_choice(body: dict[str, Any], base_model: str) -> tuple[AdapterChoic
             f"unknown field(s) in 'lora': {', '.join(sorted(unknown))}", param="lora"
         )
     name = _string(lora, "name", param="lora.name")
-    raw_scale = lora.get("scale")
-    scale = None if raw_scale is None else float(_number(lora, "scale", 1.0, *SCALE_RANGE))
+    scale = _optional_scale(lora, "lora.scale")
     local_path = _optional_string(lora, "local_path", param="lora.local_path")
     if model not in (None, base_model, name):
         raise errors.InvalidRequest(
@@ -208,3 +223,53 @@ def _adapter_choice(body: dict[str, Any], base_model: str) -> tuple[AdapterChoic
             param="model",
         )
     return AdapterChoice(name=name, local_path=local_path, param="lora.name"), scale
+
+
+def _stack_choice(
+    lora: list[Any], model: Any, base_model: str
+) -> tuple[AdapterChoice, float | None]:
+    """`lora` as a list: adapters applied together, each at its own scale. A list of one is
+    the same request as the object form."""
+    if not 1 <= len(lora) <= MAX_STACK:
+        raise errors.InvalidRequest(
+            f"'lora' may stack 1 to {MAX_STACK} adapters, got {len(lora)}", param="lora"
+        )
+    members = []
+    for i, entry in enumerate(lora):
+        param = f"lora[{i}]"
+        if not isinstance(entry, dict):
+            raise errors.InvalidRequest(
+                f"'{param}' must be an object with 'name' and optional 'scale'", param=param
+            )
+        unknown = set(entry) - {"name", "scale"}
+        if unknown:
+            raise errors.InvalidRequest(
+                f"unknown field(s) in '{param}': {', '.join(sorted(unknown))} (a stacked "
+                "adapter is named, never given by path: register it first)",
+                param=param,
+            )
+        name = _string(entry, "name", param=f"{param}.name")
+        members.append(StackMember(name=name, scale=_optional_scale(entry, f"{param}.scale")))
+    names = [m.name for m in members]
+    if len(set(names)) < len(names):
+        raise errors.InvalidRequest(
+            f"'lora' names an adapter twice ({', '.join(names)}); give each once with the sum "
+            "of its scales",
+            param="lora",
+        )
+    if model not in (None, base_model):
+        raise errors.InvalidRequest(
+            f"'model' names {model!r} while 'lora' stacks adapters; leave 'model' out or name "
+            "the base model",
+            param="model",
+        )
+    if len(members) == 1:
+        choice = AdapterChoice(name=names[0], local_path=None, param="lora[0].name")
+        return choice, members[0].scale
+    return AdapterChoice(name=None, local_path=None, param="lora", stack=tuple(members)), None
+
+
+def _optional_scale(body: dict[str, Any], param: str) -> float | None:
+    if body.get("scale") is None:
+        return None
+    return float(_number(body, "scale", 1.0, *SCALE_RANGE, param=param))

@@ -232,7 +232,9 @@ async def generate_images(request: web.Request) -> web.Response:
         default_guidance=backend.default_guidance,
     )
     record = None
-    if choice.local_path is not None and choice.name is not None:
+    if choice.stack:
+        record = await engine.admission.resolve_stack(choice.stack)
+    elif choice.local_path is not None and choice.name is not None:
         record = await engine.admission.register_from_request(choice.name, choice.local_path)
     elif choice.name is not None:
         record = await engine.admission.resolve(choice.name, param=choice.param)

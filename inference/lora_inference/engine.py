@@ -95,6 +95,7 @@ class Engine:
             in_pipeline=self._in_pipeline,
             lock=self._pipeline_lock,
             read=self._reader.read,
+            compose=self._reader.compose,
             wake=self._wake.set,
         )
         self.admission = admission.Admission(config, self.registry, self.residency, self._reader)

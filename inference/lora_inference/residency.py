@@ -22,7 +22,7 @@ import collections
 import itertools
 import logging
 import time
-from collections.abc import Awaitable, Callable, Collection
+from collections.abc import Awaitable, Callable, Collection, Sequence
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
@@ -40,6 +40,10 @@ T = TypeVar("T")
 _engine_numbers = itertools.count(1)
 
 Read = Callable[[Path, str], Awaitable[ParsedAdapter]]
+# Builds a stack's adapter from its members (each at its scale) and their parses.
+Compose = Callable[
+    [Sequence[tuple[AdapterRecord, float]], Sequence[ParsedAdapter]], Awaitable[ParsedAdapter]
+]
 
 
 class InPipeline(Protocol):
@@ -59,6 +63,7 @@ class Residency:
         in_pipeline: InPipeline,
         lock: asyncio.Lock,
         read: Read,
+        compose: Compose,
         wake: Callable[[], None],
     ) -> None:
         self.backend = backend
@@ -77,6 +82,7 @@ class Residency:
         self._in_pipeline = in_pipeline
         self._lock = lock
         self._read = read
+        self._compose = compose
         self._wake = wake  # the worker collects retired versions
 
     # -- versions -------------------------------------------------------------------------------
@@ -163,19 +169,11 @@ class Residency:
         if record.key in self.gpu:
             self.gpu.touch(record.key)
             return
-        parsed = self._parsed.get(record.key)
-        if parsed is None:
-            parsed = await self._read(record.path, record.name)
-            if parsed.sha256 != record.sha256:
-                self._drop_broken(record)
-                raise errors.IncompatibleAdapter(
-                    f"the files of adapter {record.name!r} changed since it was loaded "
-                    f"(sha256 {record.sha256[:12]} -> {parsed.sha256[:12]}); load it again",
-                    param="model",
-                )
-            self._cache_parsed(record.key, parsed)
-        else:
+        if record.key in self._parsed:
             self.cpu.touch(record.key)
+        parsed = await self.parse(record)
+        if record.key not in self._parsed:
+            self._cache_parsed(record.key, parsed)
         evict = self.gpu.plan_admit(
             record.key,
             pinned=record.pinned,
@@ -204,6 +202,25 @@ class Residency:
         self.metrics.loads.labels("gpu", "ok").inc()
         self.metrics.load_seconds.labels("gpu").observe(time.perf_counter() - started)
         self.update_gauges()
+
+    async def parse(self, record: AdapterRecord) -> ParsedAdapter:
+        """`record`'s parsed weights: from the CPU tier, else read again (a stack: built again
+        from its members'). Caches nothing: the caller decides what enters the CPU tier."""
+        parsed = self._parsed.get(record.key)
+        if parsed is not None:
+            return parsed
+        if record.members:
+            parts = [await self.parse(member) for member, _ in record.members]
+            return await self._compose(record.members, parts)
+        parsed = await self._read(record.path, record.name)
+        if parsed.sha256 != record.sha256:
+            self._drop_broken(record)
+            raise errors.IncompatibleAdapter(
+                f"the files of adapter {record.name!r} changed since it was loaded "
+                f"(sha256 {record.sha256[:12]} -> {parsed.sha256[:12]}); load it again",
+                param="model",
+            )
+        return parsed
 
     async def empty(self) -> None:
         """Take every version out of the pipeline (the worker has stopped): a backend may

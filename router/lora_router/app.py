@@ -72,8 +72,11 @@ def error_body(message: str, error_type: str, status: int) -> dict[str, Any]:
 
 
 def adapter_of(body: bytes) -> str | None:
-    """The adapter a generation names: `lora.name`, else `model` (pure; None: none named or a
-    body the server will refuse, which any pod can do)."""
+    """The adapter a generation names: `lora.name` (a stack: its first member's), else `model`
+    (pure; None: none named or a body the server will refuse, which any pod can do).
+
+    A stack goes where its first member is: any pod that may serve every member builds the stack
+    from them, so the first member, the one a client lists first, decides."""
     try:
         parsed = json.loads(body)
     except (ValueError, UnicodeDecodeError):
@@ -81,6 +84,8 @@ def adapter_of(body: bytes) -> str | None:
     if not isinstance(parsed, dict):
         return None
     lora = parsed.get("lora")
+    if isinstance(lora, list) and lora:
+        lora = lora[0]
     if isinstance(lora, dict) and isinstance(lora.get("name"), str):
         return str(lora["name"])
     model = parsed.get("model")

@@ -235,7 +235,7 @@ class Load:
 def summary(
     answers: list[Answer], since: float = 0.0
 ) -> list[tuple[float, float, Any, Any, Any]]:
-    """For failure messages: (seconds since `since`, seconds taken, status or error, pod, reason)."""
+    """For failure messages: (seconds since `since`, seconds taken, status or error, pod, why)."""
     return [
         (round(a.started - since, 1), round(a.ended - a.started, 1), a.status or a.error, *a.route)
         for a in answers

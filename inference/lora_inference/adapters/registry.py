@@ -21,7 +21,10 @@ from typing import Literal
 
 from lora_inference import errors
 
-Origin = Literal["static", "api", "resolver", "request"]
+# How a record came to be: given on the command line, loaded through the admin API, found on the
+# adapter volume, registered by a request (`lora.local_path`), or stacked from registered records
+# for a request that named several (`stack`: never registered under a name, see admission).
+Origin = Literal["static", "api", "resolver", "request", "stack"]
 # What `plan_register` tells the engine to do with a name: register a new record (`add`),
 # register one over the existing record (`replace`: the old one is retired and leaves every tier
 # once no request holds it), or answer with the existing record (`reuse`).
@@ -48,6 +51,8 @@ class AdapterRecord:
     # The weight a request that names the adapter without a `lora.scale` gets (the CRD's
     # `spec.scale`); set by the load call.
     scale: float = 1.0
+    # A stack: the records it sums, each at its scale, in name order (empty for a file).
+    members: tuple[tuple[AdapterRecord, float], ...] = ()
 
     @property
     def key(self) -> str:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import base64
 import io
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -155,10 +155,21 @@ def reference(assets: Assets) -> Reference:
         if isinstance(component, torch.nn.Module):
             component.eval()
 
-    def render(adapter: Path | None = None, scale: float = 1.0, *, seed: int = 7) -> np.ndarray:
-        if adapter is not None:
-            pipe.load_lora_weights(str(adapter), adapter_name="reference")
-            pipe.set_adapters(["reference"], [scale])
+    def render(
+        adapter: Path | None = None,
+        scale: float = 1.0,
+        *,
+        seed: int = 7,
+        stack: Sequence[tuple[Path, float]] = (),
+    ) -> np.ndarray:
+        """`stack`: several adapters at their scales, through diffusers' own `set_adapters`."""
+        loras = [(adapter, scale)] if adapter is not None else []
+        loras += stack
+        names = [f"reference{i}" for i in range(len(loras))]
+        for name, (path, _) in zip(names, loras, strict=True):
+            pipe.load_lora_weights(str(path), adapter_name=name)
+        if loras:
+            pipe.set_adapters(names, [s for _, s in loras])
         try:
             with torch.inference_mode():
                 image = pipe(
@@ -170,7 +181,7 @@ def reference(assets: Assets) -> Reference:
                     width=32,
                 ).images[0]
         finally:
-            if adapter is not None:
+            if loras:
                 pipe.unload_lora_weights()
         return np.asarray(image.convert("RGB"))
 

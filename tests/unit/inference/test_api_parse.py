@@ -48,6 +48,19 @@ def test_lora_object_selects_adapter_scale_and_path() -> None:
     assert (choice.name, choice.local_path, params.scale) == ("p", "/a/p", -1.5)
 
 
+def test_a_lora_list_stacks_adapters_each_at_its_scale() -> None:
+    params, choice = parse(
+        {"prompt": "x", "model": "base", "lora": [{"name": "b", "scale": 0.5}, {"name": "a"}]}
+    )
+    assert choice.name is None and params.scale is None
+    assert choice.stack == (api.StackMember("b", 0.5), api.StackMember("a", None))
+
+
+def test_a_lora_list_of_one_is_the_object_form() -> None:
+    params, choice = parse({"prompt": "x", "lora": [{"name": "a", "scale": 0.3}]})
+    assert (choice.name, choice.stack, params.scale) == ("a", (), 0.3)
+
+
 def test_no_scale_means_the_adapters_default() -> None:
     assert parse({"prompt": "x", "model": "p"})[0].scale is None
     assert parse({"prompt": "x", "lora": {"name": "p"}})[0].scale is None
@@ -89,7 +102,35 @@ def test_load_scale_defaults_to_one_and_is_bounded() -> None:
         pytest.param({"prompt": "x", "lora": "p"}, "lora", id="lora-type"),
         pytest.param({"prompt": "x", "lora": {"scale": 1}}, "lora.name", id="lora-no-name"),
         pytest.param(
-            {"prompt": "x", "lora": {"name": "p", "scale": 99}}, "scale", id="scale-range"
+            {"prompt": "x", "lora": {"name": "p", "scale": 99}}, "lora.scale", id="scale-range"
+        ),
+        pytest.param({"prompt": "x", "lora": []}, "lora", id="stack-empty"),
+        pytest.param(
+            {"prompt": "x", "lora": [{"name": f"a{i}"} for i in range(api.MAX_STACK + 1)]},
+            "lora",
+            id="stack-too-long",
+        ),
+        pytest.param({"prompt": "x", "lora": [{"name": "a"}, "b"]}, "lora[1]", id="stack-entry"),
+        pytest.param(
+            {"prompt": "x", "lora": [{"name": "a"}, {"name": "b", "local_path": "/b"}]},
+            "lora[1]",
+            id="stack-path",
+        ),
+        pytest.param(
+            {"prompt": "x", "lora": [{"name": "a"}, {"name": "b", "scale": "1"}]},
+            "lora[1].scale",
+            id="stack-scale",
+        ),
+        pytest.param(
+            {"prompt": "x", "lora": [{"name": "a"}, {"scale": 1}]}, "lora[1].name", id="stack-name"
+        ),
+        pytest.param(
+            {"prompt": "x", "lora": [{"name": "a"}, {"name": "a"}]}, "lora", id="stack-twice"
+        ),
+        pytest.param(
+            {"prompt": "x", "model": "a", "lora": [{"name": "a"}, {"name": "b"}]},
+            "model",
+            id="stack-and-model",
         ),
         pytest.param(
             {"prompt": "x", "lora": {"name": "p", "weight": 1}}, "lora", id="lora-unknown"

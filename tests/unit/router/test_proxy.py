@@ -277,6 +277,23 @@ async def test_requests_go_where_the_adapter_is_resident_and_by_queue_without_re
         assert r.status == 200 and r.headers["x-lora-route"] == "no-residency"
 
 
+async def test_a_stack_goes_where_its_first_member_is_resident(
+    start_router: StartRouter, start_backend: StartBackend
+) -> None:
+    router = await start_router()
+    await pods(start_backend, router, Pod("a", gpu=("x",)), Pod("b", gpu=("y",)))
+    router.place("x", None)
+    router.place("y", None)
+    await router.wait_reports({"a", "b"})
+    for first, second, expected in (("x", "y", "a"), ("y", "x", "b")):
+        body = {"prompt": "p", "lora": [{"name": first}, {"name": second, "scale": 0.5}]}
+        async with router.session.post(router.url("/v1/images/generations"), json=body) as r:
+            assert (r.headers["x-lora-pod"], r.headers["x-lora-route"]) == (
+                expected,
+                "gpu-resident",
+            )
+
+
 async def test_the_polls_carry_the_client_token_and_client_requests_only_their_own(
     start_router: StartRouter, start_backend: StartBackend, tmp_path: Path
 ) -> None:

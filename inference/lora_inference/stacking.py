@@ -1,0 +1,101 @@
+"""Stacking: several adapters at their own scales, built into one adapter that equals their sum.
+
+A LoRA layer adds `scaling x B @ A` to its base layer's output. The sum of several such deltas is
+itself one: stack the members' A matrices along the rank (rows of A, the "down" weight) and their
+B matrices beside each other (columns of B, the "up" weight), each B multiplied by its member's
+scale and scaling, and give the result a scaling of 1 (alpha equal to the summed rank). So a stack
+is exact, is built once on the CPU from the members' parsed weights, and then is cached, copied
+into a slot, batched and evicted like any other adapter. Its rank is the sum of its members'
+ranks in each layer.
+
+The members are taken in name order, so the order a request lists them in changes nothing, down
+to the last bit. A member at scale 0 adds nothing and is left out.
+
+Imports torch (the members' tensors), never diffusers or peft.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from lora_inference import errors
+from lora_inference.slots import LayerKey, LayerWeights
+
+# At most this many conflicting layers are named in an error; the rest are counted.
+_NAMED_CONFLICTS = 3
+
+
+@dataclass(frozen=True)
+class Member:
+    """One adapter of a stack: its name, the scale it is applied at, and its parsed layers."""
+
+    name: str
+    sha256: str
+    scale: float
+    layers: Mapping[LayerKey, LayerWeights]
+
+
+def stack_sha256(members: Sequence[tuple[str, str, float]]) -> str:
+    """A stack's identity: its members' (name, sha256, scale), in name order."""
+    lines = [f"{name}\t{sha}\t{scale!r}\n" for name, sha, scale in sorted(members)]
+    return hashlib.sha256("".join(lines).encode()).hexdigest()
+
+
+def stack_name(members: Sequence[tuple[str, float]]) -> str:
+    """How logs and errors name a stack: `a*0.8+b*0.5`, in name order."""
+    return "+".join(f"{name}*{scale:g}" for name, scale in sorted(members))
+
+
+def compose(members: Sequence[Member]) -> dict[LayerKey, LayerWeights]:
+    """The layers of one adapter equal to the sum of `members`, each at its scale.
+
+    Raises IncompatibleAdapter naming the members and layers when two members target one layer
+    with matrices that cannot be stacked (a different kernel or width: not the same layer of the
+    same base model).
+    """
+    ordered = sorted((m for m in members if m.scale != 0.0), key=lambda m: m.name)
+    by_layer: dict[LayerKey, list[tuple[Member, LayerWeights]]] = {}
+    for member in ordered:
+        for key, weights in member.layers.items():
+            by_layer.setdefault(key, []).append((member, weights))
+    conflicts = [(key, parts) for key, parts in sorted(by_layer.items()) if not _stackable(parts)]
+    if conflicts:
+        raise _conflict(conflicts)
+    return {key: _sum(parts) for key, parts in sorted(by_layer.items())}
+
+
+def _stackable(parts: list[tuple[Member, LayerWeights]]) -> bool:
+    """Whether the layers' matrices agree in every dimension but the rank."""
+    first = parts[0][1]
+    return all(
+        w.down.shape[1:] == first.down.shape[1:]
+        and w.up.shape[:1] + w.up.shape[2:] == first.up.shape[:1] + first.up.shape[2:]
+        for _, w in parts[1:]
+    )
+
+
+def _sum(parts: list[tuple[Member, LayerWeights]]) -> LayerWeights:
+    dtype = parts[0][1].up.dtype
+    down = torch.cat([w.down.to(dtype) for _, w in parts], dim=0)
+    # The product runs in float32 and is rounded once, to the members' dtype.
+    up = torch.cat([(w.up.float() * (m.scale * w.scaling)).to(dtype) for m, w in parts], dim=1)
+    return LayerWeights(down=down, up=up, alpha=float(down.shape[0]), rslora=False)
+
+
+def _conflict(conflicts: list[tuple[LayerKey, list[tuple[Member, LayerWeights]]]]) -> Exception:
+    names = sorted({m.name for _, parts in conflicts for m, _ in parts})
+    shown = []
+    for (component, module), parts in conflicts[:_NAMED_CONFLICTS]:
+        shapes = ", ".join(f"{m.name} {tuple(w.down.shape)}x{tuple(w.up.shape)}" for m, w in parts)
+        shown.append(f"{component}.{module} ({shapes})")
+    more = len(conflicts) - len(shown)
+    return errors.IncompatibleAdapter(
+        f"adapters {', '.join(names)} cannot be stacked: they target "
+        f"{'; '.join(shown)}{f' and {more} more layer(s)' if more else ''} with different "
+        "shapes; stack adapters trained for the same base model",
+        param="lora",
+    )

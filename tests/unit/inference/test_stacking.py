@@ -1,0 +1,140 @@
+"""Stacked adapters: several adapters in one request, built into one adapter equal to their sum.
+
+The arithmetic is checked on tensors against the deltas it must sum; the server is checked on the
+tiny pipeline against diffusers' own `set_adapters` with several adapters, and for what a user
+relies on: the order of the list changes nothing, a member at scale 0 is as if absent, a stack is
+built once and rebuilt when a member is reloaded, unknown members and bad lists are named.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from lora_inference import errors, stacking
+from lora_inference.slots import LayerWeights
+
+from tests.unit.inference.conftest import Assets, Reference, Server
+
+# One 8-bit level: float rounding differs between a stacked branch and several branches.
+LEVEL = 1
+
+
+def _weights(rank: int, inner: int, outer: int, *, seed: int, alpha: float, conv: bool = False):
+    g = torch.Generator().manual_seed(seed)
+    kernel = (3, 3) if conv else ()
+    down = torch.randn((rank, inner, *kernel), generator=g)
+    up = torch.randn((outer, rank, *((1, 1) if conv else ())), generator=g)
+    return LayerWeights(down=down, up=up, alpha=alpha, rslora=False)
+
+
+def _delta(w: LayerWeights, scale: float) -> torch.Tensor:
+    """The weight change a layer's LoRA branch makes, as a matrix (convs flattened)."""
+    return scale * w.scaling * (w.up.flatten(1) @ w.down.flatten(1))
+
+
+def test_a_stack_is_the_sum_of_its_members_deltas_in_every_layer() -> None:
+    linear, conv = ("unet", "q"), ("unet", "conv")
+    a = {
+        linear: _weights(4, 8, 6, seed=1, alpha=4),
+        conv: _weights(2, 3, 5, seed=2, alpha=1, conv=True),
+    }
+    b = {linear: _weights(2, 8, 6, seed=3, alpha=8)}  # another rank and alpha; no conv layer
+    stacked = stacking.compose(
+        [stacking.Member("b", "0", -0.5, b), stacking.Member("a", "0", 0.8, a)]
+    )
+    expected_linear = _delta(a[linear], 0.8) + _delta(b[linear], -0.5)
+    assert torch.allclose(_delta(stacked[linear], 1.0), expected_linear, atol=1e-5)
+    assert torch.allclose(_delta(stacked[conv], 1.0), _delta(a[conv], 0.8), atol=1e-5)
+    assert (stacked[linear].rank, stacked[linear].scaling, stacked[conv].rank) == (6, 1.0, 2)
+
+
+def test_the_order_of_the_members_changes_no_bit_and_scale_zero_leaves_a_member_out() -> None:
+    key = ("unet", "q")
+    a = stacking.Member("a", "0", 0.7, {key: _weights(4, 8, 6, seed=1, alpha=4)})
+    b = stacking.Member("b", "0", 0.3, {key: _weights(2, 8, 6, seed=2, alpha=2)})
+    forward, backward = stacking.compose([a, b]), stacking.compose([b, a])
+    assert torch.equal(forward[key].down, backward[key].down)
+    assert torch.equal(forward[key].up, backward[key].up)
+    silent = stacking.Member("b", "0", 0.0, b.layers)
+    assert stacking.compose([a, silent])[key].rank == 4
+    assert stacking.compose([silent]) == {}
+
+
+def test_members_that_target_one_layer_with_other_shapes_cannot_stack() -> None:
+    key = ("unet", "down_blocks.0.conv")
+    a = stacking.Member("a", "0", 1.0, {key: _weights(4, 3, 5, seed=1, alpha=4, conv=True)})
+    b = stacking.Member("b", "0", 1.0, {key: _weights(4, 7, 5, seed=2, alpha=4, conv=True)})
+    with pytest.raises(errors.IncompatibleAdapter) as e:
+        stacking.compose([a, b])
+    assert e.value.status == 422
+    assert "a, b" in e.value.message and "unet.down_blocks.0.conv" in e.value.message
+
+
+def test_a_stacks_identity_ignores_order_and_follows_revisions_and_scales() -> None:
+    one = stacking.stack_sha256([("a", "1" * 64, 0.5), ("b", "2" * 64, 1.0)])
+    assert one == stacking.stack_sha256([("b", "2" * 64, 1.0), ("a", "1" * 64, 0.5)])
+    assert one != stacking.stack_sha256([("a", "3" * 64, 0.5), ("b", "2" * 64, 1.0)])
+    assert one != stacking.stack_sha256([("a", "1" * 64, 0.6), ("b", "2" * 64, 1.0)])
+    assert stacking.stack_name([("b", 1.0), ("a", 0.5)]) == "a*0.5+b*1"
+
+
+# ---- on the server
+
+
+async def test_a_stack_draws_what_diffusers_draws_with_both_adapters_set(
+    server: Server, assets: Assets, reference: Reference
+) -> None:
+    await server.load("a", assets.adapter_a)
+    await server.load("b", assets.adapter_b)
+    ours = await server.image(lora=[{"name": "a", "scale": 0.7}, {"name": "b", "scale": 0.5}])
+    theirs = reference(stack=[(assets.adapter_a, 0.7), (assets.adapter_b, 0.5)])
+    assert np.abs(ours.astype(int) - theirs.astype(int)).max() <= LEVEL
+    assert not np.array_equal(ours, await server.image(lora={"name": "a", "scale": 0.7}))
+
+
+async def test_a_member_at_scale_zero_is_as_if_absent_and_order_changes_nothing(
+    server: Server, assets: Assets
+) -> None:
+    await server.load("a", assets.adapter_a)
+    await server.load("b", assets.adapter_b)
+    alone = await server.image(lora={"name": "a", "scale": 0.8})
+    with_b_silent = await server.image(
+        lora=[{"name": "a", "scale": 0.8}, {"name": "b", "scale": 0}]
+    )
+    assert np.abs(with_b_silent.astype(int) - alone.astype(int)).max() <= LEVEL
+    forward = await server.image(lora=[{"name": "a", "scale": 0.8}, {"name": "b", "scale": 0.4}])
+    backward = await server.image(lora=[{"name": "b", "scale": 0.4}, {"name": "a", "scale": 0.8}])
+    assert np.array_equal(forward, backward)
+
+
+async def test_a_stack_is_built_once_and_rebuilt_when_a_member_is_reloaded(
+    server: Server, assets: Assets
+) -> None:
+    await server.load("a", assets.adapter_a, scale=0.5)  # a member without a scale: its default
+    await server.load("b", assets.adapter_b)
+    stack = [{"name": "a"}, {"name": "b", "scale": 0.5}]
+    first = await server.image(lora=stack)
+    built = server.metric("lora_adapter_loads_total", tier="cpu", result="ok")
+    assert np.array_equal(await server.image(lora=stack), first)
+    assert server.metric("lora_adapter_loads_total", tier="cpu", result="ok") == built
+    # `a` now holds b's weights: the stack is built again from them.
+    await server.load("a", assets.adapter_b, scale=0.5, load_inplace=True)
+    assert not np.array_equal(await server.image(lora=stack), first)
+
+
+async def test_an_unknown_member_is_a_404_naming_it(server: Server, assets: Assets) -> None:
+    await server.load("a", assets.adapter_a)
+    status, body = await server.post(
+        "/v1/images/generations",
+        {"prompt": "x", "lora": [{"name": "a"}, {"name": "nope"}]},
+        token=None,
+    )
+    assert status == 404, body
+    assert body["error"]["param"] == "lora[1].name" and "'nope'" in body["error"]["message"]
+
+
+async def test_a_list_of_one_is_the_object_form(server: Server, assets: Assets) -> None:
+    await server.load("a", assets.adapter_a)
+    listed = await server.image(lora=[{"name": "a", "scale": 0.6}])
+    assert np.array_equal(listed, await server.image(lora={"name": "a", "scale": 0.6}))
