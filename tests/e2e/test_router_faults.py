@@ -232,9 +232,7 @@ class Load:
         return sorted(self.answers, key=lambda a: a.started)
 
 
-def summary(
-    answers: list[Answer], since: float = 0.0
-) -> list[tuple[float, float, Any, Any, Any]]:
+def summary(answers: list[Answer], since: float = 0.0) -> list[tuple[float, float, Any, Any, Any]]:
     """For failure messages: (seconds since `since`, seconds taken, status or error, pod, why)."""
     return [
         (round(a.started - since, 1), round(a.ended - a.started, 1), a.status or a.error, *a.route)
