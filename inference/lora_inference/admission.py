@@ -25,6 +25,9 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
+import functools
+import hashlib
 import logging
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -32,7 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from lora_volume import errors as volume_errors
-from lora_volume import files, layout, targeting
+from lora_volume import files, layout, stacks, targeting
 
 from lora_inference import errors, stacking
 from lora_inference.adapters import cache
@@ -78,16 +81,20 @@ class Reader:
         return parsed
 
     async def compose(
-        self, members: Sequence[tuple[AdapterRecord, float]], parts: Sequence[ParsedAdapter]
+        self,
+        members: Sequence[tuple[AdapterRecord, float]],
+        parts: Sequence[ParsedAdapter],
+        *,
+        param: str = "lora",
     ) -> ParsedAdapter:
         """One adapter equal to `members` at their scales (`stacking.compose`), from their
-        parses (`parts`, in the same order)."""
+        parses (`parts`, in the same order); `param` names the field a conflict is about."""
         stacked = [
             stacking.Member(name=record.name, sha256=part.sha256, scale=scale, layers=part.layers)
             for (record, scale), part in zip(members, parts, strict=True)
         ]
         layers = await asyncio.get_running_loop().run_in_executor(
-            self._pool, stacking.compose, stacked
+            self._pool, functools.partial(stacking.compose, stacked, param=param)
         )
         return ParsedAdapter(
             sha256=stacking.stack_sha256([(m.name, m.sha256, m.scale) for m in stacked]),
@@ -173,7 +180,7 @@ class Admission:
             if pinned:
                 self._check_pin_room(name, existing)
             await self._reader.check_base_model(resolved, name)
-            parsed = await self._reader.read(resolved, name)
+            parsed, members = await self._read(resolved, name)
             # Nothing awaits from here until the registry holds the record; other names may
             # have been pinned while this one was read.
             if pinned:
@@ -189,6 +196,7 @@ class Admission:
                 origin=origin,
                 version=next_version(),
                 scale=scale,
+                members=members,
             )
             self._residency.add(record, parsed)
             previous = self._registry.put(record)
@@ -204,6 +212,45 @@ class Admission:
                 self._restore(record, previous)
                 raise
         return record
+
+    async def _read(
+        self, path: Path, name: str
+    ) -> tuple[ParsedAdapter, tuple[tuple[AdapterRecord, float], ...]]:
+        """Read the adapter at `path`: a file, or a composed revision (`lora_volume.stacks`),
+        whose members are read and checked against its manifest and built into one adapter;
+        then its members too."""
+        if not await asyncio.to_thread(stacks.is_stack, path):
+            return await self._reader.read(path, name), ()
+        manifest = path / stacks.STACK_FILE
+        data = await asyncio.to_thread(manifest.read_bytes)
+        members, parts = [], []
+        for entry in stacks.parse_manifest(data, where=str(manifest)):
+            part = await self._reader.read(path / entry.file, entry.name)
+            if part.sha256 != entry.sha256:
+                raise errors.IncompatibleAdapter(
+                    f"member {entry.name!r} of composition {name!r} has sha256 {part.sha256}, "
+                    f"but {manifest} names {entry.sha256}; stage the composition again",
+                    param="lora_path",
+                )
+            member = AdapterRecord(
+                name=entry.name,
+                path=path / entry.file,
+                weights_file=part.weights_file,
+                sha256=part.sha256,
+                size_bytes=part.size_bytes,
+                rank=part.rank,
+                pinned=False,
+                origin="stack",
+                version=next_version(),
+            )
+            members.append((member, entry.scale))
+            parts.append(part)
+        composed = await self._reader.compose(members, parts, param="lora_path")
+        # Named by its manifest, as the volume names the revision: what /v1/models reports.
+        parsed = dataclasses.replace(
+            composed, sha256=hashlib.sha256(data).hexdigest(), weights_file=manifest
+        )
+        return parsed, tuple(members)
 
     async def unregister(self, name: str, *, force: bool = False) -> AdapterRecord:
         record = self._registry.get(name)

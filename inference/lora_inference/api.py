@@ -11,14 +11,16 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from lora_volume import stacks
+
 from lora_inference import errors
 
 MAX_IMAGES = 10
 MAX_STEPS = 200
 MAX_SIDE = 2048
 MAX_PROMPT_CHARS = 4000
-SCALE_RANGE = (-10.0, 10.0)
-MAX_STACK = 4  # adapters one request may stack (`lora` as a list)
+SCALE_RANGE = stacks.SCALE_RANGE
+MAX_STACK = stacks.MAX_MEMBERS  # adapters one request may stack (`lora` as a list)
 _SIZE = re.compile(r"^(\d{1,5})x(\d{1,5})$")
 
 

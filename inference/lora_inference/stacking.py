@@ -50,7 +50,7 @@ def stack_name(members: Sequence[tuple[str, float]]) -> str:
     return "+".join(f"{name}*{scale:g}" for name, scale in sorted(members))
 
 
-def compose(members: Sequence[Member]) -> dict[LayerKey, LayerWeights]:
+def compose(members: Sequence[Member], *, param: str = "lora") -> dict[LayerKey, LayerWeights]:
     """The layers of one adapter equal to the sum of `members`, each at its scale.
 
     Raises IncompatibleAdapter naming the members and layers when two members target one layer
@@ -64,7 +64,7 @@ def compose(members: Sequence[Member]) -> dict[LayerKey, LayerWeights]:
             by_layer.setdefault(key, []).append((member, weights))
     conflicts = [(key, parts) for key, parts in sorted(by_layer.items()) if not _stackable(parts)]
     if conflicts:
-        raise _conflict(conflicts)
+        raise _conflict(conflicts, param)
     return {key: _sum(parts) for key, parts in sorted(by_layer.items())}
 
 
@@ -86,7 +86,9 @@ def _sum(parts: list[tuple[Member, LayerWeights]]) -> LayerWeights:
     return LayerWeights(down=down, up=up, alpha=float(down.shape[0]), rslora=False)
 
 
-def _conflict(conflicts: list[tuple[LayerKey, list[tuple[Member, LayerWeights]]]]) -> Exception:
+def _conflict(
+    conflicts: list[tuple[LayerKey, list[tuple[Member, LayerWeights]]]], param: str
+) -> Exception:
     names = sorted({m.name for _, parts in conflicts for m, _ in parts})
     shown = []
     for (component, module), parts in conflicts[:_NAMED_CONFLICTS]:
@@ -97,5 +99,5 @@ def _conflict(conflicts: list[tuple[LayerKey, list[tuple[Member, LayerWeights]]]
         f"adapters {', '.join(names)} cannot be stacked: they target "
         f"{'; '.join(shown)}{f' and {more} more layer(s)' if more else ''} with different "
         "shapes; stack adapters trained for the same base model",
-        param="lora",
+        param=param,
     )

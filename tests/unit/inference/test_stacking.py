@@ -8,11 +8,17 @@ built once and rebuilt when a member is reloaded, unknown members and bad lists 
 
 from __future__ import annotations
 
+import hashlib
+import shutil
+from pathlib import Path
+from typing import Any
+
 import numpy as np
 import pytest
 import torch
 from lora_inference import errors, stacking
 from lora_inference.slots import LayerWeights
+from lora_volume import files, stacks
 
 from tests.unit.inference.conftest import Assets, Reference, Server
 
@@ -138,3 +144,76 @@ async def test_a_list_of_one_is_the_object_form(server: Server, assets: Assets) 
     await server.load("a", assets.adapter_a)
     listed = await server.image(lora=[{"name": "a", "scale": 0.6}])
     assert np.array_equal(listed, await server.image(lora={"name": "a", "scale": 0.6}))
+
+
+# ---- a composition on the volume (a LoRAAdapter with spec.compose), loaded by path
+
+
+def _composed_revision(
+    directory: Path, members: list[tuple[str, Path, float]], *, sha: str | None = None
+) -> Path:
+    """Lay out a composed revision as the operator stages it: manifest and members' weights."""
+    entries = []
+    for name, adapter, scale in members:
+        weights = files.find_weights_file(adapter)
+        entry = stacks.StackEntry(
+            name=name, sha256=sha or hashlib.sha256(weights.read_bytes()).hexdigest(), scale=scale
+        )
+        (directory / entry.file).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(weights, directory / entry.file)
+        entries.append(entry)
+    (directory / stacks.STACK_FILE).write_bytes(stacks.manifest_bytes(entries))
+    return directory
+
+
+async def test_a_composed_revision_serves_what_the_same_stack_in_a_request_draws(
+    server: Server, assets: Assets
+) -> None:
+    duo = _composed_revision(
+        assets.root / "duo", [("a", assets.adapter_a, 0.7), ("b", assets.adapter_b, 0.5)]
+    )
+    await server.load("duo", duo, scale=1.0)
+    await server.load("a", assets.adapter_a)
+    await server.load("b", assets.adapter_b)
+    named = await server.image(model="duo")
+    asked = await server.image(lora=[{"name": "b", "scale": 0.5}, {"name": "a", "scale": 0.7}])
+    assert np.array_equal(named, asked)
+    _, models = await server.get("/v1/models")
+    card = next(c for c in models["data"] if c["id"] == "duo")
+    manifest = (duo / stacks.STACK_FILE).read_bytes()
+    assert card["sha256"] == hashlib.sha256(manifest).hexdigest()
+
+
+@pytest.mark.parametrize(
+    ("write", "says"),
+    [
+        pytest.param(
+            lambda d, a: _composed_revision(d, [("a", a, 1.0), ("b", a, 1.0)], sha="0" * 64),
+            "names 00000",
+            id="member-changed",
+        ),
+        pytest.param(
+            lambda d, a: (d / stacks.STACK_FILE).write_text('{"members": [{"name": "a"}]}'),
+            "2 to 4 adapters",
+            id="one-member",
+        ),
+        pytest.param(
+            lambda d, a: (d / stacks.STACK_FILE).write_text("{"), "not JSON", id="not-json"
+        ),
+    ],
+)
+async def test_a_broken_composed_revision_is_refused_and_changes_nothing(
+    server: Server, assets: Assets, tmp_path: Path, write: Any, says: str
+) -> None:
+    broken = assets.root / f"broken-{tmp_path.name}"
+    broken.mkdir()
+    write(broken, assets.adapter_a)
+    base = await server.image()
+    status, body = await server.post(
+        "/v1/load_lora_adapter", {"lora_name": "duo", "lora_path": str(broken)}
+    )
+    assert status == 422, body
+    assert says in body["error"]["message"]
+    assert np.array_equal(await server.image(), base)
+    _, models = await server.get("/v1/models")
+    assert [c["id"] for c in models["data"] if c["parent"] is not None] == []

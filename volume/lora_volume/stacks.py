@@ -1,0 +1,96 @@
+"""A composed adapter on the volume: staged adapters at their scales, published as one revision.
+
+A LoRAAdapter with `spec.compose` is staged as a revision directory that holds `stack.json` (each
+member's name, the sha256 of the revision it was composed from, and its scale) and each member's
+weights under `members/` (hard links to the stored objects). So a composed revision is
+self-contained and immutable like any other: collecting a member's old revision never takes the
+weights from under it, and a member's new revision makes a new manifest, so a new revision of the
+composition. The revision's name is the manifest's SHA-256.
+
+The operator writes the manifest (`manifest_bytes`), the inference server reads it
+(`parse_manifest`) and builds one adapter from the members; both sides use this module, so the
+format has one definition. Pure apart from `is_stack`, which looks at one directory.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+
+from lora_volume import errors, layout
+
+STACK_FILE = "stack.json"
+MEMBERS_DIR = "members"
+MIN_MEMBERS, MAX_MEMBERS = 2, 4
+SCALE_RANGE = (-10.0, 10.0)
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+
+
+@dataclass(frozen=True)
+class StackEntry:
+    """One member: the adapter, the revision composed from, and its scale in the stack."""
+
+    name: str
+    sha256: str
+    scale: float
+
+    @property
+    def file(self) -> PurePosixPath:
+        """Where the member's weights lie inside the composed revision directory."""
+        return PurePosixPath(MEMBERS_DIR) / f"{self.name}.safetensors"
+
+
+def manifest_bytes(entries: Sequence[StackEntry]) -> bytes:
+    """The manifest of a composition, canonical (members in name order, fixed layout), so equal
+    compositions have equal bytes and so one revision."""
+    members = [
+        {"name": e.name, "sha256": e.sha256, "scale": e.scale}
+        for e in sorted(entries, key=lambda e: e.name)
+    ]
+    return (json.dumps({"members": members}, sort_keys=True, indent=1) + "\n").encode()
+
+
+def parse_manifest(data: bytes, *, where: str) -> tuple[StackEntry, ...]:
+    """Read a manifest; InvalidAdapter saying what is wrong with it (`where`: the file)."""
+
+    def invalid(what: str) -> errors.InvalidAdapter:
+        return errors.InvalidAdapter(f"{where} is not a valid composition: {what}")
+
+    try:
+        raw = json.loads(data)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise invalid(f"not JSON ({e})") from e
+    members = raw.get("members") if isinstance(raw, dict) else None
+    if not isinstance(members, list) or not MIN_MEMBERS <= len(members) <= MAX_MEMBERS:
+        raise invalid(f"'members' must list {MIN_MEMBERS} to {MAX_MEMBERS} adapters")
+    entries = []
+    for i, member in enumerate(members):
+        if not isinstance(member, dict):
+            raise invalid(f"member {i} is not an object")
+        name, sha, scale = member.get("name"), member.get("sha256"), member.get("scale")
+        try:
+            layout.check_adapter_name(name, param=f"members[{i}].name")
+        except errors.InvalidName as e:
+            raise invalid(e.message) from e
+        if not isinstance(sha, str) or not _SHA256.match(sha):
+            raise invalid(f"member {name!r} has no sha256")
+        if (
+            isinstance(scale, bool)
+            or not isinstance(scale, int | float)
+            or not math.isfinite(scale)
+            or not SCALE_RANGE[0] <= scale <= SCALE_RANGE[1]
+        ):
+            raise invalid(f"member {name!r} has no scale between -10 and 10")
+        entries.append(StackEntry(name=str(name), sha256=sha, scale=float(scale)))
+    if len({e.name for e in entries}) < len(entries):
+        raise invalid("a member is named twice")
+    return tuple(entries)
+
+
+def is_stack(path: Path) -> bool:
+    """Whether `path` is a composed revision directory."""
+    return (path / STACK_FILE).is_file()
