@@ -28,17 +28,18 @@ import logging
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable, Collection, Coroutine, Iterable, Mapping
+from collections.abc import Callable, Collection, Coroutine, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import aiohttp
 import kopf
-from lora_volume import targeting
+from lora_volume import stacks, targeting
 
 from lora_operator import (
     autoscale,
     backoff,
+    composition,
     errors,
     events,
     gc,
@@ -77,14 +78,22 @@ PLACEMENT_COALESCE_S = 0.5
 
 
 def needs_staging(
-    info: AdapterInfo, observed_generation: int | None, volume_current: str | None
+    info: AdapterInfo,
+    observed_generation: int | None,
+    volume_current: str | None,
+    composed: str | None = None,
 ) -> bool:
-    """Whether the spec's source must be staged (again), or the volume already holds it (pure)."""
-    return not (
+    """Whether the spec's source must be staged (again), or the volume already holds it (pure).
+
+    A composition (`spec.compose`) must be staged again whenever the revision its members make
+    now (`composed`; None: they make none, and the attempt says why) is not the current one.
+    """
+    staged = (
         info.staged is not None
         and observed_generation == info.generation
         and volume_current == info.staged.sha256
     )
+    return not staged or (bool(info.compose) and composed != volume_current)
 
 
 # -- what the controller talks to (injected) --------------------------------------------------
@@ -110,6 +119,15 @@ class Volume(Protocol):
         credentials: sources.Credentials | None = None,
         sha256: str | None = None,
         progress: sinks.ProgressCallback | None = None,
+        target: targeting.Target | None = None,
+    ) -> staging.StagedRevision: ...
+
+    async def stage_composition(
+        self,
+        namespace: str,
+        name: str,
+        entries: Sequence[stacks.StackEntry],
+        *,
         target: targeting.Target | None = None,
     ) -> staging.StagedRevision: ...
 
@@ -343,6 +361,7 @@ class Controller:
             rec.info = info
         if not info.deleting and generation_changed:
             self._consider_staging(rec)
+        self._restage_compositions_of(info)
         if info.autoscale is None:
             rec.scale, rec.hits_seen = None, None
         fingerprint = (
@@ -383,19 +402,26 @@ class Controller:
 
     # -- staging ------------------------------------------------------------------------------
 
-    def _consider_staging(self, rec: AdapterRecord) -> None:
-        """Start staging the spec's source unless the volume holds it or it failed for good."""
+    def _consider_staging(self, rec: AdapterRecord, *, members_changed: bool = False) -> None:
+        """Start staging the spec's source unless the volume holds it or it failed for good.
+
+        `members_changed`: a composition's member changed, which supersedes a staging in
+        progress (or waiting to retry) as a new spec does.
+        """
         info, state = rec.info, rec.staging_state
         if not self.active.is_set() or info.deleting:
             return
+        composed = self._composed_revision(info)
+        current = self.volume.current_revision(info.namespace, info.name)
         if rec.staging_task is not None and not rec.staging_task.done():
-            if rec.staging_generation == info.generation:
+            if rec.staging_generation == info.generation and not (
+                members_changed and composed != current
+            ):
                 return
             rec.staging_task.cancel()  # a new spec supersedes the staging in progress
         if state.permanent and state.observed_generation == info.generation:
             return  # refused for good: retried when the spec changes
-        current = self.volume.current_revision(info.namespace, info.name)
-        if not needs_staging(info, state.observed_generation, current):
+        if not needs_staging(info, state.observed_generation, current, composed):
             # Staged already, perhaps by a release that published no target: the pods'
             # resolvers must still learn which of them it is for.
             self._publish_target(info)
@@ -441,16 +467,26 @@ class Controller:
             loop.call_soon_threadsafe(self._mark, rec.key)
 
         started = time.monotonic()
-        source = sources.parse_source(info.source.uri, info.source.revision)
-        staged = await self.volume.stage(
-            info.namespace,
-            info.name,
-            source,
-            credentials=await self._credentials(info),
-            sha256=info.source.sha256,
-            progress=progress,
-            target=info.target,
-        )
+        if info.compose:
+            entries = composition.plan_composition(info, self._members(info))
+            described = "compose:" + ",".join(
+                f"{e.name}@{e.sha256[:12]}*{e.scale:g}" for e in entries
+            )
+            staged = await self.volume.stage_composition(
+                info.namespace, info.name, entries, target=info.target
+            )
+        else:
+            source = sources.parse_source(info.source.uri, info.source.revision)
+            described = sources.describe(source)
+            staged = await self.volume.stage(
+                info.namespace,
+                info.name,
+                source,
+                credentials=await self._credentials(info),
+                sha256=info.source.sha256,
+                progress=progress,
+                target=info.target,
+            )
         seconds = time.monotonic() - started
         state.succeeded(
             StagedRef(sha256=staged.sha256, size=staged.size),
@@ -465,7 +501,7 @@ class Controller:
         log.info(
             "action=staged adapter=%s/%s source=%s sha256=%s bytes=%d reused=%s seconds=%.3f",
             *rec.key,
-            sources.describe(source),
+            described,
             staged.sha256,
             staged.size,
             staged.reused,
@@ -473,6 +509,39 @@ class Controller:
         )
         self._wake_namespace(info.namespace)
         self._collect_event.set()
+        self._restage_compositions_of(info)
+
+    def _members(self, info: AdapterInfo) -> dict[str, composition.MemberState]:
+        """The members of composition `info` that exist, with the revisions they staged. From
+        kopf's index, complete from the first event on: a member whose own event has not been
+        handled yet is not taken for missing."""
+        wanted = {m.name for m in info.compose}
+        members = {}
+        for member in self._indexed(info.namespace):
+            if member.name in wanted:
+                rec = self.adapters.get(member.key)
+                staged = rec.staging_state.staged if rec is not None else member.staged
+                members[member.name] = composition.MemberState(info=member, staged=staged)
+        return members
+
+    def _composed_revision(self, info: AdapterInfo) -> str | None:
+        """The revision a composition's members make now (None: not a composition, or its
+        members make none: staging it says why)."""
+        if not info.compose:
+            return None
+        try:
+            return composition.composed_revision(
+                composition.plan_composition(info, self._members(info))
+            )
+        except errors.StagingError:
+            return None
+
+    def _restage_compositions_of(self, member: AdapterInfo) -> None:
+        """`member` changed (its spec, its staged revision, or it is gone): the compositions
+        that name it are staged again if the revision their members make changed."""
+        for rec in self._adapters_in(member.namespace):
+            if any(m.name == member.name for m in rec.info.compose):
+                self._consider_staging(rec, members_changed=True)
 
     def _publish_target(self, info: AdapterInfo) -> None:
         try:
@@ -495,6 +564,7 @@ class Controller:
             reason=e.reason,
             message=e.message,
             next_at=None if delay is None else kube.now_iso(delay),
+            degraded_at_once=e.degrades_at_once,
         )
         if e.permanent:
             state.observed_generation = rec.info.generation
@@ -592,6 +662,7 @@ class Controller:
         self._stale_placements.add(key[0])
         if rec is None:
             return
+        self._restage_compositions_of(rec.info)
         _cancel(rec.staging_task)
         rec.unloaded.set()
         self._series.forget(rec.info.uid)

@@ -31,6 +31,10 @@ class StagingError(Exception):
 
     permanent = False
     reason = "StagingFailed"
+    # A composition's member is missing or unusable: no retry fixes that by itself, so the
+    # adapter is Degraded at the first failure (its pods keep the revision they hold), and it
+    # is staged again as soon as the member changes.
+    degrades_at_once = False
 
     def __init__(self, message: str) -> None:
         super().__init__(message)
@@ -83,6 +87,27 @@ class SourceUnavailable(TransientStagingError):
 
 class DiskFull(TransientStagingError):
     reason = "DiskFull"
+
+
+class MemberNotStaged(TransientStagingError):
+    """A member of `spec.compose` has no staged revision yet: staged again once it has."""
+
+    reason = "MemberNotStaged"
+
+
+class MemberMissing(TransientStagingError):
+    """A member of `spec.compose` does not exist (or is being deleted)."""
+
+    reason = "MemberMissing"
+    degrades_at_once = True
+
+
+class MemberInvalid(TransientStagingError):
+    """A member of `spec.compose` cannot be stacked here: another base model, or a composition
+    itself."""
+
+    reason = "MemberInvalid"
+    degrades_at_once = True
 
 
 class VolumeUnsupported(Exception):

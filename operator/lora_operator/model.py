@@ -111,6 +111,14 @@ class SourceSpec:
 
 
 @dataclass(frozen=True)
+class ComposeMember:
+    """One entry of `spec.compose`: another LoRAAdapter of the namespace, at a scale."""
+
+    name: str
+    scale: float = 1.0
+
+
+@dataclass(frozen=True)
 class AutoscaleSpec:
     """`spec.autoscale`: the range the operator chooses `replicas` from, by request rate."""
 
@@ -136,6 +144,8 @@ class AdapterInfo:
     replicas: int | None = None  # spec.replicas; None with autoscale, or on every matching pod
     autoscale: AutoscaleSpec | None = None
     created: str = ""  # metadata.creationTimestamp
+    # spec.compose: the adapters this one stacks, instead of a source (empty: it has a source).
+    compose: tuple[ComposeMember, ...] = ()
 
     @property
     def placed(self) -> bool:
@@ -188,6 +198,11 @@ def adapter_info(body: Mapping[str, Any]) -> AdapterInfo:
         ),
         replicas=int(replicas) if replicas is not None else None,
         created=str(meta.get("creationTimestamp") or ""),
+        compose=tuple(
+            ComposeMember(name=str(m.get("name", "")), scale=float(m.get("scale", 1.0)))
+            for m in spec.get("compose") or ()
+            if isinstance(m, Mapping)
+        ),
         autoscale=AutoscaleSpec(
             min_replicas=int(auto.get("minReplicas", 1)),
             max_replicas=int(auto.get("maxReplicas", 1)),

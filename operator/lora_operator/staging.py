@@ -6,6 +6,8 @@ the content store `.objects/sha256/<hex>.safetensors`, a revision directory is b
 and renamed into place, the adapter's target (which pods it is for) is a file renamed into place,
 and `current` is a new symlink renamed over the old one. So a kill at any
 point leaves at most files under `.tmp/` (removed by `clean_tmp`), never a partial revision.
+A composition (`spec.compose`) is published the same way, its revision built from a manifest and
+hard links to its members' stored objects (`stage_composition`).
 Fetching is injected (`fetchers.fetch` by default) and writes into a `sinks.Sink`; nothing here
 speaks a network protocol.
 """
@@ -15,17 +17,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import hashlib
 import os
 import shutil
 import struct
 import tempfile
-from collections.abc import Awaitable, Callable, Collection
+from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
 from lora_volume import errors as volume_errors
-from lora_volume import files, layout, targeting
+from lora_volume import files, layout, stacks, targeting
 
 from lora_operator import errors, fetchers, gc, sinks, sources
 
@@ -222,25 +225,8 @@ class Store:
                 pass
         ns_root = layout.namespace_root(self.root, namespace)
         revision = layout.revision_dir(ns_root, name, digest)
-        if not revision.is_dir():
-            building = Path(tempfile.mkdtemp(dir=layout.tmp_dir(self.root), prefix="revision-"))
-            try:
-                os.link(obj, building / layout.WEIGHTS_FILE)
-                os.chmod(building, 0o755)
-                _fsync_dir(building)
-                revision.parent.mkdir(parents=True, exist_ok=True)
-                try:
-                    os.rename(building, revision)
-                except OSError as e:
-                    if e.errno not in (errno.EEXIST, errno.ENOTEMPTY):
-                        raise
-                _fsync_dir(revision.parent)
-            finally:
-                shutil.rmtree(building, ignore_errors=True)
-        if target is not None:
-            # Before `current`: a pod that sees the adapter also sees which pods it is for.
-            _write_target(self.root, ns_root, name, target)
-        _point_current(self.root, ns_root, name, digest)
+        _build_revision(self.root, revision, lambda d: os.link(obj, d / layout.WEIGHTS_FILE))
+        _point(self.root, ns_root, name, digest, target)
         return StagedRevision(
             namespace=namespace,
             name=name,
@@ -249,6 +235,105 @@ class Store:
             path=revision,
             reused=reused,
         )
+
+    async def stage_composition(
+        self,
+        namespace: str,
+        name: str,
+        entries: Sequence[stacks.StackEntry],
+        *,
+        target: targeting.Target | None = None,
+    ) -> StagedRevision:
+        """Make the composition of `entries` (members' staged revisions, at their scales) the
+        current revision of `namespace/name`: its manifest and hard links to the members'
+        stored weights (`lora_volume.stacks`); idempotent, nothing is downloaded."""
+        try:
+            layout.check_adapter_name(namespace, param="namespace")
+            layout.check_adapter_name(name, param="adapter name")
+        except volume_errors.VolumeError as e:
+            raise errors.from_volume(e) from e
+        manifest = stacks.manifest_bytes(entries)
+        digest = hashlib.sha256(manifest).hexdigest()
+        async with self._semaphore, self._publish_lock:
+            return await _to_thread_to_the_end(
+                self._publish_composition, namespace, name, digest, manifest, entries, target
+            )
+
+    def _publish_composition(
+        self,
+        namespace: str,
+        name: str,
+        digest: str,
+        manifest: bytes,
+        entries: Sequence[stacks.StackEntry],
+        target: targeting.Target | None,
+    ) -> StagedRevision:
+        objects = {e.name: layout.object_path(self.root, e.sha256) for e in entries}
+        gone = [n for n, obj in objects.items() if not obj.is_file()]
+        if gone:
+            # Collected between the member's staging and this one: staging the member again
+            # (its next change, or the operator's restart) brings the content back.
+            raise errors.MemberNotStaged(
+                f"the staged weights of {', '.join(map(repr, gone))} are no longer on the "
+                "volume; waiting for them to be staged again"
+            )
+
+        def fill(building: Path) -> None:
+            (building / stacks.MEMBERS_DIR).mkdir()
+            for entry in entries:
+                os.link(objects[entry.name], building / entry.file)
+            (building / stacks.STACK_FILE).write_bytes(manifest)
+            os.chmod(building / stacks.STACK_FILE, 0o444)
+            os.chmod(building / stacks.MEMBERS_DIR, 0o755)
+            _fsync_dir(building / stacks.MEMBERS_DIR)
+
+        ns_root = layout.namespace_root(self.root, namespace)
+        revision = layout.revision_dir(ns_root, name, digest)
+        reused = revision.is_dir()
+        try:
+            _build_revision(self.root, revision, fill)
+            _point(self.root, ns_root, name, digest, target)
+        except OSError as e:
+            raise sinks.disk_error(e) from e
+        return StagedRevision(
+            namespace=namespace,
+            name=name,
+            sha256=digest,
+            size=len(manifest) + sum(obj.stat().st_size for obj in objects.values()),
+            path=revision,
+            reused=reused,
+        )
+
+
+def _build_revision(volume_root: Path, revision: Path, fill: Callable[[Path], None]) -> None:
+    """Create `revision` unless it exists: filled by `fill` in `.tmp/`, then renamed into place,
+    so no reader ever sees it half-built."""
+    if revision.is_dir():
+        return
+    building = Path(tempfile.mkdtemp(dir=layout.tmp_dir(volume_root), prefix="revision-"))
+    try:
+        fill(building)
+        os.chmod(building, 0o755)
+        _fsync_dir(building)
+        revision.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.rename(building, revision)
+        except OSError as e:
+            if e.errno not in (errno.EEXIST, errno.ENOTEMPTY):
+                raise
+        _fsync_dir(revision.parent)
+    finally:
+        shutil.rmtree(building, ignore_errors=True)
+
+
+def _point(
+    volume_root: Path, ns_root: Path, name: str, digest: str, target: targeting.Target | None
+) -> None:
+    """Publish `target`, then point `current` at the revision `digest`."""
+    if target is not None:
+        # Before `current`: a pod that sees the adapter also sees which pods it is for.
+        _write_target(volume_root, ns_root, name, target)
+    _point_current(volume_root, ns_root, name, digest)
 
 
 async def _to_thread_to_the_end(fn: Callable[..., _T], *args: object) -> _T:

@@ -68,15 +68,24 @@ class StagingState:
     error_reason: str | None = None
     error_message: str | None = None
     permanent: bool = False
+    degraded_at_once: bool = False  # the failure degrades without waiting for the retry bound
     staged: StagedRef | None = None
     path: str | None = None  # the revision directory on the operator's volume
     staged_at: str | None = None
     observed_generation: int | None = None
 
-    def failed(self, *, permanent: bool, reason: str, message: str, next_at: str | None) -> None:
+    def failed(
+        self,
+        *,
+        permanent: bool,
+        reason: str,
+        message: str,
+        next_at: str | None,
+        degraded_at_once: bool = False,
+    ) -> None:
         self.in_progress = False
         self.error_reason, self.error_message = reason, message
-        self.permanent = permanent
+        self.permanent, self.degraded_at_once = permanent, degraded_at_once
         if permanent:
             self.next_attempt_at = None
         else:
@@ -86,6 +95,7 @@ class StagingState:
     def succeeded(self, staged: StagedRef, path: str, at: str, generation: int) -> None:
         self.in_progress = False
         self.attempts, self.permanent, self.next_attempt_at = 0, False, None
+        self.degraded_at_once = False
         self.error_reason = self.error_message = None
         self.staged, self.path, self.staged_at = staged, path, at
         self.observed_generation = generation
@@ -150,13 +160,17 @@ def summarise(
 
     staged_c = _staged_condition(staging)
     ready_c = _ready_condition(info, staged, targeted, ready, refused)
-    staging_degraded = staging.attempts >= retry_bound and not staging.permanent
+    staging_degraded = not staging.permanent and (
+        staging.attempts >= retry_bound or (staging.attempts > 0 and staging.degraded_at_once)
+    )
     if staging_degraded:
         degraded_c = Condition(
             "Degraded",
             "True",
             staging.error_reason or "StagingFailed",
-            f"staging failed {staging.attempts} times in a row: {staging.error_message}; "
+            f"{staging.error_message}; {_next_attempt(staging)}"
+            if staging.degraded_at_once
+            else f"staging failed {staging.attempts} times in a row: {staging.error_message}; "
             f"{_next_attempt(staging)}",
         )
     elif retrying:

@@ -65,10 +65,11 @@ def _decode(raw: bytes) -> Any:
         return raw.decode(errors="replace")
 
 
-def generate(base_url: str, model: str) -> np.ndarray:
-    """One image (GENERATION) by model or adapter name from the server at `base_url`, as RGB
-    pixels; fails unless it answers 200."""
-    status, body = http_json(f"{base_url}/v1/images/generations", {**GENERATION, "model": model})
+def generate(base_url: str, model: str | None, **extra: Any) -> np.ndarray:
+    """One image (GENERATION) by model or adapter name (and `extra` fields, such as `lora`) from
+    the server at `base_url`, as RGB pixels; fails unless it answers 200."""
+    request = {**GENERATION, **extra} if model is None else {**GENERATION, "model": model, **extra}
+    status, body = http_json(f"{base_url}/v1/images/generations", request)
     assert status == 200, body
     png = base64.b64decode(body["data"][0]["b64_json"])
     return np.asarray(Image.open(io.BytesIO(png)).convert("RGB"))

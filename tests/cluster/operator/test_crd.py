@@ -54,6 +54,12 @@ def without(path: list[str]) -> dict[str, Any]:
     return manifest
 
 
+def composed(members: list[dict[str, Any]]) -> dict[str, Any]:
+    manifest = without(["spec", "source"])
+    manifest["spec"]["compose"] = members
+    return manifest
+
+
 INVALID = [
     pytest.param(
         with_source(uri="http://example.com/a.safetensors"),
@@ -101,7 +107,26 @@ INVALID = [
     pytest.param(
         without(["spec", "baseModel"]), "baseModel: Required value", id="missing-base-model"
     ),
-    pytest.param(without(["spec", "source"]), "source: Required value", id="missing-source"),
+    pytest.param(without(["spec", "source"]), "set either source", id="missing-source"),
+    pytest.param(
+        adapter(compose=[{"name": "a"}, {"name": "b"}]),
+        "set either source",
+        id="source-and-compose",
+    ),
+    pytest.param(composed([{"name": "a"}]), "should have at least 2 items", id="compose-one"),
+    pytest.param(
+        composed([{"name": n} for n in "abcde"]), "must have at most 4 items", id="compose-five"
+    ),
+    pytest.param(
+        composed([{"name": "a"}, {"name": "a", "scale": 0.5}]),
+        "names an adapter twice",
+        id="compose-twice",
+    ),
+    pytest.param(
+        composed([{"name": "a", "scale": 11}, {"name": "b"}]),
+        "should be less than or equal to 10",
+        id="compose-scale",
+    ),
     pytest.param(
         adapter(sourc={"uri": "hf://a/b"}), 'unknown field "spec.sourc"', id="unknown-field"
     ),
@@ -196,6 +221,12 @@ def test_placement_fields_are_accepted(
     crd: Any, devcluster_namespace: str, spec: dict[str, Any]
 ) -> None:
     result = dry_run(crd, devcluster_namespace, adapter(**spec))
+    assert result.returncode == 0, result.stderr
+
+
+def test_a_composition_is_accepted(crd: Any, devcluster_namespace: str) -> None:
+    manifest = composed([{"name": "a", "scale": 0.8}, {"name": "b"}, {"name": "c", "scale": -1}])
+    result = dry_run(crd, devcluster_namespace, manifest)
     assert result.returncode == 0, result.stderr
 
 

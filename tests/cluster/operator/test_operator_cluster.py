@@ -289,3 +289,55 @@ def test_two_base_models_each_adapter_lands_on_the_pods_of_its_model(
     assert "mine" in served and "theirs" not in served, served
     assert "theirs" in served_other and "mine" not in served_other, served_other
     assert MODEL_NAME in served and other in served_other
+
+
+def test_a_composition_serves_the_sum_follows_its_members_and_degrades_without_one(
+    devcluster: Harness,
+    devcluster_namespace: str,
+    operator: Operator,
+    volume: Path,
+    models: Models,
+    phase: Phase,
+) -> None:
+    h, ns = devcluster, devcluster_namespace
+    phase("the composition and its members Ready on the pod")
+    a, _ = cluster.write_adapter(models, volume / ns / "src" / "a", seed=1)
+    b, _ = cluster.write_adapter(models, volume / ns / "src" / "b", seed=2)
+    h.apply(
+        cluster.inference_deployment(h.image("inference"), "inference", 1, models.root, volume), ns
+    )
+    compose = [{"name": "b", "scale": 0.5}, {"name": "a", "scale": 0.7}]
+    duo = {
+        "apiVersion": "lora.dev/v1alpha1",
+        "kind": "LoRAAdapter",
+        "metadata": {"name": "duo"},
+        "spec": {"baseModel": MODEL_NAME, "compose": compose},
+    }
+    h.apply(duo, ns)  # before its members: it waits for them
+    h.apply(cluster.adapter("a", str(a)), ns)
+    h.apply(cluster.adapter("b", str(b)), ns)
+    first = cluster.wait_phase(h, ns, "duo", "Ready", "1/1", timeout=240)["status"]["staged"]
+    (pod,) = release.ready_pods(h, ns, "app=inference", 1, timeout=180, all_ready=False)
+    url = f"http://{pod['status']['podIP']}:8000"
+    # Clients name it; it draws what the same stack asked for in a request draws.
+    assert np.array_equal(generate(url, "duo"), generate(url, None, lora=compose))
+
+    phase("a member's new revision makes a new composition, loaded in place")
+    a2, _ = cluster.write_adapter(models, volume / ns / "src" / "a2", seed=3)
+    h.apply(cluster.adapter("a", str(a2)), ns)
+
+    def recomposed() -> bool:
+        st = (cluster.get_adapter(h, ns, "duo") or {}).get("status") or {}
+        return st.get("phase") == "Ready" and st["staged"]["sha256"] != first["sha256"]
+
+    h.wait_for("duo staged again and Ready", recomposed, timeout=180)
+    cluster.wait_phase(h, ns, "a", "Ready", "1/1", timeout=60)
+    assert np.array_equal(generate(url, "duo"), generate(url, None, lora=compose))
+
+    phase("a member deleted: Degraded with the reason, still served")
+    h.kubectl("delete", "loraadapter", "b", "-n", ns, "--timeout=90s")
+    st = cluster.wait_phase(h, ns, "duo", "Degraded", timeout=60)["status"]
+    degraded = next(c for c in st["conditions"] if c["type"] == "Degraded")
+    assert degraded["reason"] == "MemberMissing" and "'b'" in degraded["message"], degraded
+    assert "MemberMissing" in cluster.event_notes(h, ns, "duo", "Warning")
+    generate(url, "duo")
