@@ -37,6 +37,7 @@ print("\n".join(p["build-system"]["requires"] + p["project"]["optional-dependenc
 COPY README.md ./
 COPY volume/ volume/
 COPY inference/ inference/
+COPY playground/ playground/
 RUN pip install --no-cache-dir --no-deps --no-build-isolation . \
     && rm -rf /src/build /src/*.egg-info
 WORKDIR /

@@ -33,6 +33,7 @@ COPY README.md ./
 COPY volume/ volume/
 COPY operator/ operator/
 COPY router/ router/
+COPY playground/ playground/
 RUN pip install --no-cache-dir --no-deps --no-build-isolation . \
     && rm -rf /src/build /src/*.egg-info \
     && ! pip show torch >/dev/null 2>&1

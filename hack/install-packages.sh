@@ -3,10 +3,11 @@
 # missing (`make install` calls it; nothing happens when all are there):
 #   node:   containerd runc containernetworking-plugins iptables conntrack socat iproute2 util-linux
 #   images: buildah debootstrap gcc libc6-dev (the pause program is a static C binary)
-#   tests:  dosfstools fusefat (a vfat adapter volume, which the operator must refuse)
+#   tests:  dosfstools fusefat (a vfat adapter volume, which the operator must refuse),
+#           chromium chromium-driver (the playground page, driven headless)
 set -euo pipefail
 packages=(containerd runc containernetworking-plugins iptables conntrack socat iproute2
-          util-linux buildah debootstrap gcc libc6-dev dosfstools fusefat)
+          util-linux buildah debootstrap gcc libc6-dev dosfstools fusefat chromium chromium-driver)
 missing=()
 for p in "${packages[@]}"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -21,6 +21,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
+import lora_playground as playground
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -258,6 +259,11 @@ async def generate_images(request: web.Request) -> web.Response:
     return web.json_response({"created": int(time.time()), "data": data})
 
 
+async def playground_page(request: web.Request) -> web.Response:
+    """The playground (lora_playground): it calls the API above, as any client does."""
+    return web.Response(body=playground.page(), headers=playground.headers())
+
+
 async def health(request: web.Request) -> web.Response:
     return web.json_response({"status": "ok"})
 
@@ -290,6 +296,7 @@ def create_app(config: ServerConfig, *, backend: DiffusionBackend | None = None)
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)
     app.router.add_get("/metrics", metrics)
+    app.router.add_get("/", playground_page)
     app.cleanup_ctx.append(lambda app: _engine_lifecycle(app, backend))
     return app
 

@@ -29,6 +29,7 @@ from collections.abc import AsyncIterator, Callable, Coroutine, Mapping
 from typing import Any
 
 import aiohttp
+import lora_playground as playground
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -325,6 +326,11 @@ async def _forward(
         metrics.upstream_seconds.observe(time.monotonic() - started)
 
 
+async def playground_page(request: web.Request) -> web.Response:
+    """The playground (lora_playground), answered here so it loads with no pod Ready."""
+    return web.Response(body=playground.page(), headers=playground.headers())
+
+
 async def list_models(request: web.Request) -> web.StreamResponse:
     """The union of the Ready pods' `/v1/models` cards (the base model's first). Each pod is
     asked with the client's own Authorization; when none answers 200, the first pod's refusal
@@ -453,6 +459,7 @@ def create_app(
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)
     app.router.add_get("/v1/models", list_models)
+    app.router.add_get("/", playground_page)
     app.router.add_route("*", "/{tail:.*}", proxy)
     app.cleanup_ctx.append(lambda app: _background(app, sources))
     return app

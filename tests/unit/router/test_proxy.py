@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import lora_playground as playground
 import pytest
 from aiohttp import ClientSession, web
 from aiohttp.test_utils import TestClient, TestServer, unused_port
@@ -360,6 +361,14 @@ async def test_per_pod_endpoints_are_not_routed(
         assert r.status == 404
         assert "per pod" in (await r.json())["error"]["message"]
     assert pod.calls == Counter()
+
+
+async def test_the_playground_page_is_served_without_any_pod(start_router: StartRouter) -> None:
+    router = await start_router()
+    async with router.session.get(router.url("/")) as r:
+        assert r.status == 200 and r.headers["Content-Type"].startswith("text/html")
+        assert await r.read() == playground.page()
+        assert "frame-ancestors 'none'" in r.headers["Content-Security-Policy"]
 
 
 async def test_models_are_the_union_of_the_pods_cards(
