@@ -87,6 +87,10 @@ def test_install_apply_generate_reconcile_update_delete_uninstall(
             assert pixels(release.generate(h, ns, target, "pixel-art", **small)) != pixels(base)
         via_service = release.generate(h, ns, release.service_target(), "pixel-art", **small)
         assert Image.open(io.BytesIO(via_service)).size == (32, 32)
+        # The playground page, from the router behind the Service and from a pod, as installed.
+        for target in (release.service_target(), release.pod_target(names[0])):
+            status, page = h.proxy(ns, target, "/", timeout=10)
+            assert status == 200 and b"<title>LoRA playground</title>" in page, (target, status)
         summary = release.generate_in_cluster(h, ns, "dns-client", "pixel-art")
         assert summary == {"status": 200, "images": 1, "seed": 42}
 
