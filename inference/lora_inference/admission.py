@@ -116,6 +116,32 @@ class Reader:
         self._pool.shutdown(wait=True)
 
 
+def _new_record(
+    name: str,
+    path: Path,
+    parsed: ParsedAdapter,
+    *,
+    origin: Origin,
+    pinned: bool = False,
+    scale: float = 1.0,
+    members: tuple[tuple[AdapterRecord, float], ...] = (),
+) -> AdapterRecord:
+    """A new version of `name`, read from `path`: what `parsed` says of its weights."""
+    return AdapterRecord(
+        name=name,
+        path=path,
+        weights_file=parsed.weights_file,
+        sha256=parsed.sha256,
+        size_bytes=parsed.size_bytes,
+        rank=parsed.rank,
+        pinned=pinned,
+        origin=origin,
+        version=next_version(),
+        scale=scale,
+        members=members,
+    )
+
+
 def check_base_model(config: ServerConfig, path: Path, name: str) -> None:
     """Refuse an adapter whose `adapter_config.json` declares another base model (reads it)."""
     adapter_config = files.read_adapter_config(path)
@@ -185,18 +211,8 @@ class Admission:
             # have been pinned while this one was read.
             if pinned:
                 self._check_pin_room(name, self._registry.get(name))
-            record = AdapterRecord(
-                name=name,
-                path=resolved,
-                weights_file=parsed.weights_file,
-                sha256=parsed.sha256,
-                size_bytes=parsed.size_bytes,
-                rank=parsed.rank,
-                pinned=pinned,
-                origin=origin,
-                version=next_version(),
-                scale=scale,
-                members=members,
+            record = _new_record(
+                name, resolved, parsed, origin=origin, pinned=pinned, scale=scale, members=members
             )
             self._residency.add(record, parsed)
             previous = self._registry.put(record)
@@ -232,18 +248,9 @@ class Admission:
                     f"but {manifest} names {entry.sha256}; stage the composition again",
                     param="lora_path",
                 )
-            member = AdapterRecord(
-                name=entry.name,
-                path=path / entry.file,
-                weights_file=part.weights_file,
-                sha256=part.sha256,
-                size_bytes=part.size_bytes,
-                rank=part.rank,
-                pinned=False,
-                origin="stack",
-                version=next_version(),
+            members.append(
+                (_new_record(entry.name, path / entry.file, part, origin="stack"), entry.scale)
             )
-            members.append((member, entry.scale))
             parts.append(part)
         composed = await self._reader.compose(members, parts, param="lora_path")
         # Named by its manifest, as the volume names the revision: what /v1/models reports.
@@ -344,18 +351,8 @@ class Admission:
             async with self._arriving():
                 parts = [await self._residency.parse(record) for record, _ in resolved]
                 parsed = await self._reader.compose(resolved, parts)
-            first = resolved[0][0]
-            stack = AdapterRecord(
-                name=name,
-                path=first.path,
-                weights_file=first.weights_file,
-                sha256=parsed.sha256,
-                size_bytes=parsed.size_bytes,
-                rank=parsed.rank,
-                pinned=False,
-                origin="stack",
-                version=next_version(),
-                members=tuple(resolved),
+            stack = _new_record(
+                name, resolved[0][0].path, parsed, origin="stack", members=tuple(resolved)
             )
             self._residency.add(stack, parsed)
             self._stacks[key] = stack
