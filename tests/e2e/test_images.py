@@ -97,14 +97,26 @@ def test_dockerignore_keeps_the_context_small_and_the_sources_in() -> None:
         assert entry in ignored, entry
     copied = copied_sources("operator") | copied_sources("inference")
     # devcluster/ is a development tool: left out, so changing it rebuilds no image. router/
-    # goes into the operator image only (the router runs from it).
-    assert copied == {"pyproject.toml", "README.md", "volume", "inference", "operator", "router"}
+    # goes into the operator image only (the router runs from it); playground/ (the page both
+    # serve) into both.
+    assert copied == {
+        "pyproject.toml",
+        "README.md",
+        "volume",
+        "playground",
+        "inference",
+        "operator",
+        "router",
+    }
     assert not copied & ignored
 
 
 @pytest.mark.parametrize(
     ("image", "packages"),
-    [("operator", {"volume", "operator", "router"}), ("inference", {"volume", "inference"})],
+    [
+        ("operator", {"volume", "playground", "operator", "router"}),
+        ("inference", {"volume", "playground", "inference"}),
+    ],
 )
 def test_each_image_copies_only_the_packages_it_runs(image: str, packages: set[str]) -> None:
     # The operator image must not hold the inference server: it would be one import away from
