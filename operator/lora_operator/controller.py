@@ -414,8 +414,10 @@ class Controller:
         composed = self._composed_revision(info)
         current = self.volume.current_revision(info.namespace, info.name)
         if rec.staging_task is not None and not rec.staging_task.done():
+            # A member's change restarts a composition's staging that is waiting to retry, or
+            # that would publish another revision; otherwise the one in progress stands.
             if rec.staging_generation == info.generation and not (
-                members_changed and composed != current
+                members_changed and (composed != current or state.attempts > 0)
             ):
                 return
             rec.staging_task.cancel()  # a new spec supersedes the staging in progress

@@ -3,7 +3,6 @@ real volume, and how the controller follows its members (real store, pods in mem
 
 from __future__ import annotations
 
-import asyncio
 import os
 from pathlib import Path
 from typing import Any
@@ -205,10 +204,13 @@ async def test_a_composition_follows_its_members_revisions_and_degrades_without_
         cond = next(x for x in degraded["conditions"] if x["type"] == "Degraded")
         assert cond["reason"] == "MemberMissing" and "'b'" in cond["message"]
         assert rig.pods.held["p1"]["duo"].revision == _staged(rig, "duo")
-        # It comes back: staged again from the same revisions, Ready again.
+        # It comes back: staged again at once (not after the failed attempt's backoff) from
+        # the same revisions, Ready again.
+        waiting = c.adapters[(NS, "duo")].staging_task
+        assert waiting is not None and not waiting.done()
         c.adapter_changed(adapter(rig.volume, "b"))
+        assert c.adapters[(NS, "duo")].staging_task is not waiting
         await until("duo Ready again", lambda: rig.api.phases("duo")[-1] == "Ready")
-        await asyncio.sleep(0)
 
 
 def _meta(name: str, generation: int = 1) -> dict[str, Any]:
