@@ -1,13 +1,14 @@
-"""The demo (`make demo`): the chart, the operator and two adapters on the local cluster.
+"""The demo (`make demo`): the chart, the operator, two adapters and a composition of them.
 
 `python -m lora_demo --out demo-out` starts a cluster in a temporary directory (the project's
 images imported into its node), writes a tiny SD 1.5 model onto a claim with a Job of the
 inference image, `helm install`s charts/lora-operator, writes two random adapter sources onto the
-chart's adapter volume, applies examples/adapter.yaml and a second adapter, waits until both are
-Ready on every inference pod, generates base / pixel-art / watercolor images by adapter name
-through the Service, writes them and a side-by-side sheet, generates once more from a pod inside
-the cluster by the Service's DNS name, SIGKILLs an inference container and times the adapters'
-return, prints a summary and tears everything down, also on a failure, Ctrl-C or SIGTERM.
+chart's adapter volume, applies examples/adapter.yaml, a second adapter and a composition of the
+two (spec.compose), waits until all three are Ready on every inference pod, generates base /
+pixel-art / watercolor / pixel-watercolor images by adapter name through the Service, writes them
+and a side-by-side sheet, generates once more from a pod inside the cluster by the Service's DNS
+name, SIGKILLs an inference container and times the adapters' return, prints a summary and tears
+everything down, also on a failure, Ctrl-C or SIGTERM.
 
 Owns: the demo's steps and what it prints. The cluster steps it shares with the end-to-end suite
 are in `release`; what it applies is in `manifests`.
@@ -30,7 +31,7 @@ from lora_devcluster.harness import ApiError, Harness
 from PIL import Image, ImageDraw
 
 from lora_demo import manifests, release
-from lora_demo.manifests import DEMO_ADAPTERS, MODEL_NAME, RELEASE, SERVICE
+from lora_demo.manifests import DEMO_ADAPTERS, DEMO_COMPOSITION, MODEL_NAME, RELEASE, SERVICE
 
 EXAMPLE_ADAPTER = release.ROOT / "examples" / "adapter.yaml"
 NAMESPACE = "lora-demo"
@@ -68,6 +69,7 @@ def _raise_on_sigterm(signum: int, frame: FrameType | None) -> None:
 
 def run_demo(out: Path, work: Path, p: Progress, replicas: int) -> int:
     ns = NAMESPACE
+    adapters = [*(a.name for a in DEMO_ADAPTERS), DEMO_COMPOSITION[0]]
     p.step("starting the local cluster (control plane, containerd, kubelet, kube-proxy, CoreDNS)")
     t = time.monotonic()
     with cluster_mod.joined(work / "cluster", progress=lambda m: None) as c:
@@ -93,16 +95,20 @@ def run_demo(out: Path, work: Path, p: Progress, replicas: int) -> int:
             p.step(f"inference pods ready in {p.timed('helm install -> pods ready', t):.1f} s")
 
             t = time.monotonic()
-            p.step("kubectl apply -f examples/adapter.yaml (pixel-art) and a second adapter")
+            p.step(
+                "kubectl apply -f examples/adapter.yaml (pixel-art), a second adapter and "
+                f"{DEMO_COMPOSITION[0]}, which stacks the two"
+            )
             h.kubectl("apply", "-n", ns, "-f", str(EXAMPLE_ADAPTER))
             h.apply(manifests.adapter(DEMO_ADAPTERS[1], scale=1.0), ns)
-            for a in DEMO_ADAPTERS:
-                release.wait_adapter_ready(h, ns, a.name, f"{replicas}/{replicas}")
-            p.step(f"both adapters Ready on every pod in {p.timed('apply -> Ready', t):.1f} s")
+            h.apply(manifests.composition(*DEMO_COMPOSITION), ns)
+            for name in adapters:
+                release.wait_adapter_ready(h, ns, name, f"{replicas}/{replicas}")
+            p.step(f"all three Ready on every pod in {p.timed('apply -> Ready', t):.1f} s")
             print(h.kubectl("get", "lora", "-n", ns), end="", flush=True)
 
             images: list[tuple[str, Image.Image]] = []
-            for model, label in ((MODEL_NAME, "base"), *((a.name, a.name) for a in DEMO_ADAPTERS)):
+            for model, label in ((MODEL_NAME, "base"), *((name, name) for name in adapters)):
                 t = time.monotonic()
                 png = release.generate(h, ns, release.service_target(), model, size=SIZE)
                 (out / f"{label}.png").write_bytes(png)
@@ -130,12 +136,11 @@ def run_demo(out: Path, work: Path, p: Progress, replicas: int) -> int:
                 restarted = any(
                     cs["restartCount"] >= 1 for cs in pod["status"]["containerStatuses"]
                 )
-                served = release.served_adapters(h, ns, victim)
-                return restarted and {a.name for a in DEMO_ADAPTERS} <= set(served)
+                return restarted and set(adapters) <= set(release.served_adapters(h, ns, victim))
 
             h.wait_for("the restarted container to get its adapters back", reloaded, timeout=180)
             seconds = p.timed("SIGKILL -> adapters back", t)
-            p.step(f"restarted and both adapters loaded again in {seconds:.1f} s")
+            p.step(f"restarted and all three adapters loaded again in {seconds:.1f} s")
 
             t = time.monotonic()
             p.step("tearing down: delete the adapters, helm uninstall, stop the cluster")
@@ -155,8 +160,9 @@ def run_demo(out: Path, work: Path, p: Progress, replicas: int) -> int:
     for label, seconds in p.timings:
         print(f"  {label:<32} {seconds:6.1f} s")
     print(f"  {'total':<32} {time.monotonic() - p.start:6.1f} s")
-    print(f"  three images differ from each other: {differ}")
-    print(f"  pictures: {out}/base.png, pixel-art.png, watercolor.png, side-by-side.png")
+    print(f"  {len(arrays)} images differ from each other: {differ}")
+    pictures = ", ".join(f"{label}.png" for label, _ in images)
+    print(f"  pictures: {out}/{pictures}, side-by-side.png")
     return 0 if differ and not left else 1
 
 

@@ -61,6 +61,8 @@ DEMO_ADAPTERS = (
     AdapterSource("pixel-art", seed=1),
     AdapterSource("watercolor", seed=2, text_encoder=True),
 )
+# A LoRAAdapter that stacks the two above (spec.compose), each at its own scale.
+DEMO_COMPOSITION = ("pixel-watercolor", (("pixel-art", 0.8), ("watercolor", 0.5)))
 
 
 def model_claim(size: str = "1Gi") -> Obj:
@@ -162,6 +164,18 @@ def adapter(source: AdapterSource, scale: float = 0.8) -> Obj:
         "kind": "LoRAAdapter",
         "metadata": {"name": source.name},
         "spec": {"baseModel": MODEL_NAME, "source": {"uri": source.uri}, "scale": scale},
+    }
+
+
+def composition(name: str, members: tuple[tuple[str, float], ...]) -> Obj:
+    return {
+        "apiVersion": "lora.dev/v1alpha1",
+        "kind": "LoRAAdapter",
+        "metadata": {"name": name},
+        "spec": {
+            "baseModel": MODEL_NAME,
+            "compose": [{"name": member, "scale": scale} for member, scale in members],
+        },
     }
 
 
