@@ -168,7 +168,7 @@ class Admission:
         self._residency = residency
         self._reader = reader
         # Stacks built for requests, by their members' versions and scales: a request naming the
-        # same adapters at the same scales reuses one (see `stack`).
+        # same adapters at the same scales reuses one (see `resolve_stack`).
         self._stacks: dict[tuple[tuple[str, int, float], ...], AdapterRecord] = {}
         self._name_locks: dict[str, asyncio.Lock] = {}
         self._name_users: collections.Counter[str] = collections.Counter()

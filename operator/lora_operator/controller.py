@@ -255,6 +255,9 @@ class Controller:
         # recomputed when an input changed (placement.plan_placement decides).
         self._placements: dict[str, placement.Placement] = {}
         self._stale_placements: set[str] = set()
+        # The adapters with spec.compose: what a member's change looks through, so that an
+        # event about one of a thousand plain adapters does not walk all of them.
+        self._compositions: set[Key] = set()
         self._placed_at: dict[str, float] = {}  # when each namespace's placement was computed
         self._placement_due: set[str] = set()  # a recompute is scheduled
         self._dirty: set[Key] = set()
@@ -359,6 +362,10 @@ class Controller:
         else:
             generation_changed = rec.info.generation != info.generation
             rec.info = info
+        if info.compose:
+            self._compositions.add(key)
+        else:
+            self._compositions.discard(key)
         if not info.deleting and generation_changed:
             self._consider_staging(rec)
         self._restage_compositions_of(info)
@@ -411,18 +418,16 @@ class Controller:
         info, state = rec.info, rec.staging_state
         if not self.active.is_set() or info.deleting:
             return
-        composed = self._composed_revision(info)
-        current = self.volume.current_revision(info.namespace, info.name)
         if rec.staging_task is not None and not rec.staging_task.done():
-            # A member's change restarts a composition's staging that is waiting to retry, or
-            # that would publish another revision; otherwise the one in progress stands.
             if rec.staging_generation == info.generation and not (
-                members_changed and (composed != current or state.attempts > 0)
+                members_changed and self._staging_outdated(rec)
             ):
                 return
             rec.staging_task.cancel()  # a new spec supersedes the staging in progress
         if state.permanent and state.observed_generation == info.generation:
             return  # refused for good: retried when the spec changes
+        current = self.volume.current_revision(info.namespace, info.name)
+        composed = self._composed_revision(info)
         if not needs_staging(info, state.observed_generation, current, composed):
             # Staged already, perhaps by a release that published no target: the pods'
             # resolvers must still learn which of them it is for.
@@ -538,11 +543,22 @@ class Controller:
         except errors.StagingError:
             return None
 
+    def _staging_outdated(self, rec: AdapterRecord) -> bool:
+        """Whether a composition's staging in progress must start over after a member's change:
+        it waits to retry a failure, or its members now make another revision."""
+        current = self.volume.current_revision(rec.info.namespace, rec.info.name)
+        return rec.staging_state.attempts > 0 or self._composed_revision(rec.info) != current
+
     def _restage_compositions_of(self, member: AdapterInfo) -> None:
         """`member` changed (its spec, its staged revision, or it is gone): the compositions
         that name it are staged again if the revision their members make changed."""
-        for rec in self._adapters_in(member.namespace):
-            if any(m.name == member.name for m in rec.info.compose):
+        for key in sorted(self._compositions):
+            rec = self.adapters.get(key)
+            if (
+                rec is not None
+                and key[0] == member.namespace
+                and any(m.name == member.name for m in rec.info.compose)
+            ):
                 self._consider_staging(rec, members_changed=True)
 
     def _publish_target(self, info: AdapterInfo) -> None:
@@ -661,6 +677,7 @@ class Controller:
     def _forget(self, key: Key) -> None:
         rec = self.adapters.pop(key, None)
         self._unloading.discard(key)
+        self._compositions.discard(key)
         self._stale_placements.add(key[0])
         if rec is None:
             return

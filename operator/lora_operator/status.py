@@ -164,14 +164,16 @@ def summarise(
         staging.attempts >= retry_bound or (staging.attempts > 0 and staging.degraded_at_once)
     )
     if staging_degraded:
+        count = (
+            ""
+            if staging.degraded_at_once
+            else f"staging failed {staging.attempts} times in a row: "
+        )
         degraded_c = Condition(
             "Degraded",
             "True",
             staging.error_reason or "StagingFailed",
-            f"{staging.error_message}; {_next_attempt(staging)}"
-            if staging.degraded_at_once
-            else f"staging failed {staging.attempts} times in a row: {staging.error_message}; "
-            f"{_next_attempt(staging)}",
+            f"{count}{staging.error_message}; {_next_attempt(staging)}",
         )
     elif retrying:
         pod, entry = retrying[0]

@@ -19,26 +19,29 @@ from tests.unit.operator.test_controller import NS, Rig, adapter, pod, until
 A, B = "a" * 64, "b" * 64
 
 
-def info(name: str, **spec: Any) -> Any:
+DUO_SPEC = {"baseModel": "sd", "compose": [{"name": "b", "scale": 0.5}, {"name": "a"}]}
+
+
+def info(name: str, spec: dict[str, Any], **meta: Any) -> Any:
     return adapter_info(
-        {
-            "metadata": {"namespace": NS, "name": name, "generation": 1},
-            "spec": {"baseModel": "sd", **spec},
-        }
+        {"metadata": {"namespace": NS, "name": name, "generation": 1, **meta}, "spec": spec}
     )
 
 
-DUO = info("duo", compose=[{"name": "b", "scale": 0.5}, {"name": "a"}])
+DUO = info("duo", DUO_SPEC)
+PLAIN = {"baseModel": "sd", "source": {"uri": "/x"}}
+
+
+def member(
+    name: str, sha: str | None = B, spec: dict[str, Any] = PLAIN, **meta: Any
+) -> composition.MemberState:
+    return composition.MemberState(
+        info=info(name, spec, **meta), staged=StagedRef(sha, 10) if sha else None
+    )
 
 
 def members(**staged: str | None) -> dict[str, composition.MemberState]:
-    return {
-        name: composition.MemberState(
-            info=info(name, source={"uri": "/x"}),
-            staged=StagedRef(sha, 10) if sha else None,
-        )
-        for name, sha in staged.items()
-    }
+    return {name: member(name, sha) for name, sha in staged.items()}
 
 
 def test_a_composition_is_built_from_its_members_staged_revisions() -> None:
@@ -56,46 +59,19 @@ def test_a_composition_is_built_from_its_members_staged_revisions() -> None:
     [
         pytest.param(members(a=A), errors.MemberMissing, "names 'b', which is no", id="missing"),
         pytest.param(
-            {
-                **members(a=A),
-                "b": composition.MemberState(
-                    adapter_info(
-                        {
-                            "metadata": {"namespace": NS, "name": "b", "deletionTimestamp": "t"},
-                            "spec": {"baseModel": "sd", "source": {"uri": "/x"}},
-                        }
-                    ),
-                    StagedRef(B, 1),
-                ),
-            },
+            {**members(a=A), "b": member("b", deletionTimestamp="t")},
             errors.MemberMissing,
             "is being deleted",
             id="deleting",
         ),
         pytest.param(
-            {
-                **members(a=A),
-                "b": composition.MemberState(
-                    info("b", compose=[{"name": "a"}, {"name": "x"}]), StagedRef(B, 1)
-                ),
-            },
+            {**members(a=A), "b": member("b", spec={**DUO_SPEC, "compose": [{"name": "a"}]})},
             errors.MemberInvalid,
             "'b', which is a composition",
             id="nested",
         ),
         pytest.param(
-            {
-                **members(a=A),
-                "b": composition.MemberState(
-                    adapter_info(
-                        {
-                            "metadata": {"namespace": NS, "name": "b"},
-                            "spec": {"baseModel": "sdxl", "source": {"uri": "/x"}},
-                        }
-                    ),
-                    StagedRef(B, 1),
-                ),
-            },
+            {**members(a=A), "b": member("b", spec={**PLAIN, "baseModel": "sdxl"})},
             errors.MemberInvalid,
             "'b' is for 'sdxl'",
             id="base-model",
@@ -127,9 +103,6 @@ def test_a_composition_is_staged_again_when_its_members_make_another_revision() 
     assert not needs_staging(staged, 1, now, now)
     assert needs_staging(staged, 1, now, "c" * 64)  # a member's revision changed
     assert needs_staging(staged, 1, now, None)  # a member is missing: the attempt says so
-
-
-DUO_SPEC = {"baseModel": "sd", "compose": [{"name": "b", "scale": 0.5}, {"name": "a"}]}
 
 
 # ---- the store
