@@ -163,14 +163,32 @@ def check_host(binaries: Path) -> None:
             f"missing host packages: {', '.join(absent)}; run `make install` "
             f"(or apt-get install {' '.join(absent)})"
         )
-    filesystems = Path("/proc/filesystems").read_text()
-    if "overlay" not in filesystems:
-        raise ClusterError(
+    gap = kernel_gap(
+        filesystems=Path("/proc/filesystems").read_text(),
+        bridge_netfilter=Path("/proc/sys/net/bridge/bridge-nf-call-iptables").exists(),
+        cgroup_hierarchies=bool(cgroups.hierarchies()),
+    )
+    if gap:
+        raise ClusterError(gap)
+
+
+def kernel_gap(*, filesystems: str, bridge_netfilter: bool, cgroup_hierarchies: bool) -> str | None:
+    """What the kernel lacks for a node, with how to add it; None when nothing (pure)."""
+    if "overlay" not in filesystems.split():
+        return (
             "the kernel has no overlay filesystem (containerd's snapshotter needs it); "
             "load it with `modprobe overlay`"
         )
-    if not cgroups.hierarchies():
-        raise ClusterError("no cgroup hierarchy is mounted under /sys/fs/cgroup")
+    if not bridge_netfilter:
+        # Without it, packets between pods on the bridge skip iptables, so ClusterIPs
+        # (kube-proxy's rules) do not answer from pods.
+        return (
+            "the kernel's bridge netfilter is not loaded (kube-proxy's Service rules need "
+            "bridged traffic to pass iptables); load it with `modprobe br_netfilter`"
+        )
+    if not cgroup_hierarchies:
+        return "no cgroup hierarchy is mounted under /sys/fs/cgroup"
+    return None
 
 
 def up(

@@ -8,9 +8,7 @@ supervisor set up.
 
 from __future__ import annotations
 
-import asyncio
 import ssl
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -124,20 +122,7 @@ def _probe(url: str, context: ssl.SSLContext | None) -> bool:
 async def wait_healthy(
     proc: processes.Proc, url: str, context: ssl.SSLContext | None, timeout: float
 ) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if not proc.running:
-            raise RuntimeError(
-                f"{proc.name} exited with {proc.process.returncode} while starting; "
-                f"last lines of {proc.log}:\n{processes.tail(proc.log)}"
-            )
-        if await asyncio.to_thread(_probe, url, context):
-            return
-        await asyncio.sleep(0.2)
-    raise RuntimeError(
-        f"{proc.name} not healthy at {url} after {timeout:.0f} s; last lines of {proc.log}:\n"
-        f"{processes.tail(proc.log)}"
-    )
+    await processes.wait_until(f"{proc.name} at {url}", lambda: _probe(url, context), proc, timeout)
 
 
 def admin_ssl_context(pki: certs.PKI) -> ssl.SSLContext:

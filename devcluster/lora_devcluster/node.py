@@ -13,11 +13,9 @@ shared machine whose kernel and cgroups belong to the host.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import ssl
-import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -372,23 +370,6 @@ def write_configs(layout: Layout, pki: certs.PKI, helper_image: str) -> None:
     )
 
 
-async def _wait(what: str, check: Callable[[], bool], proc: processes.Proc, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if not proc.running:
-            raise RuntimeError(
-                f"{proc.name} exited with {proc.process.returncode} while starting; "
-                f"last lines of {proc.log}:\n{processes.tail(proc.log)}"
-            )
-        if await asyncio.to_thread(check):
-            return
-        await asyncio.sleep(0.2)
-    raise RuntimeError(
-        f"{what} not ready after {timeout:.0f} s; last lines of {proc.log}:\n"
-        f"{processes.tail(proc.log)}"
-    )
-
-
 def _api_get(path: str, context: ssl.SSLContext) -> Obj | None:
     import urllib.error
     import urllib.request
@@ -444,12 +425,14 @@ async def start(
         containerd = await launch(
             "containerd", ["containerd", f"--config={layout.config / 'containerd.toml'}"]
         )
-        await _wait("containerd", lambda: os.path.exists(CONTAINERD_SOCKET), containerd, 60)
+        await processes.wait_until(
+            "containerd", lambda: os.path.exists(CONTAINERD_SOCKET), containerd, 60
+        )
         await processes.run_checked([*ctr, "version"], env)
 
         cgroups.create(layout.cgroup_root)
         kubelet = await launch("kubelet", build_kubelet_args(bin_dir, layout))
-        await _wait("the node", lambda: node_ready(context), kubelet, 120)
+        await processes.wait_until("the node", lambda: node_ready(context), kubelet, 120)
 
         proxy = await launch(
             "kube-proxy",

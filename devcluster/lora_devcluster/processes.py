@@ -11,7 +11,8 @@ import asyncio
 import contextlib
 import os
 import signal
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 
@@ -92,3 +93,21 @@ def tail(path: Path, lines: int = 30) -> str:
     except FileNotFoundError:
         return f"(no log at {path})"
     return "\n".join(text.splitlines()[-lines:])
+
+
+async def wait_until(what: str, check: Callable[[], bool], proc: Proc, timeout: float) -> None:
+    """Poll the blocking `check` (off the event loop) until it holds; fail at once, with the
+    log's last lines, if `proc` exits meanwhile, and after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not proc.running:
+            raise RuntimeError(
+                f"{proc.name} exited with {proc.process.returncode} while starting; "
+                f"last lines of {proc.log}:\n{tail(proc.log)}"
+            )
+        if await asyncio.to_thread(check):
+            return
+        await asyncio.sleep(0.2)
+    raise RuntimeError(
+        f"{what} not ready after {timeout:.0f} s; last lines of {proc.log}:\n{tail(proc.log)}"
+    )

@@ -82,6 +82,29 @@ def test_leftovers_of_a_directory_that_never_ran_is_empty(tmp_path: Path) -> Non
     assert cluster.down(tmp_path / "never") is False
 
 
+HEALTHY_KERNEL = {
+    "filesystems": "nodev\tproc\nnodev\toverlay\n\text4\n",
+    "bridge_netfilter": True,
+    "cgroup_hierarchies": True,
+}
+
+
+@pytest.mark.parametrize(
+    ("missing", "says"),
+    [
+        ({"filesystems": "nodev\tproc\n\text4\n"}, "modprobe overlay"),
+        ({"bridge_netfilter": False}, "modprobe br_netfilter"),
+        ({"cgroup_hierarchies": False}, "no cgroup hierarchy"),
+    ],
+)
+def test_a_missing_kernel_feature_is_named_with_what_to_do(
+    missing: dict[str, object], says: str
+) -> None:
+    assert cluster.kernel_gap(**HEALTHY_KERNEL) is None  # type: ignore[arg-type]
+    gap = cluster.kernel_gap(**{**HEALTHY_KERNEL, **missing})  # type: ignore[arg-type]
+    assert gap is not None and says in gap
+
+
 def test_down_and_up_refuse_a_directory_that_is_not_a_cluster(tmp_path: Path) -> None:
     precious = tmp_path / "home"
     precious.mkdir()
