@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# `make e2e-kind`: the end-to-end suite (tests/e2e/test_e2e_install.py, the same test `make test`
-# runs on the local cluster) against a kind cluster, for users with Docker and kind. Docker only
+# `make e2e-kind`: the end-to-end suite (tests/e2e, the same tests `make test` runs on the local
+# cluster; those that need the local cluster's own network namespace skip, saying so) against a
+# kind cluster, for users with Docker and kind. Docker only
 # runs kind's node: the images are the docker-archive tars `make images` built (no Docker build),
 # loaded with `kind load image-archive`. The suite talks to the cluster through its API server
 # only; it kills a container through `docker exec` on the node. The cluster is deleted at the
@@ -32,5 +33,5 @@ done
 step "the end-to-end suite"
 LORA_E2E_KUBECONFIG="$KUBECONFIG_FILE" \
 LORA_E2E_NODE_SHELL="docker exec $NAME-control-plane" \
-  "$PYTHON" -m pytest tests/e2e/test_e2e_install.py -v -p no:cacheprovider
+  "$PYTHON" -m pytest tests/e2e -v -rs -p no:cacheprovider
 step "e2e-kind passed"
