@@ -120,6 +120,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--text-encoder", action="store_true", help="also adapt the CLIP text encoders"
     )
     adapter.add_argument("--strength", type=float, default=0.2, help="std of the random weights")
+
+    shapes = sub.add_parser(
+        "train-shapes",
+        help="train the small shapes model and its adapters (the demo's; about 40 min on 2 cores)",
+    )
+    shapes.add_argument("directory", type=Path, help="writes model/ and adapters/<name>/ here")
+    shapes.add_argument("--seed", type=int, default=0)
+    shapes.add_argument(
+        "--quick", action="store_true", help="a few steps of each part, to check the script runs"
+    )
     return parser
 
 
@@ -220,6 +230,11 @@ def main(argv: list[str] | None = None) -> int:
             strength=args.strength,
         )
         print(f"wrote a rank-{args.rank} {args.fmt} adapter to {out}")
+        return 0
+    if args.command == "train-shapes":
+        from lora_inference.tools import shapes
+
+        shapes.train_all(args.directory, shapes.QUICK if args.quick else shapes.FULL, args.seed)
         return 0
     return 2
 

@@ -23,7 +23,9 @@ import urllib.request
 from pathlib import Path
 
 import numpy as np
-from PIL import Image, ImageDraw
+from PIL import Image
+
+from lora_inference.tools.sheet import contact_sheet
 
 PROMPT = "a lighthouse on a cliff at dusk"
 SIZE = 64
@@ -71,16 +73,6 @@ def _wait_ready(base: str, server: subprocess.Popen[bytes], log: Path) -> None:
             pass
         time.sleep(0.2)
     raise SystemExit("the server did not become ready within 180 s")
-
-
-def _sheet(images: list[tuple[str, Image.Image]]) -> Image.Image:
-    side = SIZE * UPSCALE
-    sheet = Image.new("RGB", (side * len(images), side + 24), "white")
-    draw = ImageDraw.Draw(sheet)
-    for i, (label, image) in enumerate(images):
-        sheet.paste(image.resize((side, side), Image.Resampling.NEAREST), (i * side, 24))
-        draw.text((i * side + 8, 6), label, fill="black")
-    return sheet
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -172,7 +164,9 @@ def main(argv: list[str] | None = None) -> int:
                 image.save(args.out / f"{label}.png")
                 images.append((label, image.convert("RGB")))
                 _step(f"generated {label} -> {args.out / (label + '.png')}")
-            _sheet(images).save(args.out / "side-by-side.png")
+            contact_sheet(
+                [label for label, _ in images], [("", [img for _, img in images])], SIZE * UPSCALE
+            ).save(args.out / "side-by-side.png")
             adapters = json.loads(_request(f"{base}/v1/adapters")[1])["data"]
         finally:
             server.terminate()

@@ -61,7 +61,7 @@ def write_clip_tokenizer(directory: Path) -> int:
     return len(tokens)
 
 
-def _clip_tokenizer(directory: Path) -> tuple[Any, int]:
+def clip_tokenizer(directory: Path) -> tuple[Any, int]:
     from transformers import CLIPTokenizer
 
     size = write_clip_tokenizer(directory)
@@ -86,7 +86,7 @@ def _t5_tokenizer() -> Any:
     )
 
 
-def _clip_text_model(vocab_size: int, *, hidden: int = 32, projection: int | None = None) -> Any:
+def clip_text_model(vocab_size: int, *, hidden: int = 32, projection: int | None = None) -> Any:
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
 
     config = CLIPTextConfig(
@@ -182,12 +182,12 @@ def sd15_scheduler() -> Any:
 def _build_sd15(workdir: Path) -> Any:
     from diffusers import StableDiffusionPipeline
 
-    tokenizer, vocab = _clip_tokenizer(workdir / "tokenizer")
+    tokenizer, vocab = clip_tokenizer(workdir / "tokenizer")
     unet = _tiny_unet(cross_attention_dim=32, attention_head_dim=4)
     return StableDiffusionPipeline(
         unet=unet,
         vae=_vae(),
-        text_encoder=_clip_text_model(vocab),
+        text_encoder=clip_text_model(vocab),
         tokenizer=tokenizer,
         scheduler=sd15_scheduler(),
         safety_checker=None,
@@ -212,8 +212,8 @@ def sdxl_scheduler() -> Any:
 def _build_sdxl(workdir: Path) -> Any:
     from diffusers import StableDiffusionXLPipeline
 
-    tokenizer, vocab = _clip_tokenizer(workdir / "tokenizer")
-    tokenizer_2, _ = _clip_tokenizer(workdir / "tokenizer_2")
+    tokenizer, vocab = clip_tokenizer(workdir / "tokenizer")
+    tokenizer_2, _ = clip_tokenizer(workdir / "tokenizer_2")
     unet = _tiny_unet(
         attention_head_dim=(2, 4),
         use_linear_projection=True,
@@ -227,8 +227,8 @@ def _build_sdxl(workdir: Path) -> Any:
     return StableDiffusionXLPipeline(
         unet=unet,
         vae=_vae(),
-        text_encoder=_clip_text_model(vocab),
-        text_encoder_2=_clip_text_model(vocab, projection=32),
+        text_encoder=clip_text_model(vocab),
+        text_encoder_2=clip_text_model(vocab, projection=32),
         tokenizer=tokenizer,
         tokenizer_2=tokenizer_2,
         scheduler=sdxl_scheduler(),
@@ -242,8 +242,8 @@ def _build_sd3(workdir: Path) -> Any:
         StableDiffusion3Pipeline,
     )
 
-    tokenizer, vocab = _clip_tokenizer(workdir / "tokenizer")
-    tokenizer_2, _ = _clip_tokenizer(workdir / "tokenizer_2")
+    tokenizer, vocab = clip_tokenizer(workdir / "tokenizer")
+    tokenizer_2, _ = clip_tokenizer(workdir / "tokenizer_2")
     tokenizer_3 = _t5_tokenizer()
     transformer = SD3Transformer2DModel(
         sample_size=16,
@@ -260,8 +260,8 @@ def _build_sd3(workdir: Path) -> Any:
     return StableDiffusion3Pipeline(
         transformer=transformer,
         vae=_vae(flow=True),
-        text_encoder=_clip_text_model(vocab, projection=32),
-        text_encoder_2=_clip_text_model(vocab, projection=32),
+        text_encoder=clip_text_model(vocab, projection=32),
+        text_encoder_2=clip_text_model(vocab, projection=32),
         text_encoder_3=_t5_encoder(len(tokenizer_3)),
         tokenizer=tokenizer,
         tokenizer_2=tokenizer_2,
@@ -273,7 +273,7 @@ def _build_sd3(workdir: Path) -> Any:
 def _build_flux(workdir: Path) -> Any:
     from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
 
-    tokenizer, vocab = _clip_tokenizer(workdir / "tokenizer")
+    tokenizer, vocab = clip_tokenizer(workdir / "tokenizer")
     tokenizer_2 = _t5_tokenizer()
     transformer = FluxTransformer2DModel(
         patch_size=1,
@@ -289,7 +289,7 @@ def _build_flux(workdir: Path) -> Any:
     return FluxPipeline(
         transformer=transformer,
         vae=_vae(latent_channels=1, flow=True),
-        text_encoder=_clip_text_model(vocab),
+        text_encoder=clip_text_model(vocab),
         text_encoder_2=_t5_encoder(len(tokenizer_2)),
         tokenizer=tokenizer,
         tokenizer_2=tokenizer_2,

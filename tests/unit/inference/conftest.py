@@ -7,7 +7,9 @@ its adapters from the pipeline when it stops.
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import contextlib
 import io
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, replace
@@ -83,6 +85,14 @@ class Server:
     def url(self, path: str) -> str:
         return str(self.server.make_url(path))
 
+    async def wait_ready(self) -> None:
+        for _ in range(600):
+            status, _ = await self.get("/ready")
+            if status == 200:
+                return
+            await asyncio.sleep(0.05)
+        raise AssertionError("server did not become ready")
+
     async def post(
         self, path: str, body: Any, *, token: str | None = ADMIN_TOKEN
     ) -> tuple[int, Any]:
@@ -106,9 +116,11 @@ class Server:
         assert status == 200, body
 
     async def image(self, **body: Any) -> np.ndarray:
-        """Generate one image and return its pixels; fails the test on any error."""
+        """Generate one image and return its pixels; fails the test on any error. A field given
+        as None is left out of the request (the server's default)."""
         request = {"prompt": "a lighthouse", "size": "32x32", "num_inference_steps": 2, "seed": 7}
         request.update(body)
+        request = {k: v for k, v in request.items() if v is not None}
         status, payload = await self.post("/v1/images/generations", request, token=None)
         assert status == 200, payload
         return decode(payload["data"][0]["b64_json"])
@@ -123,6 +135,22 @@ class Server:
         from lora_inference.app import STARTUP
 
         return self.app[STARTUP].result()
+
+
+@contextlib.asynccontextmanager
+async def serving(model: Path, root: Path) -> AsyncIterator[Server]:
+    """A real server on `model` over HTTP, adapters allowed from `root`."""
+    config = ServerConfig(model=model, allowed_roots=(root,), admin_token=ADMIN_TOKEN, max_loras=4)
+    app = create_app(config)
+    server = TestServer(app, host="127.0.0.1")
+    await server.start_server()
+    async with ClientSession() as session:
+        live = Server(server, session, app)
+        try:
+            await live.wait_ready()
+            yield live
+        finally:
+            await server.close()
 
 
 def publish(root: Path, name: str, adapter: Path, target: Target | None = None) -> None:
@@ -205,14 +233,8 @@ async def start_server(
         session = ClientSession()
         started.append((server, session))
         live = Server(server, session, app)
-        for _ in range(200):
-            status, _ = await live.get("/ready")
-            if status == 200:
-                return live
-            import asyncio
-
-            await asyncio.sleep(0.05)
-        raise AssertionError("server did not become ready")
+        await live.wait_ready()
+        return live
 
     yield start
     for server, session in started:

@@ -1,6 +1,7 @@
 """The playground page in headless Chromium (Debian's, driven by its chromedriver), against a live
 server on the tiny pipeline: the page lists the adapters, stacks two at the scales a user sets,
-and shows exactly the images the API returns for the same request; every control has a label."""
+and shows exactly the images the API returns for the same request; every control has a label.
+On the demo's trained model, the same page shows an adapter's visible effect."""
 
 from __future__ import annotations
 
@@ -14,17 +15,20 @@ from typing import Any
 
 import numpy as np
 import pytest
+from lora_inference.tools import shapes
 from PIL import Image
 from selenium import webdriver
 from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import WebDriverWait
 
-from tests.unit.inference.conftest import Assets, Server
+from tests.support import ROOT
+from tests.unit.inference.conftest import Assets, Server, serving
 
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
 # Where the screenshot in the docs comes from: PLAYGROUND_SCREENSHOT=docs/images/playground.png
 SCREENSHOT = os.environ.get("PLAYGROUND_SCREENSHOT")
+SHAPES = ROOT / "models" / "shapes"  # the demo's trained model and adapters
 
 
 @pytest.fixture
@@ -48,22 +52,29 @@ def pixels(src: str) -> np.ndarray:
     return np.asarray(Image.open(io.BytesIO(png)).convert("RGB"))
 
 
-def drive(driver: webdriver.Chrome, url: str) -> dict[str, Any]:
-    """What a user does: pick two adapters, set their scales and a seed, generate; what shows."""
+def drive(
+    driver: webdriver.Chrome,
+    url: str,
+    *,
+    prompt: str,
+    picks: tuple[tuple[str, str], ...],
+    fields: tuple[tuple[str, str], ...],
+    screenshot: str | None = None,
+) -> dict[str, Any]:
+    """What a user does: write a prompt, tick adapters and set their scales (`picks`), fill
+    other `fields`, generate; what shows."""
     driver.get(url)
     wait = WebDriverWait(driver, 60)
-    wait.until(lambda d: d.find_elements(By.ID, "use-b"))
+    wait.until(lambda d: d.find_elements(By.ID, f"use-{picks[-1][0]}"))
     # Every control is labelled (a screen reader names it).
     unlabelled = driver.execute_script(
         "return [...document.querySelectorAll('input, textarea, select')]"
         ".filter(e => !e.labels || e.labels.length === 0).map(e => e.id)"
     )
-    driver.find_element(By.ID, "prompt").clear()
-    driver.find_element(By.ID, "prompt").send_keys("a lighthouse")
-    for field, value in (("seed", "11"), ("steps", "2"), ("size", "32x32")):
+    for field, value in (("prompt", prompt), *fields):
         driver.find_element(By.ID, field).clear()
         driver.find_element(By.ID, field).send_keys(value)
-    for name, scale in (("a", "0.75"), ("b", "-0.5")):
+    for name, scale in picks:
         driver.find_element(By.ID, f"use-{name}").click()
         # A slider is set the way its own keyboard and mouse handlers leave it.
         driver.execute_script(
@@ -74,14 +85,14 @@ def drive(driver: webdriver.Chrome, url: str) -> dict[str, Any]:
         )
     driver.find_element(By.ID, "generate").click()
     wait.until(lambda d: d.find_element(By.ID, "status").text.startswith(("Done", "Generation")))
-    if SCREENSHOT:
-        driver.save_screenshot(SCREENSHOT)
+    if screenshot:
+        driver.save_screenshot(screenshot)
     return {
         "status": driver.find_element(By.ID, "status").text,
         "base": driver.find_element(By.ID, "base-image").get_attribute("src"),
         "adapted": driver.find_element(By.ID, "adapter-image").get_attribute("src"),
         "caption": driver.find_element(By.ID, "adapter-caption").text,
-        "scale_shown": driver.find_element(By.ID, "scale-b-value").text,
+        "scale_shown": driver.find_element(By.ID, f"scale-{picks[-1][0]}-value").text,
         "unlabelled": unlabelled,
     }
 
@@ -91,7 +102,14 @@ async def test_the_page_stacks_adapters_and_shows_what_the_api_draws(
 ) -> None:
     await server.load("a", assets.adapter_a)
     await server.load("b", assets.adapter_b)
-    seen = await asyncio.to_thread(drive, browser, server.url("/"))
+    seen = await asyncio.to_thread(
+        drive,
+        browser,
+        server.url("/"),
+        prompt="a lighthouse",
+        picks=(("a", "0.75"), ("b", "-0.5")),
+        fields=(("seed", "11"), ("steps", "2"), ("size", "32x32")),
+    )
     assert seen["unlabelled"] == [], seen["unlabelled"]
     assert seen["status"].startswith("Done"), seen["status"]
     assert seen["scale_shown"] == "-0.50"
@@ -108,3 +126,29 @@ async def test_the_page_is_served_with_a_strict_policy(server: Server) -> None:
         assert resp.headers["Content-Type"].startswith("text/html")
         assert "script-src 'unsafe-inline'" in resp.headers["Content-Security-Policy"]
         assert "<title>LoRA playground</title>" in await resp.text()
+
+
+async def test_the_page_shows_what_the_demo_models_adapters_do(browser: webdriver.Chrome) -> None:
+    """On the demo's trained model the page shows a visible effect (the docs' screenshot)."""
+    adapters = SHAPES / shapes.ADAPTERS_DIR
+    async with serving(SHAPES / shapes.MODEL_NAME, adapters) as server:
+        for name in shapes.ADAPTERS:
+            await server.load(name, adapters / name)
+        seen = await asyncio.to_thread(
+            drive,
+            browser,
+            server.url("/"),
+            prompt="a red circle",
+            picks=(("pixel-art", "1"), ("palette-swap", "0.6")),
+            fields=(("seed", "5"),),
+            screenshot=SCREENSHOT,
+        )
+        assert seen["status"].startswith("Done"), seen["status"]
+        # The model's own size and the page's default steps.
+        request = {"prompt": "a red circle", "num_inference_steps": 20, "seed": 5, "size": None}
+        base = await server.image(**request)
+        stacked = [{"name": "pixel-art", "scale": 1.0}, {"name": "palette-swap", "scale": 0.6}]
+        adapted = await server.image(**request, lora=stacked)
+    assert np.array_equal(pixels(seen["base"]), base)
+    assert np.array_equal(pixels(seen["adapted"]), adapted)
+    assert np.abs(adapted.astype(int) - base).mean() > 10, "the stack should visibly change it"
