@@ -175,7 +175,7 @@ def build_sources(k: int) -> tuple[AdapterSource, ...]:
 def build_adapters_job(image: str, sources: tuple[AdapterSource, ...]) -> Obj:
     """The Job manifests.prepare_job builds (its claims, mounts and security context), with one
     process writing every adapter."""
-    job = manifests.prepare_job("prepare-adapters", image, model=False, adapters=sources)
+    job = manifests.prepare_job("prepare-adapters", image, model=None, adapters=sources)
     spec = [
         {
             "uri": s.uri,

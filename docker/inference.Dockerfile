@@ -11,8 +11,10 @@
 # Layers: the dependencies (5 GB: torch and the CUDA wheels) come from pyproject.toml alone, so a
 # change to the project's code rebuilds only the small layers after them. pip's cache is a build
 # cache mount, never a layer.
-# The model is not in the image: mount it (inference.model.existingClaim) or build FROM this image
-# and COPY it to the chart's inference.model.path.
+# Your model is not in the image: mount it (inference.model.existingClaim) or build FROM this image
+# and COPY it to the chart's inference.model.path. The image does carry the demo's small trained
+# model and its adapters (models/shapes, about 7 MB) at /opt/lora/shapes, which `make demo`
+# copies onto its claims.
 
 ARG BASE_IMAGE=python:3.11-slim
 FROM ${BASE_IMAGE}
@@ -34,6 +36,10 @@ print("\n".join(p["build-system"]["requires"] + p["project"]["optional-dependenc
 # The project itself, without dependencies (they are all above): the server and the volume
 # contract it shares with the operator. operator/, router/ and devcluster/ stay out: the server
 # imports none of them, and changing them rebuilds no inference image.
+COPY models/shapes/ /opt/lora/shapes/
+# Readable by the non-root user whatever the modes in the build context (diffusers writes weights
+# 0600; a git checkout has 0644).
+RUN chmod -R a+rX /opt/lora/shapes
 COPY README.md ./
 COPY volume/ volume/
 COPY inference/ inference/

@@ -1,14 +1,15 @@
-"""The demo (`make demo`): the chart, the operator, two adapters and a composition of them.
+"""The demo (`make demo`): the chart, the operator, three trained adapters and a composition.
 
 `python -m lora_demo --out demo-out` starts a cluster in a temporary directory (the project's
-images imported into its node), writes a tiny SD 1.5 model onto a claim with a Job of the
-inference image, `helm install`s charts/lora-operator, writes two random adapter sources onto the
-chart's adapter volume, applies examples/adapter.yaml, a second adapter and a composition of the
-two (spec.compose), waits until all three are Ready on every inference pod, generates base /
-pixel-art / watercolor / pixel-watercolor images by adapter name through the Service, writes them
-and a side-by-side sheet, generates once more from a pod inside the cluster by the Service's DNS
-name, SIGKILLs an inference container and times the adapters' return, prints a summary and tears
-everything down, also on a failure, Ctrl-C or SIGTERM.
+images imported into its node), copies the demo's small trained SD 1.5-family model (coloured
+shapes on paper) onto a claim with a Job of the inference image, `helm install`s
+charts/lora-operator, copies its three trained adapters (pixel-art, palette-swap, shape-shift) onto
+the chart's adapter volume, applies examples/adapter.yaml, the two other adapters and a
+composition of two (spec.compose), waits until all four are Ready on every inference pod,
+generates a few prompts with the base model and each adapter by name through the Service, writes
+the images and a side-by-side sheet, generates once more from a pod inside the cluster by the
+Service's DNS name, SIGKILLs an inference container and times the adapters' return, prints a
+summary and tears everything down, also on a failure, Ctrl-C or SIGTERM.
 
 Owns: the demo's steps and what it prints. The cluster steps it shares with the end-to-end suite
 are in `release`; what it applies is in `manifests`.
@@ -28,14 +29,23 @@ from types import FrameType
 import yaml
 from lora_devcluster import cluster as cluster_mod
 from lora_devcluster.harness import ApiError, Harness
-from PIL import Image, ImageDraw
+from lora_inference.tools.sheet import contact_sheet
+from PIL import Image
 
 from lora_demo import manifests, release
-from lora_demo.manifests import DEMO_ADAPTERS, DEMO_COMPOSITION, MODEL_NAME, RELEASE, SERVICE
+from lora_demo.manifests import (
+    DEMO_ADAPTERS,
+    DEMO_COMPOSITION,
+    DEMO_MODEL,
+    DEMO_PROMPTS,
+    RELEASE,
+    SERVICE,
+)
 
 EXAMPLE_ADAPTER = release.ROOT / "examples" / "adapter.yaml"
 NAMESPACE = "lora-demo"
-SIZE = 64
+SIZE = 32  # the demo model's own size
+STEPS = 20
 
 
 class Progress:
@@ -50,17 +60,6 @@ class Progress:
         seconds = time.monotonic() - since
         self.timings.append((label, seconds))
         return seconds
-
-
-def side_by_side(images: list[tuple[str, Image.Image]], scale: int = 4) -> Image.Image:
-    """The images next to each other, enlarged without smoothing, each under its label."""
-    side = SIZE * scale
-    sheet = Image.new("RGB", (side * len(images), side + 24), "white")
-    draw = ImageDraw.Draw(sheet)
-    for i, (label, image) in enumerate(images):
-        sheet.paste(image.resize((side, side), Image.Resampling.NEAREST), (i * side, 24))
-        draw.text((i * side + 8, 6), label, fill="black")
-    return sheet
 
 
 def _raise_on_sigterm(signum: int, frame: FrameType | None) -> None:
@@ -81,48 +80,62 @@ def run_demo(out: Path, work: Path, p: Progress, replicas: int) -> int:
                 {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}},
             )
             t = time.monotonic()
-            p.step("a Job of the inference image writes a tiny SD 1.5 model onto a claim")
-            release.prepare_model(h, ns)
+            p.step(
+                f"a Job of the inference image copies the demo's model ({DEMO_MODEL}) to a claim"
+            )
+            release.prepare_model(h, ns, DEMO_MODEL)
             p.step(f"model written in {p.timed('model', t):.1f} s")
 
             t = time.monotonic()
             p.step(f"helm install {RELEASE} charts/lora-operator -n {ns} ({replicas} replicas)")
             release.install_crd(h)
-            release.install_chart(h, ns, manifests.local_values(ns, replicas=replicas), work)
-            p.step("a Job writes two random adapter sources onto the chart's adapter volume")
+            release.install_chart(
+                h, ns, manifests.local_values(ns, replicas=replicas, model=DEMO_MODEL), work
+            )
+            p.step("a Job copies the three trained adapters onto the chart's adapter volume")
             release.prepare_adapters(h, ns, DEMO_ADAPTERS, "prepare-adapters")
             pods = release.ready_inference_pods(h, ns, replicas)
             p.step(f"inference pods ready in {p.timed('helm install -> pods ready', t):.1f} s")
 
             t = time.monotonic()
             p.step(
-                "kubectl apply -f examples/adapter.yaml (pixel-art), a second adapter and "
-                f"{DEMO_COMPOSITION[0]}, which stacks the two"
+                "kubectl apply -f examples/adapter.yaml (pixel-art), the two other adapters and "
+                f"{DEMO_COMPOSITION[0]}, which stacks two of them"
             )
             h.kubectl("apply", "-n", ns, "-f", str(EXAMPLE_ADAPTER))
-            h.apply(manifests.adapter(DEMO_ADAPTERS[1], scale=1.0), ns)
-            h.apply(manifests.composition(*DEMO_COMPOSITION), ns)
+            for source in DEMO_ADAPTERS[1:]:
+                h.apply(manifests.adapter(source, scale=1.0), ns)
+            h.apply(manifests.composition(*DEMO_COMPOSITION, DEMO_MODEL), ns)
             for name in adapters:
                 release.wait_adapter_ready(h, ns, name, f"{replicas}/{replicas}")
-            p.step(f"all three Ready on every pod in {p.timed('apply -> Ready', t):.1f} s")
+            p.step(
+                f"all {len(adapters)} Ready on every pod in {p.timed('apply -> Ready', t):.1f} s"
+            )
             print(h.kubectl("get", "lora", "-n", ns), end="", flush=True)
 
-            images: list[tuple[str, Image.Image]] = []
-            for model, label in ((MODEL_NAME, "base"), *((name, name) for name in adapters)):
-                t = time.monotonic()
-                png = release.generate(h, ns, release.service_target(), model, size=SIZE)
-                (out / f"{label}.png").write_bytes(png)
-                images.append((label, Image.open(io.BytesIO(png)).convert("RGB")))
-                seconds = p.timed(f"generate {label}", t)
-                p.step(
-                    f"POST svc/{SERVICE}/v1/images/generations model={model}"
-                    f" -> {out}/{label}.png ({seconds:.1f} s)"
-                )
-            side_by_side(images).save(out / "side-by-side.png")
+            columns = ["base", *adapters]
+            rows: list[tuple[str, list[Image.Image]]] = []
+            t = time.monotonic()
+            for prompt in DEMO_PROMPTS:
+                row = []
+                for model, label in zip([DEMO_MODEL, *adapters], columns, strict=True):
+                    png = release.generate(
+                        h, ns, release.service_target(), model,
+                        size=SIZE, steps=STEPS, prompt=prompt,
+                    )  # fmt: skip
+                    (out / f"{label}-{prompt.replace(' ', '-')}.png").write_bytes(png)
+                    row.append(Image.open(io.BytesIO(png)).convert("RGB"))
+                rows.append((prompt, row))
+            seconds = p.timed("generate", t)
+            p.step(
+                f"POST svc/{SERVICE}/v1/images/generations: {len(DEMO_PROMPTS)} prompts x "
+                f"{len(columns)} models -> {out}/ ({seconds:.1f} s)"
+            )
+            contact_sheet(columns, rows).save(out / "side-by-side.png")
 
             t = time.monotonic()
             url = manifests.service_url(ns, "/v1/images/generations")
-            summary = release.generate_in_cluster(h, ns, "in-cluster-client", "pixel-art")
+            summary = release.generate_in_cluster(h, ns, "in-cluster-client", adapters[0])
             seconds = p.timed("generate from a pod by DNS name", t)
             p.step(f"a pod POSTed to {url}: {summary} ({seconds:.1f} s)")
 
@@ -140,7 +153,7 @@ def run_demo(out: Path, work: Path, p: Progress, replicas: int) -> int:
 
             h.wait_for("the restarted container to get its adapters back", reloaded, timeout=180)
             seconds = p.timed("SIGKILL -> adapters back", t)
-            p.step(f"restarted and all three adapters loaded again in {seconds:.1f} s")
+            p.step(f"restarted and all {len(adapters)} adapters loaded again in {seconds:.1f} s")
 
             t = time.monotonic()
             p.step("tearing down: delete the adapters, helm uninstall, stop the cluster")
@@ -154,15 +167,14 @@ def run_demo(out: Path, work: Path, p: Progress, replicas: int) -> int:
     left = cluster_mod.leftovers(work / "cluster")
     p.step("cluster stopped; " + (f"LEFT BEHIND: {left}" if left else "nothing left behind"))
 
-    arrays = [img.tobytes() for _, img in images]
-    differ = len(set(arrays)) == len(arrays)
+    # Each adapter must change each prompt's picture: the demo fails if one draws the base.
+    differ = all(len({img.tobytes() for img in row}) == len(row) for _, row in rows)
     print("\nSummary")
     for label, seconds in p.timings:
         print(f"  {label:<32} {seconds:6.1f} s")
     print(f"  {'total':<32} {time.monotonic() - p.start:6.1f} s")
-    print(f"  {len(arrays)} images differ from each other: {differ}")
-    pictures = ", ".join(f"{label}.png" for label, _ in images)
-    print(f"  pictures: {out}/{pictures}, side-by-side.png")
+    print(f"  for each prompt, the {len(columns)} pictures differ from each other: {differ}")
+    print(f"  pictures: {out}/side-by-side.png and one PNG per model and prompt")
     return 0 if differ and not left else 1
 
 

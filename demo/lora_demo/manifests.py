@@ -1,9 +1,11 @@
 """What the demo and the end-to-end suite put on a cluster, as manifests and chart values.
 
-Everything is prepared *in* the cluster by the project's own inference image: a Job writes the
-tiny SD 1.5 model onto a claim and random adapter sources onto the adapter volume, so the same
-steps work on the local cluster and on kind (or any cluster that can run the images), with no
-host path and no torch on the machine that drives them.
+Everything is prepared *in* the cluster by the project's own inference image: a Job writes a
+model onto a claim and adapter sources onto the adapter volume, so the same steps work on the
+local cluster and on kind (or any cluster that can run the images), with no host path and no
+torch on the machine that drives them. Two models: the demo's small trained SD 1.5-family model
+and its trained adapters, which the inference image carries (`lora_inference.tools.shapes`), and
+a tiny random one with random adapters for the tests, which only need images that differ.
 
 Owns: the Job that prepares volumes, the chart values for a CPU cluster, the pod that generates
 through a Service's DNS name, and the demo's adapters. Pure: builds dicts, does no I/O.
@@ -25,11 +27,14 @@ RELEASE = "lora-operator"  # the chart's fullname is then the release name
 SERVICE = f"{RELEASE}-inference"
 ADAPTER_CLAIM = f"{RELEASE}-adapters"  # the claim the chart creates for the adapter volume
 MODEL_CLAIM = "models"
-MODEL_NAME = "tiny-sd15"
+MODEL_NAME = "tiny-sd15"  # the tests' model: random weights, built by the Job
+DEMO_MODEL = "shapes-sd15"  # the demo's model: trained, copied from the inference image
+SHAPES_IN_IMAGE = PurePosixPath("/opt/lora/shapes")  # where docker/inference.Dockerfile puts it
 MODELS_MOUNT = PurePosixPath("/models")
 VOLUME_ROOT = PurePosixPath("/var/lib/lora/adapters")  # the chart's default volumeRoot
 INFERENCE_LABELS = "app.kubernetes.io/component=inference"
 PROMPT = "a lighthouse on a cliff at dusk"
+DEMO_PROMPTS = ("a red circle", "a blue square", "a yellow triangle")  # what the demo model knows
 NON_ROOT = {
     "runAsNonRoot": True,
     "runAsUser": 65532,
@@ -41,28 +46,37 @@ NON_ROOT = {
 
 @dataclasses.dataclass(frozen=True)
 class AdapterSource:
-    """A random adapter for the tiny model, written to `<volume>/<folder>/<name>`. Strong
-    weights, so the difference shows even on a random model."""
+    """An adapter source written to `<volume>/<folder>/<name>`: one of the demo model's trained
+    adapters (`trained`, copied from the image), or a random one for the tiny model, with strong
+    weights so the difference shows even on a random model."""
 
     name: str
-    seed: int
+    seed: int = 0
     text_encoder: bool = False
     folder: str = layout.SHARED  # the volume folder every namespace's adapters may copy from
     rank: int = 8
     strength: float = 0.8
+    trained: bool = False
 
     @property
     def uri(self) -> str:
         """The source URI as the operator sees it (a path under the chart's volumeRoot)."""
         return str(VOLUME_ROOT / self.folder / self.name)
 
+    @property
+    def model(self) -> str:
+        """The base model the adapter was made for."""
+        return DEMO_MODEL if self.trained else MODEL_NAME
 
+
+# A palette, a texture and a shape: each visibly changes what the demo model draws.
 DEMO_ADAPTERS = (
-    AdapterSource("pixel-art", seed=1),
-    AdapterSource("watercolor", seed=2, text_encoder=True),
+    AdapterSource("pixel-art", trained=True),
+    AdapterSource("palette-swap", trained=True),
+    AdapterSource("shape-shift", trained=True),
 )
 # A LoRAAdapter that stacks the two above (spec.compose), each at its own scale.
-DEMO_COMPOSITION = ("pixel-watercolor", (("pixel-art", 0.8), ("watercolor", 0.5)))
+DEMO_COMPOSITION = ("pixel-palette", (("pixel-art", 0.8), ("palette-swap", 0.8)))
 
 
 def model_claim(size: str = "1Gi") -> Obj:
@@ -75,27 +89,47 @@ def model_claim(size: str = "1Gi") -> Obj:
     }
 
 
+def _copy(source: PurePosixPath, target: str) -> str:
+    # Replaces a copy already there: cp -R into an existing folder would nest the new one.
+    into, there = shlex.quote(str(PurePosixPath(target).parent)), shlex.quote(target)
+    return f"mkdir -p {into} && rm -rf {there} && cp -R {shlex.quote(str(source))} {there}"
+
+
+def _prepare_model(model: str) -> str:
+    """The command that puts `model` into its folder on the model claim."""
+    if model == DEMO_MODEL:
+        return _copy(SHAPES_IN_IMAGE / DEMO_MODEL, str(MODELS_MOUNT / DEMO_MODEL))
+    if model == MODEL_NAME:
+        return shlex.join(
+            ["lora-inference", "tiny-model", str(MODELS_MOUNT / model), "--arch", "sd15"]
+        )
+    raise ValueError(f"no way to prepare model {model!r}; choose {MODEL_NAME} or {DEMO_MODEL}")
+
+
+def _prepare_adapter(a: AdapterSource) -> str:
+    """The command that writes source `a` onto the adapter claim."""
+    if a.trained:
+        return _copy(SHAPES_IN_IMAGE / "adapters" / a.name, a.uri)
+    command = ["lora-inference", "make-adapter", a.uri, "--model", str(MODELS_MOUNT / a.model)]
+    command += ["--rank", str(a.rank), "--strength", str(a.strength), "--seed", str(a.seed)]
+    return shlex.join(command + (["--text-encoder"] if a.text_encoder else []))
+
+
 def prepare_job(
     name: str,
     image: str,
     *,
-    model: bool,
+    model: str | None,
     adapters: tuple[AdapterSource, ...] = (),
     adapter_claim: str = ADAPTER_CLAIM,
 ) -> Obj:
-    """A Job running the inference image's own tools: `tiny-model` onto the model claim (when
-    `model`), then `make-adapter` for each source onto the adapter claim."""
-    model_dir = MODELS_MOUNT / MODEL_NAME
-    commands = []
-    if model:
-        commands.append(["lora-inference", "tiny-model", str(model_dir), "--arch", "sd15"])
-    for a in adapters:
-        command = ["lora-inference", "make-adapter", a.uri, "--model", str(model_dir)]
-        command += ["--rank", str(a.rank), "--strength", str(a.strength), "--seed", str(a.seed)]
-        commands.append(command + (["--text-encoder"] if a.text_encoder else []))
-    script = "set -e\n" + "\n".join(shlex.join(c) for c in commands)
+    """A Job running the inference image's own tools: `model` onto the model claim (when
+    given), then each adapter source onto the adapter claim."""
+    commands = [_prepare_model(model)] if model is not None else []
+    commands += [_prepare_adapter(a) for a in adapters]
+    script = "set -e\n" + "\n".join(commands)
     mounts = [
-        {"name": "models", "mountPath": str(MODELS_MOUNT), "readOnly": not model},
+        {"name": "models", "mountPath": str(MODELS_MOUNT), "readOnly": model is None},
         {"name": "tmp", "mountPath": "/tmp"},
     ]
     volumes: list[Obj] = [
@@ -131,8 +165,8 @@ def prepare_job(
     }
 
 
-def local_values(namespace: str, *, replicas: int) -> Obj:
-    """Chart values for a CPU cluster: the tiny model from its claim, small caches, fast probes,
+def local_values(namespace: str, *, replicas: int, model: str = MODEL_NAME) -> Obj:
+    """Chart values for a CPU cluster: `model` from its claim, small caches, fast probes,
     the operator watching only `namespace`. The adapter volume is the chart's own claim from
     the default StorageClass. The CRD is applied with kubectl (it belongs to no release)."""
     return {
@@ -143,8 +177,8 @@ def local_values(namespace: str, *, replicas: int) -> Obj:
         "operator": {"watchNamespaces": [namespace], "resyncSeconds": 5},
         "inference": {
             "replicas": replicas,
-            "servedModelName": MODEL_NAME,
-            "model": {"existingClaim": MODEL_CLAIM, "path": str(MODELS_MOUNT / MODEL_NAME)},
+            "servedModelName": model,
+            "model": {"existingClaim": MODEL_CLAIM, "path": str(MODELS_MOUNT / model)},
             "device": "cpu",
             "dtype": "float32",
             "gpu": {"enabled": False},
@@ -163,26 +197,28 @@ def adapter(source: AdapterSource, scale: float = 0.8) -> Obj:
         "apiVersion": "lora.dev/v1alpha1",
         "kind": "LoRAAdapter",
         "metadata": {"name": source.name},
-        "spec": {"baseModel": MODEL_NAME, "source": {"uri": source.uri}, "scale": scale},
+        "spec": {"baseModel": source.model, "source": {"uri": source.uri}, "scale": scale},
     }
 
 
-def composition(name: str, members: tuple[tuple[str, float], ...]) -> Obj:
+def composition(name: str, members: tuple[tuple[str, float], ...], model: str) -> Obj:
     return {
         "apiVersion": "lora.dev/v1alpha1",
         "kind": "LoRAAdapter",
         "metadata": {"name": name},
         "spec": {
-            "baseModel": MODEL_NAME,
+            "baseModel": model,
             "compose": [{"name": member, "scale": scale} for member, scale in members],
         },
     }
 
 
-def generation_request(model: str, *, size: int = 64, steps: int = 10, seed: int = 42) -> Obj:
+def generation_request(
+    model: str, *, size: int = 64, steps: int = 10, seed: int = 42, prompt: str = PROMPT
+) -> Obj:
     return {
         "model": model,
-        "prompt": PROMPT,
+        "prompt": prompt,
         "size": f"{size}x{size}",
         "num_inference_steps": steps,
         "seed": seed,

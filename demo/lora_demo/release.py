@@ -64,18 +64,18 @@ def run_job(h: Harness, namespace: str, job: Obj, timeout: float = 600) -> str:
     return log
 
 
-def prepare_model(h: Harness, namespace: str) -> str:
-    """The tiny SD 1.5 model on the `models` claim, written by the inference image."""
+def prepare_model(h: Harness, namespace: str, model: str = MODEL_NAME) -> str:
+    """`model` on the `models` claim, written by the inference image."""
     h.apply(manifests.model_claim(), namespace)
-    job = manifests.prepare_job("prepare-model", h.image("inference"), model=True)
+    job = manifests.prepare_job("prepare-model", h.image("inference"), model=model)
     return run_job(h, namespace, job)
 
 
 def prepare_adapters(
     h: Harness, namespace: str, sources: tuple[manifests.AdapterSource, ...], job_name: str
 ) -> str:
-    """Random adapter sources for the tiny model onto the chart's adapter volume."""
-    job = manifests.prepare_job(job_name, h.image("inference"), model=False, adapters=sources)
+    """Adapter sources onto the chart's adapter volume."""
+    job = manifests.prepare_job(job_name, h.image("inference"), model=None, adapters=sources)
     return run_job(h, namespace, job)
 
 
@@ -167,12 +167,12 @@ def call(h: Harness, namespace: str, target: str, path: str, body: Obj | None = 
 
 
 def served_adapters(h: Harness, namespace: str, pod: str) -> dict[str, Obj]:
-    """`GET /v1/models` of one pod: adapter name -> its card (root says which revision); empty
-    while the pod does not answer."""
+    """`GET /v1/models` of one pod: adapter name -> its card (root says which revision; the base
+    model's card, which has no parent, is left out); empty while the pod does not answer."""
     status, raw = h.proxy(namespace, pod_target(pod), "/v1/models", timeout=10)
     if status != 200:
         return {}
-    return {c["id"]: c for c in json.loads(raw)["data"] if c["id"] != MODEL_NAME}
+    return {c["id"]: c for c in json.loads(raw)["data"] if c["parent"] is not None}
 
 
 def generate(h: Harness, namespace: str, target: str, model: str, **request: Any) -> bytes:

@@ -169,5 +169,5 @@ def test_the_example_adapter_is_the_demos_first() -> None:
 
     example = yaml.safe_load((release.ROOT / "examples" / "adapter.yaml").read_text())
     assert example["spec"]["source"]["uri"] == manifests.DEMO_ADAPTERS[0].uri
-    assert example["spec"]["baseModel"] == MODEL_NAME
+    assert example["spec"]["baseModel"] == manifests.DEMO_MODEL
     assert f"{RELEASE}-inference" == SERVICE

@@ -1,6 +1,6 @@
 """The Dockerfiles, read rather than built (no Docker here): each image installs the extra that
-pyproject.toml defines for it, runs as a non-root user, and has the entrypoint the chart and the
-local cluster's image map assume."""
+pyproject.toml defines for it, runs as a non-root user, and has the entrypoint the chart
+assumes."""
 
 from __future__ import annotations
 
@@ -98,7 +98,7 @@ def test_dockerignore_keeps_the_context_small_and_the_sources_in() -> None:
     copied = copied_sources("operator") | copied_sources("inference")
     # devcluster/ is a development tool: left out, so changing it rebuilds no image. router/
     # goes into the operator image only (the router runs from it); playground/ (the page both
-    # serve) into both.
+    # serve) into both; the demo's trained model into the inference image.
     assert copied == {
         "pyproject.toml",
         "README.md",
@@ -107,6 +107,7 @@ def test_dockerignore_keeps_the_context_small_and_the_sources_in() -> None:
         "inference",
         "operator",
         "router",
+        "models/shapes",
     }
     assert not copied & ignored
 
@@ -115,10 +116,23 @@ def test_dockerignore_keeps_the_context_small_and_the_sources_in() -> None:
     ("image", "packages"),
     [
         ("operator", {"volume", "playground", "operator", "router"}),
-        ("inference", {"volume", "playground", "inference"}),
+        ("inference", {"volume", "playground", "inference", "models/shapes"}),
     ],
 )
 def test_each_image_copies_only_the_packages_it_runs(image: str, packages: set[str]) -> None:
     # The operator image must not hold the inference server: it would be one import away from
     # torch. The server needs nothing of the operator or the router.
     assert copied_sources(image) - {"pyproject.toml", "README.md"} == packages
+
+
+def test_the_inference_image_carries_the_demo_model_where_the_demo_copies_it_from() -> None:
+    from lora_demo import manifests
+
+    steps = instructions(DOCKER / "inference.Dockerfile")
+    copies = [arg.split() for word, arg in steps if word == "COPY" and arg.startswith("models/")]
+    assert copies == [["models/shapes/", f"{manifests.SHAPES_IN_IMAGE}/"]]
+    shipped = ROOT / "models" / "shapes"
+    assert (shipped / manifests.DEMO_MODEL / "model_index.json").is_file()
+    for source in manifests.DEMO_ADAPTERS:
+        assert source.trained
+        assert (shipped / "adapters" / source.name / "adapter_config.json").is_file()
