@@ -1,7 +1,7 @@
 """A small text-to-image model that draws something, and adapters that visibly change it.
 
 Random weights draw noise, so a demo of them cannot show what an adapter does. This module
-trains, on the CPU in minutes, an SD 1.5-family pipeline (the same classes as Stable Diffusion
+trains, on a CPU, an SD 1.5-family pipeline (the same classes as Stable Diffusion
 1.5: a CLIP text encoder, a UNet with cross-attention, a KL autoencoder, SD 1.5's noise schedule)
 on a procedurally drawn data set: one shape (circle, square, triangle) in one colour (red, green,
 blue, yellow) on paper, captioned "a red circle". Each adapter is a LoRA of the UNet trained on
@@ -349,7 +349,6 @@ def train_all(
     out: Path, budget: Budget = FULL, seed: int = 0, log: Callable[[str], None] = print
 ) -> Path:
     """The base model and every adapter, under `out/shapes-sd15` and `out/adapters/<style>`."""
-    torch.set_num_threads(max(1, torch.get_num_threads()))
     started = time.monotonic()
     model = train_base(out / MODEL_NAME, budget, seed)
     for style in ADAPTERS:
