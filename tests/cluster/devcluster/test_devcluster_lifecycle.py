@@ -286,6 +286,21 @@ def test_interrupted(devcluster, devcluster_namespace):
 """
 
 
+# How the inner pytest starts. Python turns SIGINT into KeyboardInterrupt only when SIGINT is at
+# its default when it starts, and a blocked or ignored SIGINT survives exec: a run started from
+# a non-interactive shell's background job (or a launcher that ignores SIGINT) would sleep
+# through the test's Ctrl-C until communicate() times out. So the inner run gets Python's own
+# handling whatever this process inherited. SIGUSR1 makes it print every thread's stack to a
+# copy of its stderr (pytest's capture does not swallow it), for the report when it hangs.
+_INNER_MAIN = (
+    "import faulthandler, os, signal, sys, pytest; "
+    "signal.signal(signal.SIGINT, signal.default_int_handler); "
+    "signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT}); "
+    "faulthandler.register(signal.SIGUSR1, os.fdopen(os.dup(2), 'w'), all_threads=True); "
+    "sys.exit(pytest.console_main())"
+)
+
+
 def _inner_pytest(tmp_path: Path, *tests: str) -> subprocess.Popen[str]:
     (tmp_path / "test_inner.py").write_text(textwrap.dedent(INNER_TESTS))
     work = tmp_path / "tmp"
@@ -294,8 +309,8 @@ def _inner_pytest(tmp_path: Path, *tests: str) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [
             sys.executable,
-            "-m",
-            "pytest",
+            "-c",
+            _INNER_MAIN,
             "-p",
             "no:cacheprovider",
             "-q",
@@ -309,6 +324,68 @@ def _inner_pytest(tmp_path: Path, *tests: str) -> subprocess.Popen[str]:
         stderr=subprocess.STDOUT,
         text=True,
     )
+
+
+def _finish(proc: subprocess.Popen[str], tmp_path: Path, timeout: float) -> str:
+    """The inner pytest's output once it exits. If it is still running after `timeout` s, or
+    this test fails before (an assertion, Ctrl-C), it is killed (its cluster dies with it: the
+    parent-death signal) and its cluster's directory and cgroups removed: left running, it would
+    keep a cluster up for the rest of the session. A timeout reports where the run hung."""
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+        return out
+    except subprocess.TimeoutExpired:
+        where = _hang_report(proc.pid, tmp_path / "tmp")
+        out = _kill(proc, tmp_path)
+        raise AssertionError(
+            f"the inner pytest still ran {timeout:.0f} s later; its output (with every thread's"
+            f" stack at the end):\n{out}\n{where}"
+        ) from None
+    finally:
+        _kill(proc, tmp_path)
+
+
+def _kill(proc: subprocess.Popen[str], tmp_path: Path) -> str:
+    """Kill the inner pytest if it still runs, remove what its cluster left; its output."""
+    if proc.poll() is not None:
+        return ""
+    proc.kill()
+    out, _ = proc.communicate()
+    for root in (tmp_path / "tmp").glob("lora-devcluster-*/cluster"):
+        try:
+            cluster.down(root)
+        except cluster.ClusterError as e:
+            print(f"cleaning up after the inner pytest: {e}")
+    return out
+
+
+def _hang_report(pid: int, work: Path) -> str:
+    """The Python stacks of the inner pytest (on its stderr), the state, kernel wait channel and
+    signal masks of it and every process under it, and the tail of its cluster's log."""
+    os.kill(pid, signal.SIGUSR1)
+    time.sleep(2)  # faulthandler writes from the signal handler; let it reach the pipe
+    parents: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        stat = _read(f"/proc/{entry}/stat").decode(errors="replace") if entry.isdigit() else ""
+        if ")" in stat:
+            parents[int(entry)] = int(stat.rsplit(")", 1)[1].split()[1])
+    lines: list[str] = []
+    todo = [pid]
+    while todo:
+        p = todo.pop()
+        todo += sorted(c for c, parent in parents.items() if parent == p)
+        status = _read(f"/proc/{p}/status").decode(errors="replace").splitlines()
+        fields = " ".join(
+            line.replace("\t", "")
+            for line in status
+            if line.split(":")[0] in ("State", "SigBlk", "SigIgn", "SigCgt")
+        )
+        wchan = _read(f"/proc/{p}/wchan").decode(errors="replace")
+        cmd = _read(f"/proc/{p}/cmdline").replace(b"\0", b" ").decode(errors="replace")[:150]
+        lines.append(f"{p}: {fields} wchan={wchan} {cmd}")
+    for log in work.glob("lora-devcluster-*/cluster/logs/supervisor.log"):
+        lines += [f"---- {log}", *_read(str(log)).decode(errors="replace").splitlines()[-30:]]
+    return "processes (pid: state, signal masks, wait channel, command):\n" + "\n".join(lines)
 
 
 def _assert_clean(work: Path) -> None:
@@ -333,7 +410,7 @@ def _read(path: str) -> bytes:
 def test_failing_test_shows_container_logs_and_leaves_nothing(tmp_path: Path) -> None:
     require_cluster()
     proc = _inner_pytest(tmp_path, "test_fails")
-    out, _ = proc.communicate(timeout=240)
+    out = _finish(proc, tmp_path, timeout=240)
     assert proc.returncode == 1, out
     assert "failing on purpose" in out, out
     assert "devcluster container logs" in out
@@ -347,12 +424,16 @@ def test_ctrl_c_tears_the_cluster_down(tmp_path: Path) -> None:
     require_cluster()
     proc = _inner_pytest(tmp_path, "test_interrupted")
     deadline = time.monotonic() + 180
-    while not (tmp_path / "marker").exists():
-        assert proc.poll() is None, proc.communicate()[0]
-        assert time.monotonic() < deadline, "inner test never started"
-        time.sleep(0.2)
+    try:
+        while not (tmp_path / "marker").exists():
+            assert proc.poll() is None, proc.communicate()[0]
+            assert time.monotonic() < deadline, "inner test never started"
+            time.sleep(0.2)
+    except BaseException:
+        _kill(proc, tmp_path)  # else it sleeps 600 s more with its cluster up
+        raise
     proc.send_signal(signal.SIGINT)
-    out, _ = proc.communicate(timeout=240)  # teardown on a loaded machine takes a while
+    out = _finish(proc, tmp_path, timeout=240)  # teardown on a loaded machine takes a while
     assert "KeyboardInterrupt" in out, out
     _assert_clean(tmp_path / "tmp")
 
@@ -360,7 +441,7 @@ def test_ctrl_c_tears_the_cluster_down(tmp_path: Path) -> None:
 def test_cluster_stops_after_the_last_test_that_needs_it(tmp_path: Path) -> None:
     require_cluster()
     proc = _inner_pytest(tmp_path, "test_uses_the_cluster", "test_runs_after_the_last_user")
-    out, _ = proc.communicate(timeout=240)
+    out = _finish(proc, tmp_path, timeout=240)
     assert proc.returncode == 0, out
     assert "2 passed" in out
     _assert_clean(tmp_path / "tmp")
