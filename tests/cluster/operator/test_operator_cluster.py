@@ -55,19 +55,19 @@ def test_adapter_follows_replicas_restarts_updates_and_deletion(
     assert st["observedGeneration"] == obj["metadata"]["generation"]
     assert os.readlink(volume / ns / "pixel" / "current") == f"revisions/{sha_a}"
     ips = cluster.pod_ips(h, ns, 2)
-    first_ip = next(iter(ips.values()))
-    # The reference: the same file loaded directly by path, on a server of the same model.
-    status, body = http_json(
-        f"http://{first_ip}:8000/v1/load_lora_adapter",
-        {"lora_name": "direct", "lora_path": f"{cluster.POD_VOLUME}/{ns}/src/a"},
-        token=TOKEN,
-    )
-    assert status == 200, body
-    reference = generate(f"http://{first_ip}:8000", "direct")
-    base = generate(f"http://{first_ip}:8000", MODEL_NAME)
-    assert not np.array_equal(reference, base)
+    # The reference: the same file loaded directly by path, on the same pod. (Not one pod's
+    # picture for all: each server measures its own merge costs at start, so two pods may merge
+    # a layer the other runs as a branch, and the pictures then differ by float rounding.)
     for ip in ips.values():
-        assert np.array_equal(generate(f"http://{ip}:8000", "pixel"), reference)
+        status, body = http_json(
+            f"http://{ip}:8000/v1/load_lora_adapter",
+            {"lora_name": "direct", "lora_path": f"{cluster.POD_VOLUME}/{ns}/src/a"},
+            token=TOKEN,
+        )
+        assert status == 200, body
+        reference = generate(f"http://{ip}:8000", "direct")
+        assert not np.array_equal(reference, generate(f"http://{ip}:8000", MODEL_NAME))
+        assert np.array_equal(generate(f"http://{ip}:8000", "pixel"), reference), ip
     # One Event per transition, summarising the pods; a healthy Degraded=False says why.
     # (The pods may have become Ready one after the other: the Event announces Ready once, with
     # the pods that were Ready then; more pods joining is not a new transition.)
