@@ -129,7 +129,9 @@ async def fetch_https(
                     if verdict != "ok":
                         raise _status_error(verdict, resp.status, what, secret_hint)
                     sink.expect(resp.content_length)
-                    async for chunk in resp.content.iter_chunked(CHUNK_BYTES):
+                    # Whatever has arrived, as it is: joining it into fixed chunks would copy
+                    # every byte once more, and the sink batches anyway.
+                    async for chunk in resp.content.iter_any():
                         sink.write(chunk)
                     if resp.content_length is not None and sink.size != resp.content_length:
                         last = f"body ended after {sink.size} of {resp.content_length} bytes"

@@ -26,12 +26,13 @@ class Sink:
     """The temporary file a fetcher writes into: hashes, counts, enforces the size limit.
 
     `write` is synchronous, so thread-based fetchers (boto3, file copies) can call it too; it only
-    counts the chunk and queues it. A thread of the sink's own hashes and writes the chunks
-    (hashlib and file writes release the GIL), so that work overlaps reading the next chunk; at
-    most `depth` chunks wait, so memory stays flat in the file size, and a full queue makes the
-    caller wait for a chunk's worth of hashing. The data is synced every `SYNC_BYTES` as it goes,
-    so `finish`'s fsync has little left to do. The progress callback is called from whichever
-    thread writes and must be quick. Use it as a context manager: leaving stops the thread.
+    counts the chunk and keeps it. Every `BATCH_BYTES` a thread of the sink's own takes the
+    batch, hashes and writes it (hashlib and file writes release the GIL), so that work
+    overlaps reading what comes next; at most `depth` batches wait, so memory stays flat in the
+    file size, and a full queue makes the caller wait for a batch's worth of hashing. The data
+    is synced every `SYNC_BYTES` as it goes, so `finish`'s fsync has little left to do. The
+    progress callback is called from whichever thread writes and must be quick. Use it as a
+    context manager: leaving stops the thread.
     """
 
     SYNC_BYTES = 64 * 1024 * 1024
@@ -52,24 +53,27 @@ class Sink:
         self.description = description
         self._hash = hashlib.sha256()
         self.size = 0
-        self._chunks: queue.Queue[bytes | None] = queue.Queue(maxsize=depth)
+        self._batches: queue.Queue[list[bytes] | None] = queue.Queue(maxsize=depth)
         self._thread: threading.Thread | None = None
         self._failure: OSError | None = None
         self._unsynced = 0
-        self._pending = bytearray()
+        # Chunks not yet handed over: kept as the fetcher's own bytes objects, since copying
+        # a gigabyte into one buffer and out again costs as much as hashing it.
+        self._pending: list[bytes] = []
+        self._pending_bytes = 0
 
     def __enter__(self) -> Sink:
         return self
 
     def __exit__(self, *exc: object) -> None:
         if self._thread is not None:
-            self._chunks.put(None)
+            self._batches.put(None)
             self._thread.join()
             self._thread = None
 
     def reset(self) -> None:
         """Start over (a retry after a failed attempt)."""
-        self._pending.clear()
+        self._pending, self._pending_bytes = [], 0
         self._drain()
         self._file.seek(0)
         self._file.truncate()
@@ -87,9 +91,10 @@ class Sink:
         if self.size + len(chunk) > self._max:
             raise self._too_large(self.size + len(chunk))
         self._raise_failure()
-        self._pending += chunk
+        self._pending.append(bytes(chunk))  # a bytes object is kept as it is, not copied
+        self._pending_bytes += len(chunk)
         self.size += len(chunk)
-        if len(self._pending) >= self.BATCH_BYTES:
+        if self._pending_bytes >= self.BATCH_BYTES:
             self._hand_over()
         if self._progress:
             self._progress(self.size)
@@ -102,8 +107,8 @@ class Sink:
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="sink", daemon=True)
             self._thread.start()
-        self._chunks.put(bytes(self._pending))
-        self._pending.clear()
+        self._batches.put(self._pending)
+        self._pending, self._pending_bytes = [], 0
 
     def finish(self) -> str:
         """Wait for the queued chunks, flush and fsync; the SHA-256 of everything written."""
@@ -117,14 +122,15 @@ class Sink:
 
     def _run(self) -> None:
         while True:
-            chunk = self._chunks.get()
+            batch = self._batches.get()
             try:
-                if chunk is None:
+                if batch is None:
                     return
                 if self._failure is None:
-                    self._hash.update(chunk)
-                    self._file.write(chunk)
-                    self._unsynced += len(chunk)
+                    for chunk in batch:
+                        self._hash.update(chunk)
+                    self._file.writelines(batch)
+                    self._unsynced += sum(len(c) for c in batch)
                     if self._unsynced >= self.SYNC_BYTES:
                         # Start writing back what is written so far, without waiting for it.
                         self._file.flush()
@@ -139,12 +145,12 @@ class Sink:
             except OSError as e:
                 self._failure = e
             finally:
-                self._chunks.task_done()
+                self._batches.task_done()
 
     def _drain(self) -> None:
         self._hand_over()
         if self._thread is not None:
-            self._chunks.join()
+            self._batches.join()
         self._raise_failure()
 
     def _raise_failure(self) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import subprocess
 import sys
 import textwrap
@@ -120,6 +121,23 @@ def test_a_full_volume_is_transient() -> None:
         sink.write(b"\0" * 4096)
         sink.finish()  # the write fails on the sink's thread, and says so here at the latest
     assert not e.value.permanent
+
+
+def test_the_sink_keeps_each_chunk_as_it_was_when_the_caller_reuses_its_buffer(
+    tmp_path: Path,
+) -> None:
+    buffer = bytearray(1000)
+    expected = hashlib.sha256()
+    with (
+        (tmp_path / "f").open("w+b") as f,
+        sinks.Sink(f, max_bytes=1 << 30, description="x") as sink,
+    ):
+        for i in range(5000):  # past a batch: handed over to the sink's thread
+            buffer[:] = bytes([i % 256]) * 1000
+            sink.write(buffer)
+            expected.update(buffer)
+        assert sink.finish() == expected.hexdigest()
+    assert (tmp_path / "f").read_bytes()[-1000:] == bytes([4999 % 256]) * 1000
 
 
 async def test_another_namespaces_folder_is_out_of_reach(tmp_path: Path) -> None:
