@@ -36,7 +36,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from lora_router import fleet as fleet_mod
 from lora_router import routing
 from lora_router.config import RouterConfig, read_token
-from lora_router.fleet import Fleet
+from lora_router.fleet import AdapterPlacement, Fleet, Split
 from lora_router.metrics import Metrics
 
 log = logging.getLogger("lora_router")
@@ -91,6 +91,19 @@ def adapter_of(body: bytes) -> str | None:
         return str(lora["name"])
     model = parsed.get("model")
     return model if isinstance(model, str) and model else None
+
+
+def with_adapter(body: bytes, adapter: str, served: str) -> bytes:
+    """The generation `body` naming `served` wherever it names `adapter` (`model`, `lora.name`,
+    a stack's members): how a request is sent to a rollout's canary (pure)."""
+    parsed = json.loads(body)
+    if parsed.get("model") == adapter:
+        parsed["model"] = served
+    lora = parsed.get("lora")
+    for member in lora if isinstance(lora, list) else [lora]:
+        if isinstance(member, dict) and member.get("name") == adapter:
+            member["name"] = served
+    return json.dumps(parsed).encode()
 
 
 def forwarded_headers(headers: Mapping[str, str]) -> dict[str, str]:
@@ -205,13 +218,23 @@ async def proxy(request: web.Request) -> web.StreamResponse:
         return _json_error(e.message, e.error_type, e.status)
     adapter = _adapter_for(request, body)
     placement = fleet.adapters.get(adapter) if adapter is not None else None
+    placed = placement.pods if placement is not None else None
+    revision = None
+    if adapter is not None and placement is not None and placement.split is not None:
+        adapter, placed, body, revision = _split(fleet, adapter, placement, placement.split, body)
+    elif adapter is not None and placement is None:
+        # A canary asked for by its alias (listed in /v1/models): the pods that hold it.
+        placement = fleet.rolling_out_as(adapter)
+        if placement is not None and placement.split is not None:
+            placed = fleet.canary_holders(placement, placement.split, time.monotonic())
+            revision = placement.split.canary[:12]
     tried: list[str] = []
     failures: list[str] = []
     for attempt in range(2):
         decision = routing.route(
             adapter,
             fleet.backends(time.monotonic()),
-            placement.pods if placement is not None else None,
+            placed,
             known=placement is not None,
             load_factor=config.load_factor,
             exclude=frozenset(tried),
@@ -224,15 +247,37 @@ async def proxy(request: web.Request) -> web.StreamResponse:
             metrics.affinity_hits.inc()
         tried.append(decision.pod)
         try:
-            return await _forward(request, state, decision, body)
+            response = await _forward(request, state, decision, body)
         except _Unanswered as e:
             failures.append(f"{decision.pod}: {e}")
             metrics.failures.labels(e.kind).inc()
+            continue
+        if revision is not None and placement is not None:
+            metrics.rollout_requests.labels(placement.name, revision, str(response.status)).inc()
+        return response
     status, what = 503, "no inference pod is Ready"
     if failures:
         what = "the pods failed before answering (" + "; ".join(failures) + ")"
     metrics.requests.labels("none", str(status)).inc()
+    if revision is not None and placement is not None:
+        metrics.rollout_requests.labels(placement.name, revision, str(status)).inc()
     return _json_error(f"{what}; retry later", "ServiceUnavailable", status, **{"Retry-After": "1"})
+
+
+def _split(
+    fleet: Fleet, adapter: str, placement: AdapterPlacement, split: Split, body: bytes
+) -> tuple[str, frozenset[str] | None, bytes, str]:
+    """Where a request for an adapter under a rollout goes: its canary (the alias, on the pods
+    that report holding it) for `split.weight` percent of them, else the stable revision under
+    the adapter's name. Returns the name to route by, the pods it may go to, the body to send
+    and the revision's sha256 prefix for the per-revision counts."""
+    count = fleet.split_counts.get(adapter, 0)
+    fleet.split_counts[adapter] = count + 1
+    if routing.to_canary(count, split.weight):
+        holders = fleet.canary_holders(placement, split, time.monotonic())
+        if holders:  # else no Ready pod serves the canary yet: the stable revision answers
+            return split.alias, holders, with_adapter(body, adapter, split.alias), split.canary[:12]
+    return adapter, placement.pods, body, split.stable[:12]
 
 
 class _Unanswered(Exception):

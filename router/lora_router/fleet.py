@@ -54,9 +54,21 @@ def parse_endpoint_slice(obj: Mapping[str, Any], port_name: str) -> list[Endpoin
 
 
 @dataclass(frozen=True)
+class Split:
+    """A weighted rollout under way (`status.rollout`): `weight` percent of the adapter's
+    requests go to the canary, served under `alias`."""
+
+    alias: str
+    weight: int
+    canary: str  # the revisions' sha256, for the per-revision counts
+    stable: str
+
+
+@dataclass(frozen=True)
 class AdapterPlacement:
     name: str
     pods: frozenset[str] | None  # None: on every pod
+    split: Split | None = None
 
 
 def parse_adapter(obj: Mapping[str, Any]) -> AdapterPlacement:
@@ -68,7 +80,27 @@ def parse_adapter(obj: Mapping[str, Any]) -> AdapterPlacement:
     pods: frozenset[str] | None = None
     if limited:
         pods = frozenset(str(p) for p in placed) if isinstance(placed, list) else frozenset()
-    return AdapterPlacement(name=str(meta.get("name", "")), pods=pods)
+    return AdapterPlacement(
+        name=str(meta.get("name", "")), pods=pods, split=parse_split(status.get("rollout"))
+    )
+
+
+def parse_split(raw: Any) -> Split | None:
+    """`status.rollout`, as far as routing goes; None when no rollout is under way."""
+    if not isinstance(raw, Mapping):
+        return None
+    canary, stable = raw.get("canary"), raw.get("stable")
+    if not isinstance(canary, Mapping) or not isinstance(stable, Mapping):
+        return None
+    alias, weight = canary.get("servedAs"), canary.get("weight")
+    if not isinstance(alias, str) or not isinstance(weight, int):
+        return None
+    return Split(
+        alias=alias,
+        weight=weight,
+        canary=str(canary.get("revision") or ""),
+        stable=str(stable.get("revision") or ""),
+    )
 
 
 @dataclass(frozen=True)
@@ -119,6 +151,8 @@ class Fleet:
     adapters: dict[str, AdapterPlacement] = field(default_factory=dict)
     reports: dict[str, Report] = field(default_factory=dict)  # pod -> its last report
     inflight: dict[str, int] = field(default_factory=dict)  # pod -> requests sent, unanswered
+    # adapter under a rollout -> its requests routed so far (routing.to_canary counts them)
+    split_counts: dict[str, int] = field(default_factory=dict)
     # What has been read at least once: "endpoints", "adapters" (listed), "residency" (every
     # pod listed was polled once).
     synced: set[str] = field(default_factory=set)
@@ -150,6 +184,25 @@ class Fleet:
                 )
             )
         return out
+
+    def canary_holders(
+        self, placement: AdapterPlacement, split: Split, now: float
+    ) -> frozenset[str]:
+        """The Ready pods with a fresh report that hold a rollout's canary, among the adapter's
+        placed pods."""
+        holders = frozenset(
+            b.name
+            for b in self.backends(now)
+            if b.residency is not None and b.residency.holds(split.alias)
+        )
+        return holders & placement.pods if placement.pods is not None else holders
+
+    def rolling_out_as(self, alias: str) -> AdapterPlacement | None:
+        """The adapter whose rollout serves its canary as `alias`, if any."""
+        return next(
+            (a for a in self.adapters.values() if a.split is not None and a.split.alias == alias),
+            None,
+        )
 
     def base_models(self) -> set[str]:
         return {r.base_model for r in self.reports.values() if r.base_model}

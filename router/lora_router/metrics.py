@@ -65,3 +65,10 @@ class Metrics:
             "Residency polls (GET /v1/adapters) that failed",
             registry=r,
         )
+        self.rollout_requests = Counter(
+            "lora_router_rollout_requests",
+            "Requests for adapters under a weighted rollout, by adapter, revision (the first 12 "
+            "hex of its sha256) and the status answered: each revision's traffic and errors",
+            ["adapter", "revision", "code"],
+            registry=r,
+        )

@@ -146,3 +146,14 @@ def route(
     if best.residency is None:
         return Decision(best.name, Reason.NO_RESIDENCY)
     return Decision(best.name, _REASONS[_rank(adapter, best)])
+
+
+def to_canary(count: int, weight: int) -> bool:
+    """Whether request number `count` (from 0) of an adapter under a rollout goes to its canary.
+
+    Each run of 100 requests sends exactly `weight` of them to the canary, spread evenly (the
+    n-th goes when the canary's share of the first n + 1 crosses a whole request): the split a
+    user set, with no sampling noise, on each router replica.
+    """
+    weight = max(0, min(100, weight))
+    return (count + 1) * weight // 100 > count * weight // 100

@@ -10,9 +10,11 @@ from lora_router.fleet import (
     Endpoint,
     Fleet,
     Report,
+    Split,
     parse_adapter,
     parse_endpoint_slice,
     parse_report,
+    parse_split,
 )
 from lora_router.routing import Residency
 
@@ -119,3 +121,17 @@ def test_backends_are_ready_pods_with_fresh_reports_and_the_larger_load() -> Non
     assert backends["c"].residency is None and backends["c"].load == 0  # stale: ignored
     fleet.forget_reports(["a"])
     assert set(fleet.reports) == {"a"}
+
+
+def test_a_rollout_in_the_status_the_operator_writes_is_a_split() -> None:
+    from lora_operator import rollout
+
+    canary, stable = "c" * 64, "5" * 64
+    plan = rollout.Plan((rollout.Step(20),))
+    r = rollout.Rollout(stable, canary, rollout.State.PROGRESSING, 0, 1.0)
+    status = {"rollout": rollout.render(r, plan, "x", stable_ready=1, canary_ready=1, pods=1)}
+    placement = parse_adapter({"metadata": {"name": "x"}, "spec": {}, "status": status})
+    assert placement.split == Split(
+        alias=rollout.alias("x", canary), weight=20, canary=canary, stable=stable
+    )
+    assert parse_split({"canary": {"weight": "lots"}, "stable": {}}) is None

@@ -22,7 +22,7 @@ from aiohttp import ClientSession, web
 from aiohttp.test_utils import TestClient, TestServer, unused_port
 from lora_router.__main__ import serve
 from lora_router.app import STATE, ProxyState, create_app
-from lora_router.fleet import Endpoint, Fleet, Report
+from lora_router.fleet import AdapterPlacement, Endpoint, Fleet, Report, Split
 from lora_router.routing import Residency
 
 from tests.support.http import free_port
@@ -478,3 +478,60 @@ async def test_a_stopping_router_answers_for_its_shutdown_delay_not_ready() -> N
         with pytest.raises(aiohttp.ClientConnectionError):
             async with session.get(f"{url}/health"):
                 pass
+
+
+async def test_a_rollout_sends_its_weight_to_the_canary_on_the_pods_that_hold_it(
+    start_router: StartRouter, start_backend: StartBackend
+) -> None:
+    router = await start_router()
+    canary, stable = "c" * 64, "5" * 64
+    alias = f"x_{canary[:12]}"
+    both, old_only = Pod("both", gpu=("x", alias)), Pod("old", gpu=("x",))
+    await pods(start_backend, router, both, old_only)
+    await router.wait_reports({"both", "old"})
+    router.fleet.adapters["x"] = AdapterPlacement(
+        "x", None, Split(alias=alias, weight=30, canary=canary, stable=stable)
+    )
+    models: Counter[tuple[str, str]] = Counter()
+    for _ in range(200):
+        request = {"lora": [{"name": "x", "scale": 0.5}, {"name": "y"}], "prompt": "p"}
+        async with router.session.post(router.url("/v1/images/generations"), json=request) as resp:
+            echo = await resp.json()
+        sent = json.loads(echo["body"])
+        assert sent["lora"][1] == {"name": "y"} and sent["lora"][0]["scale"] == 0.5
+        models[(sent["lora"][0]["name"], echo["pod"])] += 1
+    # Exactly the weight, every canary request on the pod that holds the alias.
+    assert models[(alias, "both")] == 60 and models[(alias, "old")] == 0
+    assert models[("x", "both")] + models[("x", "old")] == 140
+    count = router.metric
+    assert (
+        count("lora_router_rollout_requests_total", adapter="x", revision=canary[:12], code="200")
+        == 60
+    )
+    assert (
+        count("lora_router_rollout_requests_total", adapter="x", revision=stable[:12], code="200")
+        == 140
+    )
+
+    # The canary asked for by its alias (the playground lists it): the pod that holds it.
+    for _ in range(5):
+        async with router.session.post(
+            router.url("/v1/images/generations"), json=generation(alias)
+        ) as resp:
+            assert (await resp.json())["pod"] == "both"
+    assert (
+        count("lora_router_rollout_requests_total", adapter="x", revision=canary[:12], code="200")
+        == 65
+    )
+
+    # No Ready pod holds the canary (yet): the stable revision answers every request.
+    both.gpu = ("x",)
+    await router.wait_until(
+        "the alias gone from the reports",
+        lambda: all(not r.residency.holds(alias) for r in router.fleet.reports.values()),
+    )
+    for _ in range(10):
+        async with router.session.post(
+            router.url("/v1/images/generations"), json=generation("x")
+        ) as resp:
+            assert json.loads((await resp.json())["body"])["model"] == "x"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from lora_router import routing
 from lora_router.routing import Backend, Decision, Reason, Residency, load_bound, route
 
 
@@ -199,3 +200,14 @@ def test_properties(
         assert chosen.residency is not None and adapter in chosen.residency.gpu
     if decision.reason is Reason.NO_RESIDENCY:
         assert chosen.residency is None
+
+
+@pytest.mark.parametrize("weight", [0, 1, 10, 25, 33, 50, 99, 100])
+def test_a_rollout_split_is_exact_and_even(weight: int) -> None:
+    sent = [routing.to_canary(n, weight) for n in range(1000)]
+    assert sum(sent) == 10 * weight
+    # Evenly spread: any run of requests is within one of its share.
+    for start in range(0, 1000, 7):
+        for length in (1, 5, 20, 100):
+            window = sum(sent[start : start + length])
+            assert abs(window - len(sent[start : start + length]) * weight / 100) <= 1
