@@ -30,7 +30,7 @@ import uuid
 from collections import Counter
 from collections.abc import Callable, Collection, Coroutine, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import aiohttp
 import kopf
@@ -48,6 +48,7 @@ from lora_operator import (
     placement,
     planning,
     podstate,
+    rollout,
     sinks,
     sources,
     staging,
@@ -58,6 +59,7 @@ from lora_operator.metrics import Metrics
 from lora_operator.model import (
     AdapterInfo,
     AutoscaleSpec,
+    Command,
     PodInfo,
     StagedRef,
     adapter_info,
@@ -71,7 +73,9 @@ log = logging.getLogger("lora_operator")
 Key = tuple[str, str]  # (namespace, name)
 Body = kopf.Body | Mapping[str, Any]
 
-COALESCE_S = 0.1  # a burst of changes becomes one status computation per adapter
+# A burst of changes (`kubectl apply` of many adapters, each changed again when it is staged)
+# becomes one pass per pod and one status computation per adapter.
+COALESCE_S = 0.1
 UNHEARD_FAILURES = 3  # a pod that failed this many reads in a row no longer holds status back
 # A burst of changes (a thousand adapters applied) becomes one placement every this often.
 PLACEMENT_COALESCE_S = 0.5
@@ -155,6 +159,10 @@ class Api(peering.Watcher, Protocol):
 
     async def count_event(self, namespace: str, name: str, count: int) -> None: ...
 
+    async def remove_annotation(
+        self, namespace: str, name: str, key: str, resource_version: str
+    ) -> None: ...
+
     async def close(self) -> None: ...
 
 
@@ -184,13 +192,24 @@ class AdapterRecord:
         default_factory=dict
     )
     # spec.autoscale: the replicas chosen now, and the pods' hit counters at the last
-    # measurement (pod -> count, and when).
+    # measurement (pod/served name -> count, and when).
     scale: autoscale.Scale | None = None
     hits_seen: tuple[dict[str, int], float] | None = None
+    # spec.rollout: the rollout under way (None: none), and the canary's entry on each pod (the
+    # revision it serves under its alias; `pods` holds the adapter's own name).
+    rollout: rollout.Rollout | None = None
+    canary_pods: dict[str, PodEntry] = field(default_factory=dict)
+    rollout_wake: asyncio.TimerHandle | None = None
+    taking_command: bool = False  # removing the rollout annotation, to act on it
 
     @property
     def key(self) -> Key:
         return self.info.key
+
+
+# An adapter's entries on the pods under one served name: the record and its entries (its own
+# `pods`, or `canary_pods` for a rollout's alias).
+Entries = tuple[AdapterRecord, dict[str, PodEntry]]
 
 
 @dataclass
@@ -204,7 +223,23 @@ class PodRecord:
     retry_in: float | None = None  # a backoff after a failure, instead of the resync interval
     failures: int = 0  # consecutive failures to read the pod's /v1/models
     heard: bool = False  # reported (or kept failing) since this replica began to act
-    entries: set[str] = field(default_factory=set)  # adapters with an entry for this pod
+    # The served names with an entry for this pod, each with the want and card last recorded
+    # for it and the entry they gave (`_record` skips what has not changed since).
+    entries: dict[str, Recorded] = field(default_factory=dict)
+
+
+class Recorded(NamedTuple):
+    want: planning.Want
+    card: planning.Card | None
+    entry: PodEntry
+
+
+class Reading(NamedTuple):
+    """A pod's report, and what it should hold and may keep, computed from it at once."""
+
+    report: planning.PodReport
+    wants: dict[str, planning.Want]
+    keep: set[str]
 
 
 class Controller:
@@ -380,6 +415,8 @@ class Controller:
             info.replicas,
             info.autoscale,
         )
+        if info.command is not None:
+            self._mark(key)  # the status pass takes the rollout command (_advance_rollout)
         if rec.fingerprint != fingerprint:
             rec.fingerprint = fingerprint
             self._stale_placements.add(info.namespace)
@@ -495,12 +532,14 @@ class Controller:
                 target=info.target,
             )
         seconds = time.monotonic() - started
+        serving = state.staged.sha256 if state.staged is not None else None
         state.succeeded(
             StagedRef(sha256=staged.sha256, size=staged.size),
             str(staged.path),
             kube.now_iso(),
             info.generation,
         )
+        self._begin_rollout(rec, serving, staged.sha256)
         self.metrics.stagings.labels("ok").inc()
         self.metrics.staging_seconds.observe(seconds)
         if not staged.reused:
@@ -528,6 +567,10 @@ class Controller:
             if member.name in wanted:
                 rec = self.adapters.get(member.key)
                 staged = rec.staging_state.staged if rec is not None else member.staged
+                if rec is not None and rec.rollout is not None and staged is not None:
+                    # A member under a rollout takes part with what its name serves: the
+                    # stable revision, until it is promoted.
+                    staged = StagedRef(sha256=rec.rollout.name_revision, size=staged.size)
                 members[member.name] = composition.MemberState(info=member, staged=staged)
         return members
 
@@ -659,7 +702,7 @@ class Controller:
         return sorted(
             p.info.name
             for p in self._pods_in(namespace)
-            if p.report is not None and name in p.report.managed()
+            if p.report is not None and p.report.holds(name)
         )
 
     def _check_unloaded(self, namespace: str) -> None:
@@ -669,7 +712,7 @@ class Controller:
         held: set[str] = set()
         for p in self._pods_in(namespace):
             if p.report is not None:
-                held.update(p.report.managed())
+                held.update(adapter for adapter, _ in p.report.revisions())
         for rec in waiting:
             if rec.info.name not in held:
                 rec.unloaded.set()
@@ -683,6 +726,8 @@ class Controller:
             return
         self._restage_compositions_of(rec.info)
         _cancel(rec.staging_task)
+        if rec.rollout_wake is not None:
+            rec.rollout_wake.cancel()
         rec.unloaded.set()
         self._series.forget(rec.info.uid)
         self._set_phase(rec, None)
@@ -701,6 +746,7 @@ class Controller:
             timeout = prec.retry_in if prec.retry_in is not None else self.config.resync_s
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(prec.wake.wait(), timeout)
+                await asyncio.sleep(COALESCE_S)  # a pass reads and plans every adapter
             prec.wake.clear()
             try:
                 await self._reconcile_pod(prec)
@@ -719,11 +765,10 @@ class Controller:
                 prec.report, prec.heard = None, True  # not targeted while it is not Ready
                 self._drop_entries(prec)
             return
-        report = await self._read(prec)
-        if report is None:
+        reading = await self._read(prec)
+        if reading is None:
             return
-        wants, keep = self._wants_for(pod, report.base_model)
-        actions = planning.plan_pod(wants, report, keep)
+        actions = planning.plan_pod(reading.wants, reading.report, reading.keep)
         verify_at = time.monotonic() + self.config.verify_every_s
         acted = False
         for action in actions:
@@ -734,19 +779,22 @@ class Controller:
                 if await self._read(prec) is None:
                     return
                 acted, verify_at = False, time.monotonic() + self.config.verify_every_s
-        if acted and await self._read(prec) is None:
+        # What the pod now holds is read before the pass ends; when the next pass is already
+        # due (adapters arrived meanwhile), its first read is that evidence: one read a pass,
+        # not two, while a thousand adapters arrive one by one.
+        if acted and not prec.wake.is_set() and await self._read(prec) is None:
             return
         delays = [
             d
             for name in prec.entries
-            if (rec := self.adapters.get((pod.namespace, name))) is not None
-            and (entry := rec.pods.get(pod.name)) is not None
+            if (found := self._served(pod.namespace, name)) is not None
+            and (entry := found[1].get(pod.name)) is not None
             and (d := podstate.retry_delay(entry, self.config.max_backoff_s)) is not None
         ]
         prec.retry_in = min(delays, default=None)
         self.metrics.reconcile_seconds.observe(time.monotonic() - started)
 
-    async def _read(self, prec: PodRecord) -> planning.PodReport | None:
+    async def _read(self, prec: PodRecord) -> Reading | None:
         """Read the pod's /v1/models and record it; None (and a backoff) when it fails."""
         try:
             async with self._calls:
@@ -762,8 +810,7 @@ class Controller:
             )
             return None
         prec.failures = 0
-        self._record(prec, report)
-        return report
+        return Reading(report, *self._record(prec, report))
 
     def _wants_for(
         self, pod: PodInfo, base_model: str | None
@@ -773,13 +820,12 @@ class Controller:
         wants: dict[str, planning.Want] = {}
         keep: set[str] = set()
         adapters = [
-            rec.info if (rec := self.adapters.get(i.key)) is not None else i
+            (rec.info, rec) if (rec := self.adapters.get(i.key)) is not None else (i, None)
             for i in self._indexed(pod.namespace)
         ]
         # Placement is read only where an adapter asks for it (it reads the whole namespace).
-        placed = self._placement(pod.namespace) if any(a.placed for a in adapters) else None
-        for info in adapters:
-            rec = self.adapters.get(info.key)
+        placed = self._placement(pod.namespace) if any(a.placed for a, _ in adapters) else None
+        for info, rec in adapters:
             if info.deleting:
                 if rec is None or not rec.unpublished:
                     keep.add(info.name)
@@ -798,13 +844,41 @@ class Controller:
             if staged is None:
                 keep.add(info.name)
                 continue
+            r = rec.rollout if rec is not None else None
             wants[info.name] = planning.Want(
-                name=info.name, sha256=staged.sha256, scale=info.scale, pinned=info.pinned
+                name=info.name,
+                sha256=r.name_revision if r is not None else staged.sha256,
+                scale=info.scale,
+                pinned=info.pinned,
             )
+            if r is not None and r.serves_canary_alias:
+                served = rollout.alias(info.name, r.canary)
+                wants[served] = planning.Want(
+                    name=served,
+                    sha256=r.canary,
+                    scale=info.scale,
+                    pinned=False,  # a second pinned slot per pod is more than a pin asks for
+                    adapter=info.name,
+                )
         return wants, keep
 
-    def _record(self, prec: PodRecord, report: planning.PodReport) -> None:
-        """Take in what the pod reported: every wanted adapter's entry on this pod."""
+    def _served(self, namespace: str, served: str) -> Entries | None:
+        """The record and entries behind a name a pod serves: an adapter's own name, or the
+        alias of its rollout's canary."""
+        rec = self.adapters.get((namespace, served))
+        if rec is not None:
+            return rec, rec.pods
+        name = served.rpartition(rollout.ALIAS_SEPARATOR)[0]
+        rec = self.adapters.get((namespace, name))
+        if rec is None or rec.rollout is None or rollout.alias(name, rec.rollout.canary) != served:
+            return None
+        return rec, rec.canary_pods
+
+    def _record(
+        self, prec: PodRecord, report: planning.PodReport
+    ) -> tuple[dict[str, planning.Want], set[str]]:
+        """Take in what the pod reported: every wanted adapter's entry on this pod. Returns
+        what the pod should hold and may keep (`_wants_for`), which a pass plans with."""
         pod = prec.info
         before, prec.report = prec.report, report
         if before is None or _placement_inputs(before) != _placement_inputs(report):
@@ -812,40 +886,52 @@ class Controller:
         if not prec.heard:
             prec.heard = True
             self._mark_namespace(pod.namespace)
-        wants, _ = self._wants_for(pod, report.base_model)
+        wants, keep = self._wants_for(pod, report.base_model)
+        entries: dict[str, Recorded] = {}
         for name, want in wants.items():
-            rec = self.adapters.get((pod.namespace, name))
-            if rec is not None:
-                self._apply(rec, pod, podstate.Reported(want, report.cards.get(name)))
-        for name in prec.entries - wants.keys():
-            rec = self.adapters.get((pod.namespace, name))
-            if rec is not None and rec.pods.pop(pod.name, None) is not None:
-                self._mark(rec.key)
-        prec.entries = set(wants)
+            found = self._served(pod.namespace, name)
+            if found is None:
+                continue
+            card = report.cards.get(name)
+            last = prec.entries.get(name)
+            # A pod reads the same for most adapters from one report to the next, and the
+            # same Reported event on the entry it gave changes nothing (podstate), so only
+            # what changed is applied: a pass costs little per adapter at a thousand.
+            if last is None or last != (want, card, found[1].get(pod.name)):
+                last = Recorded(want, card, self._apply(found, pod, podstate.Reported(want, card)))
+            entries[name] = last
+        for name in prec.entries.keys() - wants.keys():
+            found = self._served(pod.namespace, name)
+            if found is not None and found[1].pop(pod.name, None) is not None:
+                self._mark(found[0].key)
+        prec.entries = entries
         if before is None or before.managed() != report.managed():
             self._collect_event.set()
             self._check_unloaded(pod.namespace)
+        return wants, keep
 
-    def _apply(self, rec: AdapterRecord, pod: PodInfo, event: podstate.Event) -> PodEntry:
+    def _apply(self, found: Entries, pod: PodInfo, event: podstate.Event) -> PodEntry:
         """One event of the adapter's entry on `pod` (podstate.transition decides)."""
-        entry = rec.pods.get(pod.name, PodEntry())
+        rec, entries = found
+        entry = entries.get(pod.name, PodEntry())
         new = podstate.transition(entry, event, retry_bound=self.config.retry_bound)
         if new.state == "Loaded" and new.loaded_at is None:
             revision, at, seconds = rec.recorded_loads.get(pod.name, (None, None, None))
             if revision == new.revision:  # loaded by an earlier process: keep its record
                 new = dataclasses.replace(new, loaded_at=at, load_seconds=seconds)
-        if new != entry:
-            rec.pods[pod.name] = new
-            self._mark(rec.key)
+        if new == entry:
+            return entry
+        entries[pod.name] = new
+        self._mark(rec.key)
         return new
 
     def _drop_entries(self, prec: PodRecord) -> None:
         self._stale_placements.add(prec.info.namespace)
         for name in prec.entries:
-            rec = self.adapters.get((prec.info.namespace, name))
-            if rec is not None and rec.pods.pop(prec.info.name, None) is not None:
-                self._mark(rec.key)
-        prec.entries = set()
+            found = self._served(prec.info.namespace, name)
+            if found is not None and found[1].pop(prec.info.name, None) is not None:
+                self._mark(found[0].key)
+        prec.entries = {}
         self._mark_namespace(prec.info.namespace)
         self._check_unloaded(prec.info.namespace)
 
@@ -853,12 +939,12 @@ class Controller:
         """Carry out one planned call; True when the pod may have changed."""
         if isinstance(action, planning.Unload):
             return await self._unload(pod, action.name)
-        rec = self.adapters.get((pod.namespace, action.name))
-        if rec is None:
+        found = self._served(pod.namespace, action.name)
+        if found is None:
             return False
         if isinstance(action, planning.Conflict):
             self._apply(
-                rec,
+                found,
                 pod,
                 podstate.Conflicted(
                     action.want,
@@ -869,9 +955,9 @@ class Controller:
             )
             return False
         want = action.want
-        if not podstate.may_load(rec.pods.get(pod.name, PodEntry()), want):
+        if not podstate.may_load(found[1].get(pod.name, PodEntry()), want):
             return False  # refused before: retried only when the spec or the revision changes
-        self._apply(rec, pod, podstate.Started(want))
+        self._apply(found, pod, podstate.Started(want))
         started = time.monotonic()
         try:
             async with self._calls:
@@ -887,7 +973,7 @@ class Controller:
                 result,
                 e.message,
             )
-            self._apply(rec, pod, podstate.Failed(want, e.message, e.permanent))
+            self._apply(found, pod, podstate.Failed(want, e.message, e.permanent))
             return True
         seconds = time.monotonic() - started
         self.metrics.loads.labels("ok").inc()
@@ -900,7 +986,7 @@ class Controller:
             want.sha256,
             seconds,
         )
-        self._apply(rec, pod, podstate.Succeeded(want, seconds, kube.now_iso()))
+        self._apply(found, pod, podstate.Succeeded(want, seconds, kube.now_iso()))
         return True
 
     async def _unload(self, pod: PodInfo, name: str) -> bool:
@@ -1055,13 +1141,13 @@ class Controller:
                 self._wake_namespace(namespace)
 
     def _autoscale(self, rec: AdapterRecord, spec: AutoscaleSpec, now: float) -> None:
+        # One counter per pod and served name: a rollout's canary alias counts with the name.
         counts = {
-            p.info.name: card.hits
+            f"{p.info.name}/{card.name}": card.hits
             for p in self._pods_in(rec.info.namespace)
             if p.report is not None
-            and (card := p.report.cards.get(rec.info.name)) is not None
-            and card.managed
-            and card.hits is not None
+            for card in p.report.cards.values()
+            if card.adapter == rec.info.name and card.hits is not None
         }
         previous, rec.hits_seen = rec.hits_seen, (counts, now)
         if previous is None:
@@ -1128,17 +1214,22 @@ class Controller:
                     continue
                 targeted = self.targeted(rec)
                 placed = self._placed(rec)
+                self._advance_rollout(rec, targeted)
                 summary = status_mod.summarise(
                     rec.info,
                     rec.staging_state,
                     targeted,
                     retry_bound=self.config.retry_bound,
                     placed=placed,
+                    serving=rec.rollout.name_revision if rec.rollout is not None else None,
                 )
                 self._set_phase(rec, summary.phase)
+                rollout_body = self._rollout_status(rec, targeted)
+                # The routers read the weights from the status: a change there is written at once.
+                reroutes = rollout.routing_changed((rec.written or {}).get("rollout"), rollout_body)
                 if rec.headline != summary.headline:
                     rec.headline, rec.headline_since = summary.headline, now
-                elif due is not None and due > now:
+                elif due is not None and due > now and not reroutes:
                     # A write is planned for this phase and reason already: it will take what
                     # is new then (rendering every change of a Loading adapter costs CPU).
                     self._due[key] = due
@@ -1152,6 +1243,7 @@ class Controller:
                     kube.now_iso(),
                     placed,
                 )
+                body["rollout"] = rollout_body
                 delay = status_mod.write_delay(
                     rec.written,
                     rec.written_headline,
@@ -1161,6 +1253,8 @@ class Controller:
                     since_write=now - rec.written_at,
                     policy=self.policy,
                 )
+                if reroutes:
+                    delay = 0.0
                 if delay is None:
                     continue
                 if delay > 0:
@@ -1213,6 +1307,141 @@ class Controller:
         rec.phase = phase
         self.metrics.set_phases(dict(self._phases))
 
+    # -- rollouts (spec.rollout) ---------------------------------------------------------------
+
+    def _begin_rollout(self, rec: AdapterRecord, serving: str | None, staged: str) -> None:
+        """`staged` became the adapter's newest revision: roll it out, or not (rollout.begin)."""
+        before = rec.rollout
+        rec.rollout = rollout.begin(before, serving, staged, rec.info.rollout)
+        if rec.rollout is None or before is None or before.canary != rec.rollout.canary:
+            rec.canary_pods = {}
+        if rec.rollout != before:
+            self._rollout_changed(rec, before)
+
+    def _advance_rollout(self, rec: AdapterRecord, targeted: status_mod.Targeted) -> None:
+        """Move the rollout on (rollout.advance), take a command from the annotation, and set
+        a timer for the end of the step's pause."""
+        info = rec.info
+        if info.command is not None and not rec.taking_command:
+            rec.taking_command = True
+            self._spawn(self._take_command(rec, info.command), f"rollout {info.name}")
+        self._step_rollout(rec, targeted, None)
+
+    def _step_rollout(
+        self, rec: AdapterRecord, targeted: status_mod.Targeted, command: str | None
+    ) -> None:
+        r = rec.rollout
+        if r is None:
+            return
+        pods = [p.name for p, _ in targeted]
+        progress = rollout.advance(
+            r,
+            rec.info.rollout,
+            time.time(),
+            canary_ready=bool(pods)
+            and all(rec.canary_pods.get(p, PodEntry()).serves(r.canary) for p in pods),
+            promoted_everywhere=bool(pods) and all(e.serves(r.canary) for _, e in targeted),
+            command=command,
+        )
+        if rec.rollout_wake is not None:
+            rec.rollout_wake.cancel()
+            rec.rollout_wake = None
+        if progress.wake_at is not None:
+            rec.rollout_wake = asyncio.get_running_loop().call_later(
+                max(0.0, progress.wake_at - time.time()) + 0.05, self._mark, rec.key
+            )
+        if progress.rollout != r:
+            rec.rollout = progress.rollout
+            if progress.rollout is None:
+                rec.canary_pods = {}
+            self._rollout_changed(rec, r)
+
+    def _rollout_changed(self, rec: AdapterRecord, before: rollout.Rollout | None) -> None:
+        r = rec.rollout
+        either = r or before
+        log.info(
+            "action=rollout adapter=%s/%s state=%s step=%s stable=%s canary=%s",
+            *rec.key,
+            r.state.value if r is not None else "Done",
+            r.step + 1 if r is not None else "-",
+            either.stable[:12] if either is not None else "-",
+            either.canary[:12] if either is not None else "-",
+        )
+        if r is None or before is None or r.state != before.state:
+            # What the pods should hold changed (the alias, the name's revision).
+            self._wake_namespace(rec.info.namespace)
+            self._collect_event.set()
+            self._restage_compositions_of(rec.info)  # they follow what the name serves
+        self._mark(rec.key)
+
+    async def _take_command(self, rec: AdapterRecord, command: Command) -> None:
+        """Remove the annotation from the version it was read on, then act on it: a command
+        is acted on once, and one lost to a crash in between is given again by the user."""
+        info = rec.info
+        try:
+            api = await self._api()
+            await api.remove_annotation(
+                info.namespace, info.name, rollout.COMMAND_ANNOTATION, command.resource_version
+            )
+        except Exception as e:
+            rec.taking_command = False
+            if isinstance(e, kube.ApiError) and e.status in (404, 409):
+                # Deleted, or a newer version of the object is on its way here: that one
+                # says whether there is a command.
+                rec.info = dataclasses.replace(rec.info, command=None)
+                return
+            log.warning("action=rollout-command adapter=%s/%s error=%r", *info.key, e)
+            self._due[rec.key] = time.monotonic() + 1.0  # the status pass then tries again
+            self._writer_wake.set()
+            return
+        rec.taking_command = False
+        if rec.info.command == command:
+            rec.info = dataclasses.replace(rec.info, command=None)
+        action = command.action
+        r = rec.rollout
+        acts = r is not None and (
+            (action == rollout.ABORT and r.state in rollout.ABORTABLE)
+            or (action == rollout.PROMOTE and r.state is rollout.State.PROGRESSING)
+        )
+        log.info(
+            "action=rollout-command adapter=%s/%s command=%s result=%s",
+            *info.key,
+            action,
+            "ok" if acts else "ignored",
+        )
+        if not acts:
+            message = rollout.ignored(action, r)
+            self._post_event(info, events.Note("Warning", "RolloutCommandIgnored", message))
+            return
+        self._step_rollout(rec, self.targeted(rec), action)
+        reason, message = rollout.acted(action, r, rec.rollout)
+        self._post_event(info, events.Note("Normal", reason, message))
+
+    def _rollout_status(
+        self, rec: AdapterRecord, targeted: status_mod.Targeted
+    ) -> dict[str, Any] | None:
+        r = rec.rollout
+        if r is None:
+            return None
+        refused = sorted(
+            (p.name, e.last_error or "")
+            for p, _ in targeted
+            if (e := rec.canary_pods.get(p.name)) is not None and e.permanent
+        )
+        return rollout.render(
+            r,
+            rec.info.rollout,
+            rec.info.name,
+            refused=f"{refused[0][0]}: {status_mod.cut_error(refused[0][1])}" if refused else None,
+            stable_ready=sum(1 for _, e in targeted if e.serves(r.stable)),
+            canary_ready=sum(
+                1
+                for p, e in targeted
+                if rec.canary_pods.get(p.name, PodEntry()).serves(r.canary) or e.serves(r.canary)
+            ),
+            pods=len(targeted),
+        )
+
     # -- Events -------------------------------------------------------------------------------
 
     def _post_event(self, info: AdapterInfo, note: events.Note) -> None:
@@ -1254,7 +1483,14 @@ class Controller:
                 gc.RevisionRef(p.info.namespace, name, sha)
                 for p in self.pods.values()
                 if p.report is not None
-                for name, sha in p.report.managed().items()
+                for name, sha in p.report.revisions()
+            }
+            # A rollout's stable revision stays while it may serve again (an abort), even
+            # where no pod holds it now.
+            in_use |= {
+                gc.RevisionRef(*rec.key, rec.rollout.stable)
+                for rec in self.adapters.values()
+                if rec.rollout is not None
             }
             plan, freed = await self.volume.collect(in_use)
             if plan:
@@ -1367,6 +1603,7 @@ def _seed(info: AdapterInfo, body: Body) -> AdapterRecord:
     replicas = st.get("replicas")
     return AdapterRecord(
         info=info,
+        rollout=rollout.restore(st.get("rollout")),
         # An earlier process's choice within spec.autoscale continues (clamped to the range).
         scale=autoscale.Scale(autoscale.clamp(replicas, _policy(info.autoscale)))
         if info.autoscale is not None and isinstance(replicas, int)

@@ -95,6 +95,16 @@ class KubeApi:
         path = f"/apis/{GROUP}/{VERSION}/namespaces/{namespace}/{PLURAL}/{name}/status"
         await self.request("PATCH", path, {"status": status}, "application/merge-patch+json")
 
+    async def remove_annotation(
+        self, namespace: str, name: str, key: str, resource_version: str
+    ) -> None:
+        """Remove one annotation, only from the object's version `resource_version` (409 when it
+        changed since): a command annotation is then acted on once, however often its event
+        comes."""
+        path = f"/apis/{GROUP}/{VERSION}/namespaces/{namespace}/{PLURAL}/{name}"
+        body = {"metadata": {"resourceVersion": resource_version, "annotations": {key: None}}}
+        await self.request("PATCH", path, body, "application/merge-patch+json")
+
     async def read_secret(self, namespace: str, name: str) -> dict[str, str]:
         """The Secret's data, decoded. Never logged."""
         body = await self.request("GET", f"/api/v1/namespaces/{namespace}/secrets/{name}")

@@ -23,6 +23,8 @@ from typing import Any
 # its own labels before it resolves an adapter from the volume.
 from lora_volume import targeting
 
+from lora_operator.rollout import COMMAND_ANNOTATION, Plan, parse_plan
+
 INFERENCE_LABEL = "lora.dev/inference"
 PORT_ANNOTATION = "lora.dev/port"
 ADAPTER_ROOT_ANNOTATION = "lora.dev/adapter-root"
@@ -47,6 +49,11 @@ class PodInfo:
     volume_root: PurePosixPath  # where the adapter volume is mounted inside the pod
     deleting: bool
     labels: tuple[tuple[str, str], ...] = field(default=())
+    # `labels` as a mapping, built once: every adapter's selector reads it at every pass.
+    label_map: Mapping[str, str] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "label_map", dict(self.labels))
 
     @property
     def key(self) -> tuple[str, str]:
@@ -129,6 +136,15 @@ class AutoscaleSpec:
 
 
 @dataclass(frozen=True)
+class Command:
+    """The rollout annotation's value (`promote`, `abort`), on the object's version it was read
+    from: removing it from that version only is what makes it act once."""
+
+    action: str
+    resource_version: str
+
+
+@dataclass(frozen=True)
 class AdapterInfo:
     namespace: str
     name: str
@@ -146,6 +162,10 @@ class AdapterInfo:
     created: str = ""  # metadata.creationTimestamp
     # spec.compose: the adapters this one stacks, instead of a source (empty: it has a source).
     compose: tuple[ComposeMember, ...] = ()
+    # spec.rollout: a new revision is rolled out in weighted steps (None: it replaces the old
+    # one at once); `command` is the rollout annotation's value (promote, abort), if set.
+    rollout: Plan | None = None
+    command: Command | None = None
 
     @property
     def placed(self) -> bool:
@@ -167,7 +187,7 @@ class AdapterInfo:
         return (
             pod.namespace == self.namespace
             and pod_base_model == self.base_model
-            and self.selector.matches(dict(pod.labels))
+            and self.selector.matches(pod.label_map)
         )
 
 
@@ -210,6 +230,10 @@ def adapter_info(body: Mapping[str, Any]) -> AdapterInfo:
             scale_down_delay_s=float(auto.get("scaleDownDelaySeconds", 120)),
         )
         if isinstance(auto, Mapping)
+        else None,
+        rollout=parse_plan(spec.get("rollout")),
+        command=Command(str(action), str(meta.get("resourceVersion") or ""))
+        if (action := (meta.get("annotations") or {}).get(COMMAND_ANNOTATION))
         else None,
     )
 

@@ -3,7 +3,9 @@
 A pod reports its adapters in `GET /v1/models`. An adapter the operator loaded has its card's
 `root` inside the adapter volume's layout, `.../<name>/revisions/<sha256>`: that is how the
 operator recognises its own adapters after a restart without keeping any state, and how it leaves
-static (`--lora`) and hand-loaded adapters alone.
+static (`--lora`) and hand-loaded adapters alone. A card served under a rollout's alias
+(`<name>_<sha prefix>`, rollout.py) is the operator's too: its root names the adapter and the
+revision the alias is made of.
 """
 
 from __future__ import annotations
@@ -16,17 +18,27 @@ from typing import Any
 
 from lora_volume import layout
 
+from lora_operator import rollout
+
 _REVISION_ROOT = re.compile(r"/([^/]+)/" + layout.REVISIONS + r"/([0-9a-f]{64})/?$")
 
 
 @dataclass(frozen=True)
 class Want:
-    """An adapter a pod should hold: at this revision, with this default scale and pin."""
+    """An adapter a pod should hold: at this revision, with this default scale and pin.
+
+    `name` is what the pod serves it as: the adapter's name, or a rollout's alias for it
+    (`adapter` is then the LoRAAdapter whose revision it is)."""
 
     name: str
     sha256: str
     scale: float
     pinned: bool
+    adapter: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.adapter:
+            object.__setattr__(self, "adapter", self.name)
 
 
 @dataclass(frozen=True)
@@ -36,6 +48,7 @@ class Card:
     scale: float | None  # None when the server does not report it (vLLM)
     pinned: bool | None
     hits: int | None = None  # requests served with it there; None when not reported (vLLM)
+    adapter: str | None = None  # the LoRAAdapter it is a revision of (ours only)
 
     @property
     def managed(self) -> bool:
@@ -58,8 +71,16 @@ class PodReport:
         object.__setattr__(self, "_managed", managed)
 
     def managed(self) -> Mapping[str, str]:
-        """Adapter name -> revision, for the adapters the operator put on this pod."""
+        """Served name -> revision, for the adapters the operator put on this pod."""
         return self._managed
+
+    def revisions(self) -> set[tuple[str, str]]:
+        """(adapter, revision) of everything the operator put on this pod, aliases included."""
+        return {(c.adapter, c.revision) for c in self.cards.values() if c.adapter and c.revision}
+
+    def holds(self, adapter: str) -> bool:
+        """Whether the pod holds a revision of `adapter` that the operator loaded."""
+        return any(c.adapter == adapter for c in self.cards.values() if c.revision is not None)
 
 
 def parse_models(payload: Any) -> PodReport:
@@ -76,7 +97,9 @@ def parse_models(payload: Any) -> PodReport:
             continue
         name = raw["id"]
         match = _REVISION_ROOT.search(str(raw.get("root") or ""))
-        revision = match.group(2) if match and match.group(1) == name else None
+        revision = adapter = None
+        if match and match.group(1) in (name, rollout.adapter_of_alias(name, match.group(2))):
+            adapter, revision = match.group(1), match.group(2)
         scale = raw.get("scale")
         pinned = raw.get("pinned")
         cards[name] = Card(
@@ -85,6 +108,7 @@ def parse_models(payload: Any) -> PodReport:
             scale=float(scale) if isinstance(scale, int | float) else None,
             pinned=pinned if isinstance(pinned, bool) else None,
             hits=_count(raw.get("hits")),
+            adapter=adapter,
         )
     return PodReport(
         base_model=base,
@@ -163,4 +187,4 @@ def satisfied(want: Want, card: Card) -> bool:
 
 def load_path(adapter_root: PurePosixPath, want: Want) -> str:
     """The revision directory as the pod sees it, what its load call names."""
-    return str(layout.revision_dir(adapter_root, want.name, want.sha256))
+    return str(layout.revision_dir(adapter_root, want.adapter, want.sha256))

@@ -148,10 +148,15 @@ def summarise(
     *,
     retry_bound: int = 4,
     placed: Placed | None = None,
+    serving: str | None = None,
 ) -> Summary:
     """`targeted`: the pods the adapter belongs on (with spec.replicas or spec.autoscale, the
-    ones it is placed on); `placed`: its placement, for those adapters."""
+    ones it is placed on); `placed`: its placement, for those adapters; `serving`: the revision
+    the pods should hold under the adapter's name while a rollout keeps the one before the
+    staged one (None: the staged one)."""
     staged = staging.staged
+    if staged is not None and serving is not None:
+        staged = StagedRef(sha256=serving, size=staged.size)
     n = len(targeted)
     ready = sorted(p.name for p, e in targeted if e.serves(staged.sha256 if staged else None))
     refused = sorted((p.name, e) for p, e in targeted if e.permanent)
@@ -181,7 +186,7 @@ def summarise(
             "Degraded",
             "True",
             "LoadRetrying",
-            f"Failed on {len(retrying)}/{n} pods, retrying: {pod}: {_short(entry.last_error)}",
+            f"Failed on {len(retrying)}/{n} pods, retrying: {pod}: {cut_error(entry.last_error)}",
         )
     elif staging.attempts:
         degraded_c = Condition(
@@ -195,9 +200,9 @@ def summarise(
         degraded_c = Condition(
             "Degraded", "False", "AsExpected", "no staging or load failure is being retried"
         )
-    short = _shortfall_condition(placed)
-    if short is not None and degraded_c.status == "False":
-        degraded_c = short
+    shortfall = _shortfall_condition(placed)
+    if shortfall is not None and degraded_c.status == "False":
+        degraded_c = shortfall
 
     phase: Phase
     if staging.permanent:
@@ -210,8 +215,8 @@ def summarise(
         phase, reason, message = "Staging", staged_c.reason, staged_c.message
     elif staged is None:
         phase, reason, message = "Pending", "NotStaged", staged_c.message
-    elif short is not None and r == n:  # serving where it can, on fewer pods than asked
-        phase, reason, message = "Degraded", short.reason, short.message
+    elif shortfall is not None and r == n:  # serving where it can, on fewer pods than asked
+        phase, reason, message = "Degraded", shortfall.reason, shortfall.message
     elif n == 0:
         phase, reason, message = "Pending", ready_c.reason, ready_c.message
     elif r == n:
@@ -300,7 +305,7 @@ def _ready_condition(
             "Ready",
             "False",
             "LoadFailed",
-            f"Failed on {len(refused)}/{n} pods: {pod}: {_short(entry.last_error)}; "
+            f"Failed on {len(refused)}/{n} pods: {pod}: {cut_error(entry.last_error)}; "
             f"loaded on {r}/{n}",
         )
     if n == 0:
@@ -329,7 +334,8 @@ def name_list(names: Sequence[str], limit: int = MAX_NAMED_PODS) -> str:
     return f"{shown} and {len(names) - limit} more" if len(names) > limit else shown
 
 
-def _short(text: str | None) -> str:
+def cut_error(text: str | None) -> str:
+    """An error message cut to what a status or an Event carries."""
     text = text or "no detail"
     return text if len(text) <= MAX_ERROR_CHARS else text[: MAX_ERROR_CHARS - 3] + "..."
 
@@ -404,7 +410,7 @@ def _pod_status(pod: PodInfo, entry: PodEntry) -> dict[str, Any]:
     for key, value in (
         ("ip", pod.ip),
         ("revision", entry.revision),
-        ("lastError", _short(entry.last_error) if entry.last_error else None),
+        ("lastError", cut_error(entry.last_error) if entry.last_error else None),
         ("loadedAt", entry.loaded_at),
         ("loadSeconds", entry.load_seconds),
     ):

@@ -11,7 +11,10 @@ routers and adapters go away.
   operator re-places it, and follow `status.placedPods` to the new pod;
 - a pod whose `/v1/adapters` fails while it still generates: routed by its queue alone;
 - an adapter deleted while requests for it run: 200 or 404, never a 500; afterwards the
-  server's 404 comes back unchanged.
+  server's 404 comes back unchanged;
+- a weighted rollout of a new revision: the pods' own counters split the requests at the step's
+  weight, an abort sends them all back, the rollout survives an operator restart, and a promote
+  ends it with the new revision under the adapter's name.
 
 The test process is in the cluster's network namespace (the devcluster fixture) and kube-proxy's
 rules apply there: it reaches the router through the Service's ClusterIP (not its DNS name,
@@ -178,7 +181,9 @@ def fleet(devcluster: Harness, tmp_path_factory: pytest.TempPathFactory) -> Iter
     folder = f"{ns}/sources"
     sources = {
         name: AdapterSource(name, seed=i + 1, folder=folder)
-        for i, name in enumerate(("every", "one", "quiet", "doomed"))
+        for i, name in enumerate(
+            ("every", "one", "quiet", "doomed", "rolled-v1", "rolled-v2", "rolled-v3")
+        )
     }
     try:
         release.prepare_model(h, ns)
@@ -571,3 +576,125 @@ def test_an_adapter_deleted_under_requests_answers_200_or_the_servers_404(fleet:
         f"{dict(collections.Counter(a.status for a in answers))}; in flight across the delete: "
         f"{summary(across, deleting_at)}; then {through.status} {through.json()}"
     )
+
+
+# ---- a weighted rollout of a new revision
+
+ROLLOUT = {"steps": [{"weight": 30}, {"weight": 100, "pauseSeconds": 5}]}
+OPERATOR_LABELS = "app.kubernetes.io/component=operator"
+
+
+def served_hits(fleet: Fleet) -> dict[tuple[str, str], int]:
+    """(served name, revision) -> requests the inference pods counted, all pods together."""
+    out: collections.Counter[tuple[str, str]] = collections.Counter()
+    for pod in fleet.pods(INFERENCE_LABELS):
+        for card in get_json(f"http://{fleet.ip(pod['metadata']['name'])}:8000/v1/adapters")[
+            "data"
+        ]:
+            out[(card["id"], card["sha256"])] += card["hits"]
+    return dict(out)
+
+
+def send(fleet: Fleet, model: str, n: int) -> list[Answer]:
+    with ThreadPoolExecutor(4) as pool:
+        return list(pool.map(lambda _: fleet.generation(model), range(n)))
+
+
+def test_a_weighted_rollout_splits_aborts_survives_an_operator_restart_and_promotes(
+    fleet: Fleet,
+) -> None:
+    h, ns, sources = fleet.h, fleet.ns, fleet.sources
+    fleet.healthy()
+    path = f"/apis/lora.dev/v1alpha1/namespaces/{ns}/loraadapters/rolled"
+    obj = adapter(sources["rolled-v1"], rollout=ROLLOUT)
+    obj["metadata"]["name"] = "rolled"
+    h.apply([obj], ns)
+    release.wait_adapter_ready(h, ns, "rolled", f"{PODS}/{PODS}", timeout=180)
+    v1 = release.adapter_status(h, ns, "rolled")["staged"]["sha256"]
+    routers = [p["metadata"]["name"] for p in fleet.pods(ROUTER_LABELS)]
+
+    def rollout() -> Obj:
+        return release.adapter_status(h, ns, "rolled").get("rollout") or {}
+
+    def roll_out(source: AdapterSource) -> Obj:
+        h.merge_patch(path, {"spec": {"source": {"uri": source.uri}}})
+        progressing: Obj = h.wait_for(
+            "the canary serving its first step",
+            lambda: r if (r := rollout()).get("state") == "Progressing" else None,
+            timeout=180,
+        )
+        return progressing
+
+    def split(n: int) -> tuple[int, int]:
+        """Send n requests for `rolled`; the (stable, canary) requests the pods counted."""
+        before = served_hits(fleet)
+        answers = send(fleet, "rolled", n)
+        assert [a.status for a in answers] == [200] * n, summary(answers)
+        after = served_hits(fleet)
+        grew = {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}
+        r = rollout()
+        stable = grew.pop(("rolled", r["stable"]["revision"]), 0)
+        canary = grew.pop((r["canary"]["servedAs"], r["canary"]["revision"]), 0)
+        assert grew == {}, grew  # no request went anywhere else
+        return stable, canary
+
+    # The new revision next to the old: 30 % of the requests, as the pods count them.
+    started = roll_out(sources["rolled-v2"])
+    v2, alias = started["canary"]["revision"], started["canary"]["servedAs"]
+    assert started["stable"] == {"revision": v1, "weight": 70, "readyPods": PODS}
+    assert started["canary"]["weight"] == 30 and started["canary"]["readyPods"] == PODS
+    wide = h.kubectl("get", "lora", "-n", ns, "rolled", "-o", "wide").splitlines()
+    assert wide[0].split()[-1] == "CANARY" and wide[1].split()[-1] == "30", wide
+    stable, canary = split(300)
+    assert stable + canary == 300 and abs(canary - 90) <= 9, (stable, canary)
+    # The routers counted the same requests per revision.
+    counted = fleet.metric(
+        routers,
+        "lora_router_rollout_requests_total",
+        adapter="rolled",
+        revision=v2[:12],
+        code="200",
+    )
+    assert counted == canary
+
+    # Abort: everything back to the old revision, the canary unloaded, the annotation taken.
+    h.kubectl("annotate", "loraadapter", "-n", ns, "rolled", "lora.dev/rollout=abort")
+    h.wait_for("aborted", lambda: rollout().get("state") == "Aborted", timeout=60)
+    assert rollout()["canary"]["weight"] == 0
+    h.wait_for(
+        "the canary unloaded everywhere",
+        lambda: not any(name == alias for name, _ in served_hits(fleet)),
+        timeout=60,
+    )
+    assert "lora.dev/rollout" not in (h.get(path)["metadata"].get("annotations") or {})
+    assert split(30) == (30, 0)
+
+    # Another revision; the operator restarted mid-rollout continues where it was.
+    started = roll_out(sources["rolled-v3"])
+    v3 = started["canary"]["revision"]
+    old = [p["metadata"]["name"] for p in fleet.pods(OPERATOR_LABELS)]
+    h.kubectl("delete", "pod", "-n", ns, "-l", OPERATOR_LABELS, "--wait=false")
+    h.wait_for(
+        "a new operator",
+        lambda: [p for p in fleet.pods(OPERATOR_LABELS) if p["metadata"]["name"] not in old],
+        timeout=180,
+    )
+    stable, canary = split(100)
+    assert abs(canary - 30) <= 5, (stable, canary)
+    after = rollout()
+    assert (after["state"], after["step"], after["canary"]["revision"]) == ("Progressing", 1, v3)
+    assert after["stepStartedAt"] == started["stepStartedAt"]
+
+    # Promote: the last step (all to the canary, for its pause), then the name serves it.
+    h.kubectl("annotate", "loraadapter", "-n", ns, "rolled", "lora.dev/rollout=promote")
+    h.wait_for("step 2", lambda: rollout().get("step") == 2 or not rollout(), timeout=60)
+    h.wait_for("promoted", lambda: not rollout(), timeout=120)
+    release.wait_adapter_ready(h, ns, "rolled", f"{PODS}/{PODS}", timeout=120)
+    assert release.adapter_status(h, ns, "rolled")["staged"]["sha256"] == v3
+    h.wait_for(
+        "only the new revision on the pods",
+        lambda: {k for k in served_hits(fleet) if k[0].startswith("rolled")} == {("rolled", v3)},
+        timeout=60,
+    )
+    answers = send(fleet, "rolled", 10)
+    assert [a.status for a in answers] == [200] * 10, summary(answers)

@@ -34,6 +34,8 @@ class Selector:
     expressions: tuple[Requirement, ...] = ()
 
     def matches(self, labels: Mapping[str, str]) -> bool:
+        if not self.match_labels and not self.expressions:
+            return True  # most adapters: asked for every pass of every pod, so kept cheap
         if any(labels.get(k) != v for k, v in self.match_labels):
             return False
         return all(_satisfies(r, labels) for r in self.expressions)

@@ -60,6 +60,11 @@ def composed(members: list[dict[str, Any]]) -> dict[str, Any]:
     return manifest
 
 
+def rolled(manifest: dict[str, Any], steps: list[dict[str, Any]]) -> dict[str, Any]:
+    manifest["spec"]["rollout"] = {"steps": steps}
+    return manifest
+
+
 INVALID = [
     pytest.param(
         with_source(uri="http://example.com/a.safetensors"),
@@ -170,6 +175,19 @@ INVALID = [
         "targetRequestsPerSecond must be positive",
         id="autoscale-zero-target",
     ),
+    pytest.param(
+        rolled(composed([{"name": "a"}, {"name": "b"}]), [{"weight": 10}]),
+        "spec.rollout applies to adapters with a source",
+        id="rollout-of-a-composition",
+    ),
+    pytest.param(
+        adapter(rollout={"steps": [{"weight": 0}]}),
+        "should be greater than or equal to 1",
+        id="rollout-weight-zero",
+    ),
+    pytest.param(
+        adapter(rollout={"steps": []}), "should have at least 1 items", id="rollout-no-steps"
+    ),
 ]
 
 
@@ -221,6 +239,12 @@ def test_placement_fields_are_accepted(
     crd: Any, devcluster_namespace: str, spec: dict[str, Any]
 ) -> None:
     result = dry_run(crd, devcluster_namespace, adapter(**spec))
+    assert result.returncode == 0, result.stderr
+
+
+def test_a_rollout_is_accepted(crd: Any, devcluster_namespace: str) -> None:
+    steps = [{"weight": 10, "pauseSeconds": 300}, {"weight": 50}, {"weight": 100}]
+    result = dry_run(crd, devcluster_namespace, adapter(rollout={"steps": steps}))
     assert result.returncode == 0, result.stderr
 
 

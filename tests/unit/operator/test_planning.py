@@ -43,10 +43,30 @@ def test_parse_models_tells_managed_from_static_adapters() -> None:
     }
     r = planning.parse_models(payload)
     assert r.base_model == "base"
-    assert r.cards["ours"] == Card("ours", SHA1, -0.5, True)
+    assert r.cards["ours"] == Card("ours", SHA1, -0.5, True, adapter="ours")
     assert r.cards["static"].managed is False
     assert r.cards["alias"].managed is False
     assert r.managed() == {"ours": SHA1}
+
+
+def test_a_rollouts_alias_is_a_revision_of_its_adapter() -> None:
+    root = "/var/lib/lora/adapters/ns/ours/revisions/"
+    payload = {
+        "data": [
+            {"id": "base", "parent": None},
+            {"id": "ours", "root": root + SHA1, "parent": "base"},
+            {"id": f"ours_{SHA2[:12]}", "root": root + SHA2, "parent": "base"},
+            # An alias whose prefix is another revision's is someone else's.
+            {"id": f"ours_{SHA1[:12]}", "root": root + SHA2, "parent": "base"},
+        ]
+    }
+    r = planning.parse_models(payload)
+    assert r.managed() == {"ours": SHA1, f"ours_{SHA2[:12]}": SHA2}
+    assert r.revisions() == {("ours", SHA1), ("ours", SHA2)}
+    assert r.holds("ours") and not r.holds(f"ours_{SHA2[:12]}")
+    # The load call names the alias and the adapter's own revision directory.
+    canary = Want(f"ours_{SHA2[:12]}", SHA2, 1.0, False, adapter="ours")
+    assert planning.load_path(PurePosixPath("/v/ns"), canary) == f"/v/ns/ours/revisions/{SHA2}"
 
 
 def test_parse_models_accepts_vllm_cards_without_our_fields() -> None:
@@ -58,7 +78,7 @@ def test_parse_models_accepts_vllm_cards_without_our_fields() -> None:
             ]
         }
     )
-    assert r.cards["x"] == Card("x", SHA2, None, None)
+    assert r.cards["x"] == Card("x", SHA2, None, None, adapter="x")
     assert planning.satisfied(want("x", SHA2, scale=3.0, pinned=True), r.cards["x"])
 
 
