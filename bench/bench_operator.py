@@ -273,6 +273,7 @@ class Row:
     rss_mib: float = 0.0
     requests: dict[str, int] | None = None  # the operator's API requests over the quiet window
     quiet_s: float = 0.0
+    kubectl_delete_s: float = 0.0  # `kubectl delete --all` itself
     delete_s: float = 0.0  # `kubectl delete --all` -> every object gone, no pod holding one
     bare_unload_s: float = 0.0  # the bare unload calls, all pods
     apply_cpu_s: float = 0.0  # the operator's CPU time from apply to Ready
@@ -415,6 +416,7 @@ def measure(
         shutil.copytree(revision, bare / name, symlinks=False)
     started = time.perf_counter()
     h.run(["kubectl", "delete", "loraadapters", "--all", "-n", NS, "--wait=false"])
+    row.kubectl_delete_s = time.perf_counter() - started
     h.wait_for(
         "the adapters to be unloaded everywhere and gone",
         lambda: (
@@ -666,8 +668,8 @@ def print_table(rows: list[Row], args: argparse.Namespace) -> None:
     print(f"\n(b) a killed server back to all K; (c) at rest over {args.quiet:.0f} s; deletion")
     print(
         f"{'N':>3}{'K':>6} |{'pod Ready':>10}{'back':>8}{'limit':>8}{'back/limit':>11} |"
-        f"{'RSS MiB':>8}{'req/adapter':>12}{'watches':>8} |{'delete':>8}{'bare unload':>12}"
-        f"{'delete/bare':>12}"
+        f"{'RSS MiB':>8}{'req/adapter':>12}{'watches':>8} |{'kubectl':>8}{'delete':>8}"
+        f"{'bare unload':>12}{'delete/bare':>12}"
     )
     for r in rows:
         limit = r.pod_ready_s + r.bare_pod_s
@@ -676,13 +678,15 @@ def print_table(rows: list[Row], args: argparse.Namespace) -> None:
             f"{r.back_s / limit:11.2f} |{r.rss_mib:8.0f}"
             f"{per_adapter(r.requests, '', r.k) - per_adapter(r.requests, 'watch-', r.k):12.2f}"
             f"{sum(v for key, v in (r.requests or {}).items() if key.startswith('watch-')):8d} |"
-            f"{r.delete_s:8.2f}{r.bare_unload_s:12.2f}{r.delete_s / r.bare_unload_s:12.2f}"
+            f"{r.kubectl_delete_s:8.2f}{r.delete_s:8.2f}{r.bare_unload_s:12.2f}"
+            f"{r.delete_s / r.bare_unload_s:12.2f}"
         )
     print(
         "pod Ready: kill -> the pod Ready again; back: kill -> /v1/models lists all K; limit: pod"
         " Ready + the bare loads\nof K on one pod; req/adapter: the operator's API requests other"
-        " than watches over the quiet window, per adapter;\ndelete: `kubectl delete --all` ->"
-        " every object gone and no pod holding one; bare unload: the unload calls alone."
+        " than watches over the quiet window, per adapter;\nkubectl: `kubectl delete --all`"
+        " itself; delete: from its start until every object is gone and no pod holds one;\nbare"
+        " unload: the unload calls alone."
     )
     print("\nDetail")
     for r in rows:
