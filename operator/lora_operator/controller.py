@@ -506,7 +506,7 @@ class Controller:
         info, state = rec.info, rec.staging_state
         loop = asyncio.get_running_loop()
 
-        def progress(n: int) -> None:  # may run on a worker thread (s3, volume copies)
+        def progress(n: int) -> None:  # runs on the fetcher's worker thread
             state.bytes_so_far = n
             loop.call_soon_threadsafe(self._mark, rec.key)
 

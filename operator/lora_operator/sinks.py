@@ -22,17 +22,65 @@ from lora_operator import errors
 ProgressCallback = Callable[[int], None]
 
 
+class _Lane:
+    """One thread applying `work` to each batch handed to it, in order; at most `depth`
+    batches wait, so a full lane makes the caller wait. The first OSError is kept in `failure`
+    and later batches are skipped."""
+
+    def __init__(self, name: str, work: Callable[[list[bytes]], None], depth: int) -> None:
+        self._name = name
+        self._work = work
+        self._batches: queue.Queue[list[bytes] | None] = queue.Queue(maxsize=depth)
+        self._thread: threading.Thread | None = None
+        self._stopped = False
+        self.failure: OSError | None = None
+
+    def put(self, batch: list[bytes]) -> None:
+        if self._stopped:  # the sink was closed under a fetcher still running: drop it
+            return
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+            self._thread.start()
+        self._batches.put(batch)
+
+    def join(self) -> None:
+        """Wait until every batch handed over is done."""
+        if self._thread is not None:
+            self._batches.join()
+
+    def stop(self) -> None:
+        self._stopped = True
+        if self._thread is not None:
+            self._batches.put(None)
+            self._thread.join()
+            self._thread = None
+
+    def _run(self) -> None:
+        while True:
+            batch = self._batches.get()
+            try:
+                if batch is None:
+                    return
+                if self.failure is None:
+                    self._work(batch)
+            except OSError as e:
+                self.failure = e
+            finally:
+                self._batches.task_done()
+
+
 class Sink:
     """The temporary file a fetcher writes into: hashes, counts, enforces the size limit.
 
     `write` is synchronous, so thread-based fetchers (boto3, file copies) can call it too; it only
-    counts the chunk and keeps it. Every `BATCH_BYTES` a thread of the sink's own takes the
-    batch, hashes and writes it (hashlib and file writes release the GIL), so that work
-    overlaps reading what comes next; at most `depth` batches wait, so memory stays flat in the
-    file size, and a full queue makes the caller wait for a batch's worth of hashing. The data
-    is synced every `SYNC_BYTES` as it goes, so `finish`'s fsync has little left to do. The
-    progress callback is called from whichever thread writes and must be quick. Use it as a
-    context manager: leaving stops the thread.
+    counts the chunk and keeps it. Every `BATCH_BYTES` the batch goes to two threads of the
+    sink's own, one hashing and one writing it (hashlib and file writes release the GIL), so
+    the two run side by side and overlap reading what comes next: one thread doing both was
+    the slowest part of a fast download. At most `depth` batches wait in each, so memory stays
+    flat in the file size, and a full lane makes the caller wait. The data is synced every
+    `SYNC_BYTES` as it goes, so `finish`'s fsync has little left to do. The progress callback
+    is called from the fetcher's thread and must be quick. Use it as a context manager:
+    leaving stops the threads, and a fetcher still writing gets an error at its next chunk.
     """
 
     SYNC_BYTES = 64 * 1024 * 1024
@@ -53,23 +101,22 @@ class Sink:
         self.description = description
         self._hash = hashlib.sha256()
         self.size = 0
-        self._batches: queue.Queue[list[bytes] | None] = queue.Queue(maxsize=depth)
-        self._thread: threading.Thread | None = None
-        self._failure: OSError | None = None
+        self._hashing = _Lane("sink-hash", self._hash_batch, depth)
+        self._writing = _Lane("sink-write", self._write_batch, depth)
         self._unsynced = 0
         # Chunks not yet handed over: kept as the fetcher's own bytes objects, since copying
         # a gigabyte into one buffer and out again costs as much as hashing it.
         self._pending: list[bytes] = []
         self._pending_bytes = 0
+        self._closed = False
 
     def __enter__(self) -> Sink:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self._thread is not None:
-            self._batches.put(None)
-            self._thread.join()
-            self._thread = None
+        self._closed = True
+        self._hashing.stop()
+        self._writing.stop()
 
     def reset(self) -> None:
         """Start over (a retry after a failed attempt)."""
@@ -78,6 +125,7 @@ class Sink:
         self._file.seek(0)
         self._file.truncate()
         self._hash = hashlib.sha256()
+        self._unsynced = 0
         self.size = 0
         if self._progress:
             self._progress(0)
@@ -88,6 +136,10 @@ class Sink:
             raise self._too_large(declared)
 
     def write(self, chunk: bytes) -> None:
+        if self._closed:
+            # The staging was cancelled (a new spec, a deletion) while a fetcher's thread
+            # still reads: this ends that thread at its next chunk.
+            raise errors.SourceUnavailable(f"staging {self.description} was stopped")
         if self.size + len(chunk) > self._max:
             raise self._too_large(self.size + len(chunk))
         self._raise_failure()
@@ -100,14 +152,12 @@ class Sink:
             self._progress(self.size)
 
     def _hand_over(self) -> None:
-        """Queue what is pending for the thread: in batches, because every hand-over between
+        """Give what is pending to both lanes: in batches, because every hand-over between
         two threads costs a GIL switch (a TLS stream arrives in pieces of ~256 KiB)."""
         if not self._pending:
             return
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="sink", daemon=True)
-            self._thread.start()
-        self._batches.put(self._pending)
+        self._hashing.put(self._pending)
+        self._writing.put(self._pending)
         self._pending, self._pending_bytes = [], 0
 
     def finish(self) -> str:
@@ -120,42 +170,32 @@ class Sink:
             raise disk_error(e) from e
         return self._hash.hexdigest()
 
-    def _run(self) -> None:
-        while True:
-            batch = self._batches.get()
-            try:
-                if batch is None:
-                    return
-                if self._failure is None:
-                    for chunk in batch:
-                        self._hash.update(chunk)
-                    self._file.writelines(batch)
-                    self._unsynced += sum(len(c) for c in batch)
-                    if self._unsynced >= self.SYNC_BYTES:
-                        # Start writing back what is written so far, without waiting for it.
-                        self._file.flush()
-                        end = self._file.tell()
-                        os.posix_fadvise(
-                            self._file.fileno(),
-                            end - self._unsynced,
-                            self._unsynced,
-                            os.POSIX_FADV_DONTNEED,
-                        )
-                        self._unsynced = 0
-            except OSError as e:
-                self._failure = e
-            finally:
-                self._batches.task_done()
+    def _hash_batch(self, batch: list[bytes]) -> None:
+        for chunk in batch:
+            self._hash.update(chunk)
+
+    def _write_batch(self, batch: list[bytes]) -> None:
+        self._file.writelines(batch)
+        self._unsynced += sum(len(c) for c in batch)
+        if self._unsynced >= self.SYNC_BYTES:
+            # Start writing back what is written so far, without waiting for it.
+            self._file.flush()
+            end = self._file.tell()
+            os.posix_fadvise(
+                self._file.fileno(), end - self._unsynced, self._unsynced, os.POSIX_FADV_DONTNEED
+            )
+            self._unsynced = 0
 
     def _drain(self) -> None:
         self._hand_over()
-        if self._thread is not None:
-            self._batches.join()
+        self._hashing.join()
+        self._writing.join()
         self._raise_failure()
 
     def _raise_failure(self) -> None:
-        if self._failure is not None:
-            raise disk_error(self._failure) from self._failure
+        failure = self._writing.failure or self._hashing.failure
+        if failure is not None:
+            raise disk_error(failure) from failure
 
     def _too_large(self, size: int) -> errors.TooLarge:
         return errors.TooLarge(

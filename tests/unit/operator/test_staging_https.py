@@ -255,6 +255,42 @@ async def test_failure_in_progress_leaves_nothing(origin: Origin, tmp_path: Path
     assert visible(tmp_path) == [] and tmp_entries(tmp_path) == []
 
 
+async def test_a_cancelled_staging_stops_downloading(origin: Origin, tmp_path: Path) -> None:
+    """The download runs on a worker thread; cancelling the staging (a new spec, a deletion)
+    must end it too, not leave it reading the rest of the file."""
+    disconnected = asyncio.Event()
+    loop = asyncio.get_running_loop()
+
+    async def endless(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse()
+        await resp.prepare(request)
+        try:
+            for _ in range(2000):  # 20 s: longer than the test waits for the disconnect
+                await resp.write(b"\0" * 65536)
+                await asyncio.sleep(0.01)
+        except (ConnectionError, RuntimeError):  # aiohttp says so either way
+            loop.call_soon_threadsafe(disconnected.set)
+            raise
+        return resp
+
+    origin.routes["/endless.safetensors"] = endless
+    started = asyncio.Event()
+    task = asyncio.create_task(
+        make_store(tmp_path).stage(
+            NS,
+            "x",
+            sources.HttpsSource(origin.url("/endless.safetensors")),
+            progress=lambda n: n > 1 << 20 and loop.call_soon_threadsafe(started.set),
+        )
+    )
+    await asyncio.wait_for(started.wait(), 10)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await asyncio.wait_for(disconnected.wait(), 10)
+    assert visible(tmp_path) == [] and tmp_entries(tmp_path) == []
+
+
 async def test_concurrency_limit(tmp_path: Path) -> None:
     data = lora_bytes(12)
     running = 0

@@ -140,6 +140,14 @@ def test_the_sink_keeps_each_chunk_as_it_was_when_the_caller_reuses_its_buffer(
     assert (tmp_path / "f").read_bytes()[-1000:] == bytes([4999 % 256]) * 1000
 
 
+def test_a_closed_sink_stops_a_fetcher_that_still_writes(tmp_path: Path) -> None:
+    with (tmp_path / "f").open("w+b") as f:
+        with sinks.Sink(f, max_bytes=1 << 20, description="x") as sink:
+            sink.write(b"\0" * 100)
+        with pytest.raises(errors.SourceUnavailable, match="stopped"):
+            sink.write(b"\0" * 100)
+
+
 async def test_another_namespaces_folder_is_out_of_reach(tmp_path: Path) -> None:
     data = lora_bytes(26)
     (shared(tmp_path) / "w.safetensors").write_bytes(data)
