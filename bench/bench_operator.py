@@ -21,7 +21,10 @@ and prints one table with, for each N pods and K adapters:
 The operator authenticates as a ServiceAccount of its own, and FlowSchemas that match only that
 account (by verb class and resource) let the API server count its requests exactly
 (apiserver_flowcontrol_dispatched_requests_total), apart from the kubelet's and this script's:
-the table gives API writes to LoRAAdapters and Event writes per adapter from apply to Ready.
+the table gives API writes to LoRAAdapters and Event writes per adapter from apply to Ready,
+and the detail the CPU time every kind of process on the machine used in that time. The script
+observes cheaply, as it shares the machine: until every pod holds all K it reads the pods every
+0.5 s, and it lists the K LoRAAdapters only after that; while they are deleted it asks for one.
 
     .venv/bin/python bench/bench_operator.py                          # N in 1,3,10; K in 1,50,200
     .venv/bin/python bench/bench_operator.py --pods 10 --adapters 1000  # the 1000-adapter row
@@ -277,6 +280,7 @@ class Row:
     delete_s: float = 0.0  # `kubectl delete --all` -> every object gone, no pod holding one
     bare_unload_s: float = 0.0  # the bare unload calls, all pods
     apply_cpu_s: float = 0.0  # the operator's CPU time from apply to Ready
+    apply_cpu_by: dict[str, float] | None = None  # every process's CPU, apply to Ready, by kind
     apply_requests: dict[str, int] | None = None  # its API requests from apply to Ready
 
 
@@ -287,6 +291,32 @@ def adapter_docs(names: list[str], volume: Path, replicas: int | None) -> str:
             [cluster.adapter(name, str(volume / NS / "src" / name), **placed) for name in names]
         )
     )
+
+
+# What each process is, for the machine's CPU by kind of process (the first match names it).
+CPU_KINDS = (
+    ("operator", "lora_operator"),
+    ("inference pods", "lora-inference"),
+    ("inference pods", "lora_inference"),
+    ("kube-apiserver", "kube-apiserver"),
+    ("etcd", "etcd"),
+    ("this script", "bench_operator"),
+)
+
+
+def cpu_by_kind() -> Counter[str]:
+    """CPU seconds used so far by the machine's live processes, by kind, plus the script's
+    finished children (kubectl) under "this script"."""
+    used: Counter[str] = Counter()
+    for proc in psutil.process_iter(["cmdline", "cpu_times"]):
+        times, cmdline = proc.info["cpu_times"], " ".join(proc.info["cmdline"] or ())
+        if times is None:
+            continue
+        kind = next((k for k, marker in CPU_KINDS if marker in cmdline), "the rest of the node")
+        used[kind] += times.user + times.system
+    children = psutil.Process().cpu_times()
+    used["this script"] += children.children_user + children.children_system
+    return used
 
 
 def adapters(h: Harness) -> list[dict[str, Any]]:
@@ -332,9 +362,12 @@ def measure(
     want = set(names)
     per_adapter_pods = n if args.replicas is None else min(n, args.replicas)
 
+    complete: set[str] = set()  # pods seen holding all K: nothing unloads until Ready
+
     def held() -> bool:
         if args.replicas is None:
-            return all(want <= names_on(ip) for ip in ips)
+            complete.update(ip for ip in ips if ip not in complete and want <= names_on(ip))
+            return len(complete) == len(ips)
         counts = held_by(ips, want)
         return len(counts) == k and set(counts.values()) == {per_adapter_pods}
 
@@ -342,22 +375,35 @@ def measure(
     assert op.proc is not None
     proc = psutil.Process(op.proc.pid)
     cpu_before, requests_before = sum(proc.cpu_times()[:2]), operator_requests(h)
+    machine_before = cpu_by_kind()
     started = time.perf_counter()
     h.run(["kubectl", "apply", "-n", NS, "-f", str(manifest)])
     row.apply_s = time.perf_counter() - started
     deadline = started + args.timeout
+    # The observer must take little of the machine it measures: until every pod holds all K
+    # it reads the pods every 0.5 s (each read lists up to K adapters); only then does it list
+    # the K LoRAAdapters, every 0.2 s, since Ready needs the pods' reports and so never comes
+    # first.
     while not (row.held_s and row.ready_s):
         if time.perf_counter() > deadline:
             raise RuntimeError(
                 f"N={n} K={k}: not Ready after {args.timeout:.0f} s; see {op.log_path}"
             )
-        if not row.held_s and held():
-            row.held_s = time.perf_counter() - started
-        if not row.ready_s and all_ready(h, per_adapter_pods, k):
+        if not row.held_s:
+            if held():
+                row.held_s = time.perf_counter() - started
+            else:
+                time.sleep(0.5)
+                continue
+        if all_ready(h, per_adapter_pods, k):
             row.ready_s = time.perf_counter() - started
-        time.sleep(0.2)
+        else:
+            time.sleep(0.2)
 
     row.apply_cpu_s = sum(proc.cpu_times()[:2]) - cpu_before
+    machine = cpu_by_kind()
+    machine.subtract(machine_before)
+    row.apply_cpu_by = {kind: seconds for kind, seconds in machine.most_common() if seconds > 0}
     row.apply_requests = diff(operator_requests(h), requests_before)
 
     # (c) at rest: RSS and the operator's API requests over a quiet window.
@@ -417,10 +463,12 @@ def measure(
     started = time.perf_counter()
     h.run(["kubectl", "delete", "loraadapters", "--all", "-n", NS, "--wait=false"])
     row.kubectl_delete_s = time.perf_counter() - started
+    # Whether any object is left, asked for one (a full list of up to K objects five times a
+    # second would take a share of the API server the operator is measured against).
     h.wait_for(
         "the adapters to be unloaded everywhere and gone",
         lambda: (
-            not h.get(f"/apis/lora.dev/v1alpha1/namespaces/{NS}/loraadapters")["items"]
+            not h.get(f"/apis/lora.dev/v1alpha1/namespaces/{NS}/loraadapters?limit=1")["items"]
             and not any(names_on(ip) & want for ip in ips)
         ),
         timeout=args.timeout,
@@ -513,6 +561,18 @@ print(json.dumps({"seconds": seconds, "rss_mib": rss, "bytes": staged.size}))
 """
 
 
+def empty_page_cache() -> bool:
+    """Write back and drop the page cache (root only), so that every download of (d) starts
+    from the same memory state: on a machine just used by a cluster, fresh page-cache pages
+    cost several times more to fill, and which run found them so was chance. Whether it could."""
+    os.sync()
+    try:
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+    except OSError:
+        return False
+    return True
+
+
 def stage_in_child(uri: str, volume: Path, env: dict[str, str]) -> dict[str, Any]:
     """Stage `uri` with the operator's store in a fresh process: its time and peak RSS."""
     out = subprocess.run(
@@ -542,6 +602,7 @@ class StagingRow:
     plain_s: float
     staged_s: float
     rss_mib: float
+    cache_emptied: bool  # the page cache was dropped before each download
 
 
 def measure_staging(work: Path, sizes_mib: list[int], repeats: int) -> list[StagingRow]:
@@ -589,14 +650,16 @@ def measure_staging(work: Path, sizes_mib: list[int], repeats: int) -> list[Stag
                 for name, uri, ca, env in sources_:
                     url = uri if name == "https" else f"{endpoint}/bench/{path.name}"
                     plain, staged = [], []
-                    rss = 0.0
+                    rss, emptied = 0.0, True
                     for _ in range(repeats):  # alternate, keep the best of each (a shared machine)
+                        emptied &= empty_page_cache()
                         plain.append(plain_download(url, volume / "plain.bin", ca))
+                        empty_page_cache()
                         result = stage_in_child(uri, volume, env)
                         staged.append(result["seconds"])
                         rss = max(rss, result["rss_mib"])
                         gc_volume(volume)
-                    rows.append(StagingRow(name, mib, min(plain), min(staged), rss))
+                    rows.append(StagingRow(name, mib, min(plain), min(staged), rss, emptied))
                     print(
                         f"  {name} {mib} MiB: plain {min(plain):.2f} s, staged {min(staged):.2f} s,"
                         f" operator RSS {rss:.0f} MiB",
@@ -634,7 +697,9 @@ def print_staging(rows: list[StagingRow]) -> None:
     print(
         "speed: curl's time / the store's (target >= 0.8); the store hashes, checks the header,"
         " fsyncs and publishes;\noperator RSS: the staging process's peak, flat in the file size"
-        " when the sizes' rows agree."
+        " when the sizes' rows agree; the page cache was"
+        + ("" if all(r.cache_emptied for r in rows) else " NOT")
+        + " emptied before each download."
     )
 
 
@@ -695,6 +760,11 @@ def print_table(rows: list[Row], args: argparse.Namespace) -> None:
         print(
             f"N={r.n} K={r.k}: apply -> Ready: operator CPU {r.apply_cpu_s:.2f} s"
             f" ({r.apply_cpu_s / r.k * 1000:.0f} ms per adapter); requests {during}"
+        )
+        by = ", ".join(f"{kind} {seconds:.1f}" for kind, seconds in (r.apply_cpu_by or {}).items())
+        print(
+            f"N={r.n} K={r.k}: apply -> Ready: CPU seconds by process ({os.cpu_count()} cores x"
+            f" {r.ready_s:.1f} s = {(os.cpu_count() or 1) * r.ready_s:.0f}): {by}"
         )
         print(
             f"N={r.n} K={r.k}: server /ready after kill {r.server_ready_s:.2f} s; bare per pod"
