@@ -21,6 +21,12 @@ from lora_volume import files, layout
 from lora_operator import backoff, errors, sinks, sources
 
 CHUNK_BYTES = 1024 * 1024
+# An https read waits until it has its whole size (or the end): small while the source is slow,
+# so progress shows as bytes arrive, up to CHUNK_BYTES while it is fast, so a gigabyte takes
+# few calls. See next_read_size.
+MIN_READ_BYTES = 8 * 1024
+FAST_READ_S = 0.05
+SLOW_READ_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -34,6 +40,17 @@ class RetryPolicy:
     def delay(self, attempt: int) -> float:
         """Seconds to wait after failed attempt number `attempt` (0-based), pure."""
         return backoff.delay(attempt + 1, cap=self.max_backoff_s, first=self.backoff_s)
+
+
+def next_read_size(size: int, seconds: float) -> int:
+    """The size of the next https read after one of `size` bytes took `seconds` (pure): doubled
+    while reads come back fast, halved when one waited long, within MIN_READ_BYTES and
+    CHUNK_BYTES."""
+    if seconds < FAST_READ_S:
+        return min(size * 2, CHUNK_BYTES)
+    if seconds > SLOW_READ_S:
+        return max(size // 2, MIN_READ_BYTES)
+    return size
 
 
 Verdict = Literal["ok", "retry", "not_found", "forbidden", "rejected"]
@@ -146,8 +163,14 @@ def _fetch_https_sync(
                     declared = resp.headers.get("Content-Length")
                     length = int(declared) if declared and declared.isdigit() else None
                     sink.expect(length)
-                    for chunk in resp.stream(CHUNK_BYTES, decode_content=True):
+                    size = MIN_READ_BYTES
+                    while True:
+                        started = time.monotonic()
+                        chunk = resp.read(size, decode_content=True)
+                        if not chunk:
+                            break
                         sink.write(chunk)
+                        size = next_read_size(size, time.monotonic() - started)
                     if length is not None and sink.size != length and not _encoded(resp):
                         last = f"body ended after {sink.size} of {length} bytes"
                         continue

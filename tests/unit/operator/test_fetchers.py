@@ -37,3 +37,17 @@ def test_hf_url_carries_the_revision() -> None:
 
     url = huggingface_hub.hf_hub_url("org/repo", "w.safetensors", revision="v1.0")
     assert url.endswith("/org/repo/resolve/v1.0/w.safetensors")
+
+
+def test_https_reads_grow_while_fast_and_shrink_while_slow() -> None:
+    size = fetchers.MIN_READ_BYTES
+    sizes = []
+    for _ in range(12):  # a fast link: up to the largest read, and no further
+        size = fetchers.next_read_size(size, 0.001)
+        sizes.append(size)
+    assert sizes[0] == 2 * fetchers.MIN_READ_BYTES and sizes[-1] == fetchers.CHUNK_BYTES
+    assert sizes == sorted(sizes)
+    assert fetchers.next_read_size(size, 0.2) == size  # neither fast nor slow: kept
+    for _ in range(12):  # a slow link: back down to the smallest, and no further
+        size = fetchers.next_read_size(size, 2.0)
+    assert size == fetchers.MIN_READ_BYTES
