@@ -1329,10 +1329,11 @@ class Controller:
 
     def _step_rollout(
         self, rec: AdapterRecord, targeted: status_mod.Targeted, command: str | None
-    ) -> None:
+    ) -> str | None:
+        """Move the rollout on (rollout.advance decides); the command it acted on, if any."""
         r = rec.rollout
         if r is None:
-            return
+            return None
         pods = [p.name for p, _ in targeted]
         progress = rollout.advance(
             r,
@@ -1355,6 +1356,7 @@ class Controller:
             if progress.rollout is None:
                 rec.canary_pods = {}
             self._rollout_changed(rec, r)
+        return progress.acted
 
     def _rollout_changed(self, rec: AdapterRecord, before: rollout.Rollout | None) -> None:
         r = rec.rollout
@@ -1399,21 +1401,17 @@ class Controller:
             rec.info = dataclasses.replace(rec.info, command=None)
         action = command.action
         r = rec.rollout
-        acts = r is not None and (
-            (action == rollout.ABORT and r.state in rollout.ABORTABLE)
-            or (action == rollout.PROMOTE and r.state is rollout.State.PROGRESSING)
-        )
+        acted = self._step_rollout(rec, self.targeted(rec), action)
         log.info(
             "action=rollout-command adapter=%s/%s command=%s result=%s",
             *info.key,
             action,
-            "ok" if acts else "ignored",
+            "ok" if acted else "ignored",
         )
-        if not acts:
+        if acted is None:
             message = rollout.ignored(action, r)
             self._post_event(info, events.Note("Warning", "RolloutCommandIgnored", message))
             return
-        self._step_rollout(rec, self.targeted(rec), action)
         reason, message = rollout.acted(action, r, rec.rollout)
         self._post_event(info, events.Note("Normal", reason, message))
 

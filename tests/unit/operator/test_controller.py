@@ -204,6 +204,19 @@ class Rig:
     def ready(self, name: str) -> bool:
         return "Ready" in self.api.phases(name)
 
+    def restarted(self) -> tuple[Controller, FakeApi]:
+        """A second controller on the same pods, volume and store, with an API of its own:
+        the operator after a restart. Its caller starts and stops it."""
+        api = FakeApi()
+        controller = Controller(
+            OperatorConfig(volume_root=self.volume, **FAST),
+            pods=self.pods,
+            volume=self.store,
+            api=api,
+            identity="me",
+        )
+        return controller, api
+
     async def __aenter__(self) -> Rig:
         return self
 
@@ -510,13 +523,7 @@ async def test_the_target_is_published_with_the_adapter_and_after_a_restart(
     # Staged by a release that published no target: a restarted operator publishes it without
     # staging again.
     target_file.unlink()
-    restarted = Controller(
-        OperatorConfig(volume_root=rig.volume, **FAST),
-        pods=FakePods(rig.log),
-        volume=rig.store,
-        api=FakeApi(),
-        identity="me",
-    )
+    restarted, _ = rig.restarted()
     restarted.start()
     try:
         restarted.adapter_changed({**body, "status": status})

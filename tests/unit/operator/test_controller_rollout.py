@@ -12,17 +12,13 @@ from typing import Any
 
 import aiohttp
 from lora_operator import planning, rollout
-from lora_operator.config import OperatorConfig
-from lora_operator.controller import Controller
 from lora_operator.model import PodInfo
 from lora_operator.podclient import PodError
 from lora_volume import layout, stacks
 
 from tests.support.loras import lora_bytes
 from tests.unit.operator.test_controller import (
-    FAST,
     NS,
-    FakeApi,
     Rig,
     adapter,
     pod,
@@ -161,14 +157,7 @@ async def test_a_restarted_operator_continues_the_rollout_where_it_was(tmp_path:
     before = {p: held(rig, p) for p in ("p1", "p2")}
     loads = len(rig.log)
 
-    api = FakeApi()
-    restarted = Controller(
-        OperatorConfig(volume_root=rig.volume, **FAST),
-        pods=rig.pods,
-        volume=rig.store,
-        api=api,
-        identity="me",
-    )
+    restarted, api = rig.restarted()
     restarted.start()
     try:
         for p in ("p1", "p2"):
