@@ -104,9 +104,18 @@ def _namespace_name(test_name: str) -> str:
 def devcluster_namespace(
     devcluster: harness.Harness, request: pytest.FixtureRequest
 ) -> Iterator[str]:
+    """A namespace of the test's own, deleted after it, returned once its `default`
+    ServiceAccount exists: the controller manager creates that a moment after the namespace,
+    and until then the API server refuses any pod that would run as it (a loaded machine made
+    that moment long enough for a server-side dry run of the chart to meet it)."""
     name = _namespace_name(request.node.name)
     devcluster.create(
         "/api/v1/namespaces", {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}}
+    )
+    devcluster.wait_for(
+        f"the default ServiceAccount of namespace {name}",
+        lambda: devcluster.get(f"/api/v1/namespaces/{name}/serviceaccounts/default"),
+        timeout=60,
     )
     request.node.stash[_NAMESPACE_KEY] = name
     request.node.stash[_HARNESS_KEY] = devcluster
