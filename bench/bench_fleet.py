@@ -20,7 +20,10 @@ logs, one JSON line per round) the wall time, each latency and how the router ro
 routes alternate by rounds of `--requests` requests: each pair of rounds sends the same stream
 (same seed), the route that goes first alternates, so drifts in the machine's load hit both
 alike; a warm-up round per route comes first and is not counted (the router sees the pods
-report their residency before measuring).
+report their residency before measuring). Each measured round starts where the other route
+left the pods, while a fleet runs one route only, so it begins with `--settle` requests of
+its own (another stream of the same distribution, not counted): the pods' tiers come to what
+that route makes of them, and the counted requests see that route's own state.
 
 Per route it reports throughput (images/s), p50/p95 latency and, from the pods' own counters
 read through the API server before and after every round (GET /metrics and GET /v1/adapters):
@@ -44,11 +47,11 @@ SD 1.5, 4 GB in float32 and about 7 s an image on one of these cores, does not f
 a 2-core machine), so the pods serve it with one torch thread each, at 64x64 pixels and 1
 denoising step, with rank 16/32/64 adapters (half of them with text-encoder layers). Measured
 alone on one core, a fresh load (read and convert the file) costs about 6 ms and a copy into a
-slot about 2 ms against a generation of about 55 ms: about 12% and 3% of a request. That is our
-estimate of where a rank-64 adapter's read-and-convert on the host and its copy to the device
-stand next to a 20-step generation on a GPU (not measured here); 4 steps at 64x64 would make
-every miss 3x cheaper than that. The run prints the times the pods measured. The tiers are the
-chart's defaults: --max-loras 4 GPU slots and --max-cpu-loras 32 (< K) per pod.
+slot about 2 ms against a generation of about 55 ms: about 12% and 3% of a request. On an H200
+with a full-size SDXL at 20 steps (bench/gpu_miss_costs.py) a rank-64 adapter's first use costs
+about 30% of a one-image generation and its copy into a slot about 4%; 4 steps at 64x64 here
+would make every miss 3x cheaper than that. The run prints the times the pods measured. The
+tiers are the chart's defaults: --max-loras 4 GPU slots and --max-cpu-loras 32 (< K) per pod.
 
     .venv/bin/python bench/bench_fleet.py             # N=4, K=100, 8 round pairs of 100 requests
     .venv/bin/python bench/bench_fleet.py --quick     # 2 round pairs of 40 requests
@@ -98,6 +101,7 @@ LOADGEN_PORT = 8080
 RANKS = (16, 32, 64)
 THROUGHPUT_TARGET = 1.5
 HIT_RATE_TARGET = 2.0
+SETTLE_SEED = 10_000  # settle streams' seeds: apart from the measured rounds' (seed + 1 + r)
 
 # The load generator: `POST /round` with {"url", "requests", "concurrency", "label"} sends the
 # requests (each a generation body) from `concurrency` closed-loop clients, one connection per
@@ -446,7 +450,10 @@ def measure(h: Harness, pods: list[str], args: argparse.Namespace) -> dict[str, 
         seed = args.seed + 1 + r
         stream = zipf_stream(args.requests, args.adapters, args.zipf, seed=seed)
         line = []
+        settle = zipf_stream(args.settle, args.adapters, args.zipf, seed=SETTLE_SEED + seed)
         for label in labels if r % 2 == 0 else labels[::-1]:
+            if settle:
+                send_round(h, build_round(settle, args, label, seed=SETTLE_SEED + seed))
             before = snapshot(h, pods, inference, router)
             result = send_round(h, build_round(stream, args, label, seed=seed * 1000))
             after = snapshot(h, pods, inference, router)
@@ -474,7 +481,8 @@ def print_report(tallies: dict[str, Tally], args: argparse.Namespace) -> tuple[f
     ranks = "/".join(str(r) for r in RANKS)
     print(
         f"\nlora-router on lora-devcluster: N={args.pods} inference pods, K={args.adapters}"
-        f" adapters, Zipf({args.zipf}); {args.rounds} rounds x {args.requests} requests per route,"
+        f" adapters, Zipf({args.zipf}); {args.rounds} rounds x {args.requests} requests per route"
+        f" (each after {args.settle} not counted),"
         f" {args.concurrency} in flight; tiny sd15 on cpu, {args.size}x{args.size},"
         f" {args.steps} step(s), rank {ranks}; --max-loras {args.max_loras}, --max-cpu-loras"
         f" {args.max_cpu_loras}, --max-batch-size 1; {platform.machine()}, {os.cpu_count()}"
@@ -598,6 +606,12 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=8, help="measured rounds per route")
     parser.add_argument("--requests", type=int, default=100, help="requests per round")
     parser.add_argument("--concurrency", type=int, default=8, help="requests in flight")
+    parser.add_argument(
+        "--settle",
+        type=int,
+        default=50,
+        help="requests a route sends before each of its rounds, not counted (0: none)",
+    )
     parser.add_argument("--zipf", type=float, default=1.1, help="the stream's Zipf exponent")
     parser.add_argument("--size", type=int, default=64, help="image side, pixels")
     parser.add_argument("--steps", type=int, default=1, help="denoising steps")
