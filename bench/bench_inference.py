@@ -326,6 +326,7 @@ async def run_mode(mode: Mode, args: argparse.Namespace) -> ModeResult:
             max_cpu_loras=ADAPTERS,
             max_batch_size=args.batch,
             device=device,
+            fuse=args.fuse,
         )
         app_a = create_app(config, backend=backend)
         # (b) and (c) get a pipeline of their own that never held an adapter.
@@ -358,7 +359,7 @@ async def run_mode(mode: Mode, args: argparse.Namespace) -> ModeResult:
         print(
             f"\n[{mode.name}] Zipf(1.1) over {ADAPTERS} adapters: {len(stream)} requests "
             f"({len(set(stream))} distinct adapters), {args.clients} clients, {mode.steps} steps, "
-            f"{mode.size}x{mode.size}, rank {ranks}, {model.name} on {device} "
+            f"{mode.size}x{mode.size}, rank {ranks}, --fuse {args.fuse}, {model.name} on {device} "
             f"({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads); "
             f"models and adapters built in {prepared:.0f} s"
         )
@@ -452,6 +453,12 @@ def main() -> None:
         help="torch threads per operation (0: torch's choice); see docs/benchmarks.md",
     )
     parser.add_argument("--device", default=None)
+    parser.add_argument(
+        "--fuse",
+        choices=("auto", "never"),
+        default="auto",
+        help="(a)'s --fuse: a mixed batch's adapters in one pass per layer where it pays",
+    )
     parser.add_argument("--growth-samples", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=4, help="interleaved slices of the stream")
     parser.add_argument(

@@ -9,7 +9,8 @@ pipeline call of 4 images (20 steps, 1024x1024, guidance 5) runs each way the se
   mixed, 4 adapters       each image through its own slot (the routing hooks)
 
 and prints the best of two calls' wall-clock and CPU time for each, then the kernel launches of a
-one-step call, mixed and base, from torch's profiler. GPU only:
+one-step call, mixed and base, from torch's profiler (those through the CUDA runtime,
+cudaLaunchKernel; cuBLAS launches some through the driver, not counted). GPU only:
 
     PYTHONPATH=inference:volume:playground python3 bench/gpu_batch_paths.py
 """

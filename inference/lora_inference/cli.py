@@ -100,6 +100,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="merge a single-adapter batch's adapter into the weights where it pays (auto)",
     )
     serve.add_argument(
+        "--fuse",
+        choices=("auto", "never"),
+        default="auto",
+        help="run a mixed batch's adapters in one pass per layer where it pays (auto)",
+    )
+    serve.add_argument(
         "--max-queue", type=int, default=64, help="queued requests before answering 429"
     )
     serve.add_argument("--host", default="0.0.0.0")
@@ -161,6 +167,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         dtype=args.dtype,
         max_batch_size=args.max_batch_size,
         merge=args.merge,
+        fuse=args.fuse,
         max_queue=args.max_queue,
         host=args.host,
         port=args.port,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from lora_inference.costs import MergePolicy
+from lora_inference.costs import FusePolicy, MergePolicy
 
 
 @dataclass(frozen=True)
@@ -46,6 +46,9 @@ class ServerConfig:
     # Single-adapter batches merge the adapter into the layers where the measured cost model
     # says it pays (auto), into every layer (always) or none (never).
     merge: MergePolicy = "auto"
+    # A batch that mixes adapters runs their branches in one pass per layer where the measured
+    # cost model says it pays (auto), or one pass per adapter (never).
+    fuse: FusePolicy = "auto"
     host: str = "0.0.0.0"
     port: int = 8000
 
@@ -77,6 +80,8 @@ class ServerConfig:
             )
         if self.merge not in ("auto", "always", "never"):
             raise ValueError(f"--merge must be auto, always or never, got {self.merge!r}")
+        if self.fuse not in ("auto", "never"):
+            raise ValueError(f"--fuse must be auto or never, got {self.fuse!r}")
         if self.max_batch_size < 1 or self.max_queue < 1:
             raise ValueError("--max-batch-size and --max-queue must be at least 1")
         names = [s.name for s in self.static_loras]

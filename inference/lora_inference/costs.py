@@ -1,4 +1,4 @@
-"""When merging one adapter into the base weights for a call pays, layer by layer.
+"""What a call's LoRA layers cost each way they can run, and which way to take, layer by layer.
 
 Purely computational: no torch, no clock. The pipeline measures the inputs once at start-up
 (`pipeline.DiffusionBackend.calibrate`): how fast this device runs a LoRA branch and a merge, and
@@ -11,6 +11,13 @@ CPU, Python) plus work proportional to rows x rank x (fan-in + fan-out). Merged,
 call a fixed overhead plus the delta B @ A (rank x fan-in x fan-out) and two passes over the weight
 (the add, and the restore from the pristine copy). High-resolution layers see many rows and are
 narrow, so they merge; deep, wide layers see few rows and stay unmerged.
+
+A batch that mixes adapters runs each image's branch. Per adapter, a layer makes one pass over
+that adapter's images: a fixed overhead per adapter, which on a GPU (kernel launches) outweighs
+the arithmetic of a rank-64 branch. Fused, it makes one pass for every image at once, each image
+with its adapter's matrices padded to the largest rank among them (a base-model image's are
+zeros): one fixed overhead, more arithmetic, and a copy of the matrices per image once per call.
+`plan_fuse` takes the cheaper of the two for each layer.
 """
 
 from __future__ import annotations
@@ -21,6 +28,8 @@ from typing import Literal
 
 # auto: merge the layers where plan_merge says it pays; always / never: every layer / none.
 MergePolicy = Literal["auto", "always", "never"]
+# auto: fuse the layers of a mixed batch where plan_fuse says it pays; never: one pass per adapter.
+FusePolicy = Literal["auto", "never"]
 
 
 @dataclass(frozen=True)
@@ -101,14 +110,19 @@ def fit_rows(
     return fitted
 
 
+def _over_call(rows: LayerRows, call: Call) -> tuple[int, float]:
+    """A layer's passes over one call, and the rows it sees per image over them."""
+    repeat = call.steps if rows.per_step else 1
+    return repeat * rows.passes, rows.rows(call.latent_area, guided=call.guided) * repeat
+
+
 def unmerged_seconds(layer: LayerLoad, call: Call, rates: Rates) -> float:
     """What the LoRA branch of `layer` costs over one call."""
     if layer.rows is None:
         return 0.0
-    repeat = call.steps if layer.rows.per_step else 1
-    rows = call.images * layer.rows.rows(call.latent_area, guided=call.guided) * repeat
-    macs = rows * layer.rank * (layer.fan_in + layer.fan_out)
-    return repeat * layer.rows.passes * rates.lora_pass_s + macs * rates.lora_mac_s
+    passes, rows = _over_call(layer.rows, call)
+    macs = call.images * rows * layer.rank * (layer.fan_in + layer.fan_out)
+    return passes * rates.lora_pass_s + macs * rates.lora_mac_s
 
 
 def merged_seconds(layer: LayerLoad, rates: Rates) -> float:
@@ -127,6 +141,56 @@ def plan_merge(layers: Sequence[LayerLoad], call: Call, rates: Rates) -> list[bo
     Each layer is decided on its own: merging one layer does not change what the others cost.
     """
     return [merged_seconds(layer, rates) < unmerged_seconds(layer, call, rates) for layer in layers]
+
+
+@dataclass(frozen=True)
+class RoutedLoad:
+    """One layer of a batch that mixes adapters, as the cost model needs it."""
+
+    fan_in: int
+    fan_out: int
+    groups: tuple[tuple[int, int], ...]  # per adapter of the batch on this layer: (images, rank)
+    rows: LayerRows | None  # None: calibration never saw the layer run
+
+
+def per_adapter_seconds(layer: RoutedLoad, call: Call, rates: Rates) -> float:
+    """What the layer's branches cost over one call, one pass per adapter."""
+    if layer.rows is None:
+        return 0.0
+    passes, rows = _over_call(layer.rows, call)
+    macs = sum(images * rows * rank for images, rank in layer.groups)
+    return (
+        passes * len(layer.groups) * rates.lora_pass_s
+        + macs * (layer.fan_in + layer.fan_out) * rates.lora_mac_s
+    )
+
+
+def fused_seconds(layer: RoutedLoad, call: Call, rates: Rates) -> float:
+    """What the layer's branches cost over one call, fused into one pass for every image."""
+    if layer.rows is None:
+        return 0.0
+    passes, rows = _over_call(layer.rows, call)
+    rank = max(rank for _, rank in layer.groups)
+    width = layer.fan_in + layer.fan_out
+    return (
+        passes * rates.lora_pass_s
+        + call.images * rows * rank * width * rates.lora_mac_s
+        + call.images * rank * width * rates.merge_element_s  # each image's matrices, once
+    )
+
+
+def plan_fuse(layers: Sequence[RoutedLoad], call: Call, rates: Rates) -> list[bool]:
+    """For each layer of a batch that mixes adapters: fuse its branches into one pass?
+
+    A layer that only one adapter of the batch targets stays as it is (nothing to fuse), and so
+    does one calibration never saw (no rows to weigh).
+    """
+    return [
+        len(layer.groups) > 1
+        and layer.rows is not None
+        and fused_seconds(layer, call, rates) < per_adapter_seconds(layer, call, rates)
+        for layer in layers
+    ]
 
 
 def fit_line(points: Sequence[tuple[float, float]]) -> tuple[float, float]:

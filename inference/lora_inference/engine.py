@@ -106,7 +106,7 @@ class Engine:
     # -- lifecycle ------------------------------------------------------------------------------
 
     async def start(self) -> None:
-        if self.config.merge == "auto":
+        if "auto" in (self.config.merge, self.config.fuse):
             await self._in_pipeline(self.backend.calibrate)
         self._worker = asyncio.create_task(self._run(), name="pipeline-worker")
         for static in self.config.static_loras:
@@ -331,6 +331,7 @@ class Engine:
             steps=shape.steps,
             guidance_scale=shape.guidance_scale,
             merge=self.config.merge,
+            fuse=self.config.fuse,
         )
 
     def _release(self, pending: _Pending) -> None:

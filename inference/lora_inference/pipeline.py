@@ -45,7 +45,7 @@ from PIL import Image
 
 from lora_inference import costs, errors
 from lora_inference.adapters import validation
-from lora_inference.costs import MergePolicy
+from lora_inference.costs import FusePolicy, MergePolicy
 from lora_inference.slots import Group, LayerKey, LayerWeights, Slots
 
 log = logging.getLogger(__name__)
@@ -96,7 +96,8 @@ class BatchOutcome:
 
 @dataclass(frozen=True)
 class Calibration:
-    """What `costs.plan_merge` needs about this pipeline on this device."""
+    """What the cost model (`costs.plan_merge`, `costs.plan_fuse`) needs about this pipeline on
+    this device."""
 
     rates: costs.Rates
     rows: Mapping[LayerKey, costs.LayerRows]
@@ -333,12 +334,14 @@ class DiffusionBackend:
         steps: int,
         guidance_scale: float,
         merge: MergePolicy = "auto",
+        fuse: FusePolicy = "auto",
     ) -> BatchOutcome:
         """One pipeline call for `jobs`, each through its own slot (None: the base model).
 
         Every image of a batch with one slot goes through it plainly, with the layers where the
         cost model says so (`merge`) merged for the call; a batch that mixes slots, or a slot and
-        the base model, routes each image through its own slot.
+        the base model, routes each image through its own slot, in one pass per layer where the
+        cost model says so (`fuse`).
         """
         kinds = set(slots)
         generate = functools.partial(
@@ -347,14 +350,14 @@ class DiffusionBackend:
         if kinds == {None}:
             self.slots.activate({})
             return BatchOutcome(generate(jobs), "base", 0)
+        call = costs.Call(
+            images=sum(len(job.seeds) for job in jobs),
+            steps=steps,
+            latent_area=(width / self.vae_scale) * (height / self.vae_scale),
+            guided=guidance_scale > 1.0,
+        )
         if len(kinds) == 1:
             slot = next(s for s in kinds if s is not None)
-            call = costs.Call(
-                images=sum(len(job.seeds) for job in jobs),
-                steps=steps,
-                latent_area=(width / self.vae_scale) * (height / self.vae_scale),
-                guided=guidance_scale > 1.0,
-            )
             keys = self.merge_plan(slot, call, merge)
             self.slots.activate({slot: scales[slot]}, merged=keys)
             with self.slots.merged(slot, keys):
@@ -374,7 +377,8 @@ class DiffusionBackend:
                     groups.append(Group(owner, cursor, cursor + count))
             cursor += count
         self.slots.activate({s: scales[s] for s in kinds if s is not None}, routed=True)
-        with self.slots.routed(groups, cursor):
+        fused = self.fuse_plan(groups, call) if fuse == "auto" else []
+        with self.slots.routed(groups, cursor, fused=fused):
             produced = generate([jobs[i] for i in order])
         per_job: dict[int, list[Image.Image]] = {}
         cursor = 0
@@ -408,6 +412,33 @@ class DiffusionBackend:
         decisions = costs.plan_merge(loads, call, calibration.rates)
         return [key for key, merge in zip(keys, decisions, strict=True) if merge]
 
+    def fuse_plan(self, groups: Sequence[Group], call: costs.Call) -> list[LayerKey]:
+        """The Linear layers of a mixed call to run in one pass for every image (pure given the
+        calibration; none without one)."""
+        calibration = self.calibration
+        if calibration is None:
+            return []
+        keys, loads = [], []
+        for key, mine in self.slots.routed_layers(groups).items():
+            component, module = key
+            shape = self.shapes[component][module]
+            if shape.kernel is not None:  # a Conv2d: fusing covers Linear layers only
+                continue
+            footprint = [self.slots.footprint(g.slot)[key] for g in mine]
+            keys.append(key)
+            loads.append(
+                costs.RoutedLoad(
+                    fan_in=shape.in_features,
+                    fan_out=shape.out_features,
+                    groups=tuple(
+                        (g.stop - g.start, w.rank) for g, w in zip(mine, footprint, strict=True)
+                    ),
+                    rows=calibration.rows.get(key),
+                )
+            )
+        decisions = costs.plan_fuse(loads, call, calibration.rates)
+        return [key for key, fuse in zip(keys, decisions, strict=True) if fuse]
+
     def _generate(
         self,
         jobs: Sequence[ImageJob],
@@ -440,7 +471,7 @@ class DiffusionBackend:
     # -- calibration (pipeline thread, once, before any adapter) --------------------------------
 
     def calibrate(self) -> Calibration:
-        """Measure what the merge decision needs; cached, so engines sharing a backend agree.
+        """Measure what the merge and fuse decisions need; cached, so backends sharing it agree.
 
         Rows per layer come from three calls of one image and one step with every Linear and
         Conv2d of the adaptable components counting the rows it sees (guided at two sizes,

@@ -213,22 +213,32 @@ class Slots:
                     f"LoRA layer {key} did not take the state wanted: {dict(scales)}"
                 )
 
+    def routed_layers(self, groups: Sequence[Group]) -> dict[LayerKey, list[Group]]:
+        """Per layer that some slot of `groups` targets, the groups whose slot targets it."""
+        per_layer: dict[LayerKey, list[Group]] = {}
+        for group in groups:
+            for key in self._held[group.slot]:
+                per_layer.setdefault(key, []).append(group)
+        return per_layer
+
     @contextlib.contextmanager
-    def routed(self, groups: Sequence[Group], images: int) -> Iterator[None]:
+    def routed(
+        self, groups: Sequence[Group], images: int, *, fused: Collection[LayerKey] = ()
+    ) -> Iterator[None]:
         """Add each image's own LoRA branch in every layer of the groups' slots, for one call.
 
         Images of one slot are contiguous (`groups`), so a layer takes each slot's rows as strided
         views rather than gathering them. A layer sees the batch repeated k times (classifier-free
         guidance runs [unconditional, conditional] halves), so rows are viewed as (k, images, ...).
+        Linear layers in `fused` run every image's branch in one pass instead of one per slot
+        (`costs.plan_fuse` says where that pays).
         """
-        per_layer: dict[LayerKey, list[Group]] = {}
-        for group in groups:
-            for key in self._held[group.slot]:
-                per_layer.setdefault(key, []).append(group)
-        handles = [
-            self._layers[key].register_forward_hook(_routing_hook(mine, images), with_kwargs=True)
-            for key, mine in per_layer.items()
-        ]
+        handles = []
+        for key, mine in self.routed_layers(groups).items():
+            layer = self._layers[key]
+            one_pass = key in fused and isinstance(layer.get_base_layer(), torch.nn.Linear)
+            hook = _fused_hook(mine, images) if one_pass else _routing_hook(mine, images)
+            handles.append(layer.register_forward_hook(hook, with_kwargs=True))
         try:
             yield
         finally:
@@ -293,15 +303,20 @@ def _config(weights: LayerWeights) -> LoraConfig:
     )
 
 
+def _repeats(x: torch.Tensor, images: int) -> int:
+    """How many times a layer's input repeats the batch (classifier-free guidance: twice)."""
+    rows = int(x.shape[0])
+    if rows % images:
+        raise RuntimeError(f"a LoRA layer saw {rows} rows for a batch of {images} images")
+    return rows // images
+
+
 def _routing_hook(groups: list[Group], images: int) -> Any:
     def hook(
         module: PeftLayer, args: tuple[Any, ...], kwargs: dict[str, Any], output: torch.Tensor
     ) -> torch.Tensor:
         x = args[0] if args else next(iter(kwargs.values()))
-        rows = int(x.shape[0])
-        if rows % images:
-            raise RuntimeError(f"a LoRA layer saw {rows} rows for a batch of {images} images")
-        repeats = rows // images
+        repeats = _repeats(x, images)
         inputs = x.reshape(repeats, images, *x.shape[1:])
         outputs = output.view(repeats, images, *output.shape[1:])
         for group in groups:
@@ -311,6 +326,48 @@ def _routing_hook(groups: list[Group], images: int) -> Any:
             outputs[:, group.start : group.stop] += branch.view(repeats, -1, *branch.shape[1:]).to(
                 output.dtype
             )
+        return output
+
+    return hook
+
+
+def _fused_hook(groups: list[Group], images: int) -> Any:
+    """One pass for every image of a Linear layer: batched matrix products over the images.
+
+    Each image gets its slot's A and B (B times the slot's scaling), padded with zeros to the
+    largest rank of the groups; an image of the base model gets zeros. They are built on the
+    layer's first pass of the call and kept for the others.
+    """
+    per_image: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def weights(module: PeftLayer) -> tuple[torch.Tensor, torch.Tensor]:
+        rank = max(int(module.r[g.slot]) for g in groups)
+        first = module.lora_A[groups[0].slot].weight
+        out_features = module.lora_B[groups[0].slot].weight.shape[0]
+        down = first.new_zeros(images, rank, first.shape[1])
+        up = first.new_zeros(images, out_features, rank)
+        for g in groups:
+            a = module.lora_A[g.slot].weight
+            b = module.lora_B[g.slot].weight * module.scaling[g.slot]
+            down[g.start : g.stop, : a.shape[0]] = a
+            up[g.start : g.stop, :, : b.shape[1]] = b
+        return down.transpose(1, 2), up.transpose(1, 2)
+
+    def hook(
+        module: PeftLayer, args: tuple[Any, ...], kwargs: dict[str, Any], output: torch.Tensor
+    ) -> torch.Tensor:
+        x = args[0] if args else next(iter(kwargs.values()))
+        repeats = _repeats(x, images)
+        if not per_image:
+            per_image.append(weights(module))
+        down, up = per_image[0]
+        # (repeats, images, tokens, in) -> (images, repeats x tokens, in): one copy
+        by_image = x.reshape(repeats, images, -1, x.shape[-1]).transpose(0, 1)
+        branch = torch.bmm(torch.bmm(by_image.reshape(images, -1, x.shape[-1]), down), up)
+        outputs = output.view(repeats, images, -1, output.shape[-1])
+        outputs += (
+            branch.view(images, repeats, -1, branch.shape[-1]).transpose(0, 1).to(output.dtype)
+        )
         return output
 
     return hook

@@ -1,4 +1,5 @@
-"""The merge cost model: pure, so tested with made-up rates and layers, exhaustively where cheap."""
+"""The cost model (merging, fusing): pure, so tested with made-up rates and layers, exhaustively
+where cheap."""
 
 from __future__ import annotations
 
@@ -116,3 +117,58 @@ def test_a_line_needs_two_distinct_points() -> None:
         costs.fit_line([(1, 1.0)])
     with pytest.raises(ValueError, match="two different"):
         costs.fit_line([(1, 1.0), (1, 2.0)])
+
+
+# -- fusing the branches of a batch that mixes adapters ------------------------------------------
+
+# Roughly a GPU: 60 us of launches per LoRA pass, 100 TMAC/s, 0.1 ns per copied element.
+GPU = costs.Rates(
+    lora_pass_s=60e-6,
+    lora_mac_s=1e-14,
+    merge_layer_s=100e-6,
+    merge_mac_s=1e-14,
+    merge_element_s=1e-10,
+)
+
+
+def routed(
+    width: int, *groups: tuple[int, int], rows: costs.LayerRows | None = SPATIAL
+) -> costs.RoutedLoad:
+    return costs.RoutedLoad(fan_in=width, fan_out=width, groups=groups, rows=rows)
+
+
+def test_a_gpu_fuses_where_launches_outweigh_the_padding_and_a_cpu_does_not() -> None:
+    four = routed(640, (1, 16), (1, 32), (1, 64), (1, 64))
+    batch = call(steps=20, area=128 * 128, images=4)
+    assert costs.plan_fuse([four], batch, GPU) == [True]
+    # On the CPU the padded arithmetic (16 and 32 up to 64) costs more than three passes save.
+    assert costs.plan_fuse([four], batch, CPU) == [False]
+    # Equal ranks pad nothing: fusing only saves passes, wherever it runs.
+    equal = routed(640, (1, 64), (3, 64))
+    assert costs.plan_fuse([equal], batch, CPU) == [True]
+
+
+def test_a_layer_of_one_adapter_or_never_calibrated_is_never_fused() -> None:
+    batch = call(images=4)
+    assert costs.plan_fuse([routed(640, (2, 64))], batch, GPU) == [False]
+    assert costs.plan_fuse([routed(640, (1, 64), (1, 64), rows=None)], batch, GPU) == [False]
+
+
+@given(
+    st.lists(st.tuples(st.integers(1, 4), st.sampled_from([4, 16, 64])), min_size=2, max_size=4),
+    st.integers(0, 4),
+)
+def test_fusing_is_chosen_exactly_when_it_costs_less(
+    groups: list[tuple[int, int]], base_images: int
+) -> None:
+    load = routed(320, *groups)
+    batch = call(images=sum(images for images, _ in groups) + base_images)
+    for rates in (CPU, GPU):
+        fused = costs.fused_seconds(load, batch, rates)
+        apart = costs.per_adapter_seconds(load, batch, rates)
+        assert costs.plan_fuse([load], batch, rates) == [fused < apart]
+        # One pass per adapter is never dearer than fusing for the same one adapter's images.
+        alone = routed(320, groups[0])
+        assert costs.per_adapter_seconds(alone, batch, rates) <= costs.fused_seconds(
+            alone, batch, rates
+        )

@@ -5,10 +5,12 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
-from lora_inference.pipeline import DiffusionBackend, ParsedAdapter
-from lora_inference.slots import LayerWeights, Slots
+from lora_inference.costs import FusePolicy
+from lora_inference.pipeline import DiffusionBackend, ImageJob, ParsedAdapter
+from lora_inference.slots import Group, LayerWeights, Slots
 from peft.tuners.lora import LoraLayer
 
 from tests.unit.inference.conftest import Assets
@@ -112,3 +114,72 @@ def test_a_call_that_fails_inside_a_merge_still_restores() -> None:
     with pytest.raises(RuntimeError, match="generation failed"), slots.merged("s", [key]):
         raise RuntimeError("generation failed")
     assert torch.equal(weight, before)
+
+
+@pytest.mark.parametrize("repeats", [1, 2], ids=["unguided", "guided"])
+def test_a_fused_pass_adds_each_images_branch_as_one_pass_per_adapter_does(repeats: int) -> None:
+    """Adapters of ranks 2, 4 and 8 over images [a a b base c], 3-d and 2-d inputs alike."""
+    torch.manual_seed(0)
+    dtype = torch.float64
+    probe = torch.nn.ModuleDict({"layer": torch.nn.Linear(16, 12, dtype=dtype)})
+    slots = Slots({"probe": probe})
+    key = ("probe", "layer")
+    for slot, rank in (("a", 2), ("b", 4), ("c", 8)):
+        down, up = torch.randn(rank, 16, dtype=dtype), torch.randn(12, rank, dtype=dtype)
+        slots.place(slot, {key: LayerWeights(down=down, up=up, alpha=rank / 2, rslora=False)})
+    groups = [Group("a", 0, 2), Group("b", 2, 3), Group("c", 4, 5)]
+    slots.activate({"a": 1.0, "b": -0.5, "c": 2.0}, routed=True)
+    layer = probe["layer"]
+    for shape in [(repeats * 5, 7, 16), (repeats * 5, 16)]:
+        x = torch.randn(*shape, dtype=dtype)
+        with slots.routed(groups, 5):
+            apart = layer(x)
+        with slots.routed(groups, 5, fused=[key]):
+            fused = layer(x)
+            again = layer(x)  # the per-image matrices are built once per call
+        base = layer(x)
+        torch.testing.assert_close(fused, apart, rtol=0, atol=1e-12)
+        torch.testing.assert_close(again, apart, rtol=0, atol=1e-12)
+        by_image = base.view(repeats, 5, -1)
+        changed = (apart.view(repeats, 5, -1) - by_image).abs().amax(dim=(0, 2))
+        assert changed[3] == 0 and bool((changed[[0, 1, 2, 4]] > 0).all())  # image 3: the base
+
+
+def test_a_mixed_call_fused_draws_the_images_it_draws_one_pass_per_adapter(
+    backend: DiffusionBackend, parsed: list[ParsedAdapter], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Three adapters (one with text-encoder layers, one kohya) and the base model in one call,
+    with every Linear layer fused (`--fuse auto` as the plan says) and none (`--fuse never`)."""
+    for slot, adapter in zip(("a", "b", "k"), parsed, strict=True):
+        backend.place(slot, adapter)
+    jobs = [ImageJob("a red square", None, (0,)) for _ in range(4)]  # one seed: only LoRA differs
+    slots = ["a", "b", None, "k"]
+    scales = {"a": 1.0, "b": 1.0, "k": 0.7}
+
+    def every_linear(groups: list[Group], call: object) -> list[tuple[str, str]]:
+        layers = backend.slots.routed_layers(groups)
+        return [(c, m) for c, m in layers if backend.shapes[c][m].kernel is None]
+
+    fused_layers: list[list[tuple[str, str]]] = []
+    routed = backend.slots.routed
+
+    def recording(groups: list[Group], images: int, *, fused: Any = ()) -> Any:
+        fused_layers.append(list(fused))
+        return routed(groups, images, fused=fused)
+
+    monkeypatch.setattr(backend, "fuse_plan", every_linear)
+    monkeypatch.setattr(backend.slots, "routed", recording)
+
+    def images(fuse: FusePolicy) -> list[np.ndarray]:
+        outcome = backend.run_batch(
+            jobs, slots, scales, width=32, height=32, steps=2, guidance_scale=5.0, fuse=fuse
+        )
+        assert outcome.path == "mixed"
+        return [np.asarray(image).astype(int) for image in outcome.images]
+
+    apart, fused = images("never"), images("auto")
+    assert fused_layers[0] == [] and len(fused_layers[1]) > 0
+    for one, other in zip(apart, fused, strict=True):
+        assert np.abs(one - other).max() <= 1  # batched float rounding at most
+    for i, j in [(0, 1), (0, 2), (0, 3), (1, 3)]:
+        assert np.abs(fused[i] - fused[j]).mean() > 1  # each image kept its own adapter
