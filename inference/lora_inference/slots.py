@@ -230,15 +230,18 @@ class Slots:
         Images of one slot are contiguous (`groups`), so a layer takes each slot's rows as strided
         views rather than gathering them. A layer sees the batch repeated k times (classifier-free
         guidance runs [unconditional, conditional] halves), so rows are viewed as (k, images, ...).
-        Linear layers in `fused` run every image's branch in one pass instead of one per slot
-        (`costs.plan_fuse` says where that pays).
+        Layers in `fused` (Linear ones only) run every image's branch in one pass instead of one
+        per slot (`costs.plan_fuse` says where that pays).
         """
+        per_layer = self.routed_layers(groups)
+        for key in fused:
+            base = self._layers[key].get_base_layer()
+            if not isinstance(base, torch.nn.Linear):
+                raise ValueError(f"only Linear layers fuse; {key} is a {type(base).__name__}")
         handles = []
-        for key, mine in self.routed_layers(groups).items():
-            layer = self._layers[key]
-            one_pass = key in fused and isinstance(layer.get_base_layer(), torch.nn.Linear)
-            hook = _fused_hook(mine, images) if one_pass else _routing_hook(mine, images)
-            handles.append(layer.register_forward_hook(hook, with_kwargs=True))
+        for key, mine in per_layer.items():
+            hook = _fused_hook(mine, images) if key in fused else _routing_hook(mine, images)
+            handles.append(self._layers[key].register_forward_hook(hook, with_kwargs=True))
         try:
             yield
         finally:

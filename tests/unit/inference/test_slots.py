@@ -183,3 +183,15 @@ def test_a_mixed_call_fused_draws_the_images_it_draws_one_pass_per_adapter(
         assert np.abs(one - other).max() <= 1  # batched float rounding at most
     for i, j in [(0, 1), (0, 2), (0, 3), (1, 3)]:
         assert np.abs(fused[i] - fused[j]).mean() > 1  # each image kept its own adapter
+
+
+def test_only_linear_layers_fuse() -> None:
+    probe = torch.nn.ModuleDict({"conv": torch.nn.Conv2d(4, 4, 3, padding=1)})
+    slots = Slots({"probe": probe})
+    key = ("probe", "conv")
+    down, up = torch.randn(2, 4, 3, 3), torch.randn(4, 2, 1, 1)
+    slots.place("a", {key: LayerWeights(down=down, up=up, alpha=2, rslora=False)})
+    routed = slots.routed([Group("a", 0, 1)], 2, fused=[key])
+    with pytest.raises(ValueError, match=r"only Linear layers fuse; .* is a Conv2d"), routed:
+        pass
+    assert not probe["conv"]._forward_hooks  # nothing left hooked
