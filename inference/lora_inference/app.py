@@ -26,6 +26,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from lora_inference import api, errors
+from lora_inference.adapters.registry import AdapterRecord
 from lora_inference.config import ServerConfig
 from lora_inference.engine import Engine
 from lora_inference.metrics import Metrics
@@ -150,6 +151,8 @@ async def list_models(request: web.Request) -> web.Response:
     config = request.app[CONFIG]
     created = int(request.app[STARTED_AT])
     cards = [_card(config.model_id, str(config.model), None, created)]
+    if config.simulate:
+        cards[0]["simulated"] = config.simulate  # benchmarks and tests: no real model
     engine = _started(request.app)
     if engine is not None:
         for record in engine.registry.records():
@@ -256,7 +259,19 @@ async def generate_images(request: web.Request) -> web.Response:
                 "seed": generated.seed,
             }
         )
-    return web.json_response({"created": int(time.time()), "data": data})
+    return web.json_response(
+        {"created": int(time.time()), "data": data},
+        headers=served_headers(record, request.app[CONFIG].model_id),
+    )
+
+
+def served_headers(record: AdapterRecord | None, base_model: str) -> dict[str, str]:
+    """What the images were made with: `x-lora-model`, the adapter's name on this server (a
+    rollout's canary: its alias; a stack: its members at their scales) or the base model's id,
+    and `x-lora-revision`, the sha256 of the adapter's weights (a stack's: of its members')."""
+    if record is None:
+        return {"x-lora-model": base_model}
+    return {"x-lora-model": record.name, "x-lora-revision": record.sha256}
 
 
 async def playground_page(request: web.Request) -> web.Response:
@@ -287,6 +302,8 @@ def create_app(config: ServerConfig, *, backend: DiffusionBackend | None = None)
     app = web.Application(middlewares=[error_middleware], client_max_size=1024**2)
     app[CONFIG] = config
     app[METRICS] = Metrics()
+    if config.simulate:
+        app[METRICS].simulated.labels(config.simulate).set(1)
     app[STARTED_AT] = time.time()
     app.router.add_post("/v1/load_lora_adapter", load_adapter)
     app.router.add_post("/v1/unload_lora_adapter", unload_adapter)

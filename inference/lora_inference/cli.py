@@ -9,6 +9,7 @@ import os
 import signal
 import sys
 from pathlib import Path
+from typing import Any
 
 from lora_inference.config import ServerConfig, StaticLora
 
@@ -108,6 +109,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--max-queue", type=int, default=64, help="queued requests before answering 429"
     )
+    serve.add_argument(
+        "--simulate",
+        metavar="PROFILE",
+        help="benchmarks and tests only: no model and no torch; every GPU cost is a sleep from "
+        "PROFILE (a bundled name such as h200-sdxl-20step, or a profile file) and images are "
+        "8x8 stand-ins; --model then only names the served model",
+    )
     serve.add_argument("--host", default="0.0.0.0")
     serve.add_argument("--port", type=int, default=8000)
 
@@ -171,6 +179,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         max_queue=args.max_queue,
         host=args.host,
         port=args.port,
+        simulate=args.simulate,
     )
 
 
@@ -179,7 +188,12 @@ async def serve(config: ServerConfig) -> int:
 
     from lora_inference.app import STARTUP, create_app
 
-    app = create_app(config)
+    backend: Any = None
+    if config.simulate:
+        from lora_inference import simulate
+
+        backend = simulate.SimulatedBackend(simulate.load_profile(config.simulate))
+    app = create_app(config, backend=backend)
     runner = web.AppRunner(app, handle_signals=False)
     await runner.setup()
     await web.TCPSite(runner, config.host, config.port).start()
@@ -207,6 +221,16 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     if args.command == "serve":
+        if args.simulate:
+            # Before anything imports the server: its pipeline module would import torch.
+            from lora_inference import simulate
+
+            try:
+                simulate.load_profile(args.simulate)
+            except simulate.ProfileError as e:
+                print(f"lora-inference: --simulate: {e}", file=sys.stderr)
+                return 2
+            simulate.stand_in()
         config = config_from_args(args)
         try:
             config.check()

@@ -51,6 +51,9 @@ class ServerConfig:
     fuse: FusePolicy = "auto"
     host: str = "0.0.0.0"
     port: int = 8000
+    # A simulated GPU's profile (`--simulate`, lora_inference.simulate): the pipeline sleeps for
+    # its costs; benchmarks and tests only. None: a real pipeline.
+    simulate: str | None = None
 
     @property
     def model_id(self) -> str:

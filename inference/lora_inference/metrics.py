@@ -91,6 +91,14 @@ class Metrics:
             registry=r,
         )
         self._lora_info_labels: tuple[str, str, str] | None = None
+        self.simulated = Gauge(
+            "lora_simulated_gpu",
+            "1 on a server whose pipeline is simulated (lora-inference serve --simulate): a "
+            "benchmark and test tool whose times come from the profile and whose images are "
+            "stand-ins",
+            ["profile"],
+            registry=r,
+        )
 
     def set_lora_info(
         self, max_lora: int, *, running: Collection[str], waiting: Collection[str], at: float

@@ -1,0 +1,239 @@
+"""The simulated pipeline: the engine's backend with every GPU cost replaced by a sleep.
+
+`SimulatedBackend` has the methods the engine, residency and admission call on
+`pipeline.DiffusionBackend`, and does what they expect of it, except the arithmetic: reading an
+adapter checks the file as far as it can without a model (its format, its safetensors header,
+that it is a LoRA, its rank) and sleeps for the profile's read; a copy into a slot sleeps for the
+profile's copy; a pipeline call sleeps for the call's cost and returns, per image, an 8x8 image
+whose colours are a function of the prompt, the seed, and the adapter in the slot and its scale.
+It cannot refuse what needs the model's weights: adapter shapes that do not fit the model's
+layers, or NaN and Inf weights (the real server's 422 for those).
+
+The module also stands in for `lora_inference.pipeline` in a process that serves with
+`--simulate` (see `lora_inference.simulate`), so it defines the names the server imports from
+there (`DiffusionBackend`, `ParsedAdapter`, `ImageJob`, `BatchOutcome`, `resolve_dtype`,
+`default_device`), with the same fields, and imports neither torch nor the real pipeline.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from lora_volume import files
+from PIL import Image
+
+from lora_inference import errors
+from lora_inference.simulate.profile import BatchPath, Profile
+
+SIMULATED_DEVICE = "simulated"
+_IMAGE_SIDE = 8
+_LAYER = ("simulated", "adapter")
+
+
+@dataclass(frozen=True)
+class _Extent:
+    """Stands for a tensor where only its size is read (`nbytes`)."""
+
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class SimulatedWeights:
+    """An adapter's weights as the simulation keeps them: how large they are on the simulated
+    model, and their rank (what the engine and stacking read of a layer's weights)."""
+
+    mb: float
+    rank: int
+
+    @property
+    def down(self) -> _Extent:
+        return _Extent(int(self.mb * 1e6))
+
+    @property
+    def up(self) -> _Extent:
+        return _Extent(0)
+
+
+@dataclass(frozen=True)
+class ParsedAdapter:
+    """What the CPU tier caches (the fields of `pipeline.ParsedAdapter`)."""
+
+    sha256: str
+    size_bytes: int
+    rank: int
+    weights_file: Path
+    layers: Mapping[Any, Any]
+
+
+@dataclass(frozen=True)
+class ImageJob:
+    """One request's share of a batch (the fields of `pipeline.ImageJob`)."""
+
+    prompt: str
+    negative_prompt: str | None
+    seeds: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class BatchOutcome:
+    images: list[Image.Image]
+    path: BatchPath
+    merged_layers: int
+
+
+def resolve_dtype(name: str, device: str) -> str:
+    """The simulation has no tensors: the dtype is only a name."""
+    return name
+
+
+def default_device() -> str:
+    return SIMULATED_DEVICE
+
+
+def simulated_mb(parsed: Any) -> float:
+    """How large a parsed adapter (or a stack of them) is on the simulated model."""
+    return float(sum(getattr(w, "mb", 0.0) for w in parsed.layers.values()))
+
+
+class SimulatedBackend:
+    """A pipeline that sleeps for the profile's costs. `sleep` is injected so tests can count
+    the costs instead of waiting; `charged` sums what was slept, by kind (read, copy,
+    generation)."""
+
+    def __init__(self, profile: Profile, *, sleep: Callable[[float], None] = time.sleep) -> None:
+        self.profile = profile
+        self.family = f"{profile.family}, simulated as {profile.name}"
+        self.device = SIMULATED_DEVICE
+        self.default_size = profile.size
+        self.default_steps = profile.steps
+        self.default_guidance = profile.guidance
+        self.calibration = None
+        self._sleep = sleep
+        self._slots: dict[str, tuple[str, float]] = {}  # slot -> (adapter sha256, its MB)
+        self._lock = threading.Lock()  # `charged` is written by the reader pool too
+        self.charged: collections.defaultdict[str, float] = collections.defaultdict(float)
+
+    @classmethod
+    def load(cls, model_dir: Path, *, device: str, dtype: Any) -> SimulatedBackend:
+        raise RuntimeError(
+            "a simulated server is given its profile (lora-inference serve --simulate PROFILE)"
+        )
+
+    def _charge(self, kind: str, seconds: float) -> None:
+        with self._lock:
+            self.charged[kind] += seconds
+        if seconds > 0:
+            self._sleep(seconds)
+
+    # -- reading adapters (any thread) ----------------------------------------------------------
+
+    def parse_adapter(self, path: Path, *, name: str, max_rank: int) -> ParsedAdapter:
+        """Check the file as the real server does as far as no model is needed, then sleep for
+        the profile's read of an adapter of its rank on the simulated model."""
+        weights = files.find_weights_file(path)
+        data = weights.read_bytes()
+        header = files.parse_safetensors_header(data, len(data), name=weights.name)
+        keys = sorted(header.tensors)
+        files.check_lora_keys(keys, name=name)
+        rank = max(
+            (
+                t.shape[0]
+                for k, t in header.tensors.items()
+                if ("lora_A" in k or "lora_down" in k) and t.shape
+            ),
+            default=0,
+        )
+        if rank == 0:
+            raise errors.IncompatibleAdapter(
+                f"adapter {name!r} does not fit this model: it holds no LoRA pairs",
+                param="lora_path",
+            )
+        if rank > max_rank:
+            raise errors.IncompatibleAdapter(
+                f"adapter {name!r} does not fit this model: its rank {rank} exceeds "
+                f"--max-lora-rank {max_rank}",
+                param="lora_path",
+            )
+        text_encoders = any(k.startswith(("text_encoder", "lora_te")) for k in keys)
+        mb = self.profile.adapter_mb(rank, text_encoders=text_encoders)
+        self._charge("read", self.profile.read_s(mb))
+        return ParsedAdapter(
+            sha256=hashlib.sha256(data).hexdigest(),
+            size_bytes=len(data),
+            rank=rank,
+            weights_file=weights,
+            layers={_LAYER: SimulatedWeights(mb=mb, rank=rank)},
+        )
+
+    # -- the pipeline (pipeline thread only) ----------------------------------------------------
+
+    def calibrate(self) -> None:
+        """Nothing to measure: the profile holds the costs."""
+
+    def place(self, slot: str, adapter: ParsedAdapter) -> None:
+        mb = simulated_mb(adapter)
+        self._charge("copy", self.profile.copy_s(mb))
+        self._slots[slot] = (adapter.sha256, mb)
+
+    def clear(self, slot: str) -> None:
+        self._slots.pop(slot, None)
+
+    def resident_keys(self) -> set[str]:
+        return set(self._slots)
+
+    def run_batch(
+        self,
+        jobs: Sequence[Any],
+        slots: Sequence[str | None],
+        scales: Mapping[str, float],
+        *,
+        width: int,
+        height: int,
+        steps: int,
+        guidance_scale: float,
+        merge: str = "auto",
+        fuse: str = "auto",
+    ) -> BatchOutcome:
+        """Sleep for one call of the profile, the way the real pipeline would run it."""
+        kinds = set(slots)
+        adapters = len(kinds - {None})
+        path: BatchPath
+        if kinds == {None}:
+            path = "base"
+        elif len(kinds) == 1:
+            path = "adapter" if merge == "never" else "merged"
+        else:
+            path = "mixed"
+        images = sum(len(job.seeds) for job in jobs)
+        self._charge(
+            "generation",
+            self.profile.call_s(
+                images, path=path, adapters=adapters, steps=steps, width=width, height=height
+            ),
+        )
+        out = []
+        for job, slot in zip(jobs, slots, strict=True):
+            served = self._slots[slot][0] if slot is not None else ""
+            scale = scales.get(slot, 0.0) if slot is not None else 0.0
+            for seed in job.seeds:
+                out.append(_image(f"{job.prompt}\0{seed}\0{served}\0{scale!r}\0{guidance_scale}"))
+        return BatchOutcome(out, path, 1 if path == "merged" else 0)
+
+    def parameter_count(self) -> int:
+        return 0
+
+
+def _image(key: str) -> Image.Image:
+    """An 8x8 image whose pixels are a function of `key` (pure)."""
+    pixels = hashlib.shake_256(key.encode()).digest(_IMAGE_SIDE * _IMAGE_SIDE * 3)
+    return Image.frombytes("RGB", (_IMAGE_SIDE, _IMAGE_SIDE), pixels)
+
+
+DiffusionBackend = SimulatedBackend
