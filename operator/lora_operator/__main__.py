@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 import kopf
 
-from lora_operator import errors, staging
+from lora_operator import errors, staging, tokens
 from lora_operator.config import OperatorConfig, parse_args
 from lora_operator.controller import Controller
 from lora_operator.handlers import build_registry
@@ -32,6 +32,16 @@ def run(config: OperatorConfig, *, stop_flag: asyncio.Event | None = None) -> No
 
 def main(argv: Sequence[str] | None = None) -> int:
     config = parse_args(argv)
+    if config.admin_token is None and not config.no_admin_token:
+        # No silent open door: pods that require a token would refuse every call, and pods
+        # that require none are a choice to make on the command line.
+        print(
+            f"lora-operator: no admin token: {tokens.origin(config.admin_token_file)} holds "
+            "none; pass --admin-token-file (the chart mounts its Secret there), or "
+            "--no-admin-token for inference pods that require none",
+            file=sys.stderr,
+        )
+        return 2
     try:
         staging.check_volume(config.volume_root)
     except errors.VolumeUnsupported as e:

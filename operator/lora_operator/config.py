@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
 
-from lora_operator import staging
+from lora_operator import consent, staging, tokens, trust
 from lora_operator.model import DEFAULT_POD_VOLUME_ROOT
 
 # Decimal (SI) and binary (IEC) multiples, and Kubernetes' quantity suffixes (Ki, Mi, Gi...), so
@@ -55,6 +55,17 @@ def _size_arg(text: str) -> int:
 class OperatorConfig:
     volume_root: Path = Path(DEFAULT_POD_VOLUME_ROOT)
     admin_token: str | None = None
+    # The token's file, read again when it changes (a rotated Secret); None: `admin_token` as is.
+    admin_token_file: Path | None = None
+    # Run with no admin token at all (pods that require none): only with --no-admin-token.
+    no_admin_token: bool = False
+    # Which labelled pods are the release's inference pods (trust.Policy; None: not checked).
+    inference_namespaces: tuple[str, ...] | None = None
+    inference_service_account: str | None = None
+    inference_workloads: tuple[str, ...] | None = None
+    # Where sources may be fetched from, and who may use the operator's cloud identity.
+    source_hosts: tuple[str, ...] = ()
+    ambient_namespaces: tuple[str, ...] = ("*",)
     namespaces: tuple[str, ...] = ()  # empty: every namespace
     standalone: bool = True
     peering: str | None = None
@@ -83,6 +94,22 @@ class OperatorConfig:
     # How often adapters with spec.autoscale have their request rate measured (the pods' hit
     # counters are read that often) and their replicas reconsidered.
     autoscale_interval_s: float = 15.0
+
+    @property
+    def trust_policy(self) -> trust.Policy:
+        return trust.Policy(
+            namespaces=None
+            if self.inference_namespaces is None
+            else frozenset(self.inference_namespaces),
+            service_account=self.inference_service_account,
+            workloads=None
+            if self.inference_workloads is None
+            else frozenset(self.inference_workloads),
+        )
+
+    @property
+    def source_rules(self) -> consent.Rules:
+        return consent.Rules(hosts=self.source_hosts, ambient=self.ambient_namespaces)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> OperatorConfig:
@@ -120,7 +147,52 @@ def parse_args(argv: Sequence[str] | None = None) -> OperatorConfig:
     p.add_argument(
         "--admin-token-file",
         type=Path,
-        help="the inference pods' admin token; LORA_ADMIN_TOKEN is read when no file is given",
+        help="the inference pods' admin token, read again when it changes; LORA_ADMIN_TOKEN is "
+        "read when no file is given",
+    )
+    p.add_argument(
+        "--no-admin-token",
+        action="store_true",
+        help="run without an admin token (only for pods that require none); without it, a "
+        "missing or empty token refuses to start",
+    )
+    p.add_argument(
+        "--inference-namespace",
+        action="append",
+        default=None,
+        help="a namespace of the release's inference pods (repeatable); pods elsewhere get no "
+        "admin token and no adapters (default: every watched namespace)",
+    )
+    p.add_argument(
+        "--inference-service-account",
+        help="the ServiceAccount the release's inference pods run as (default: any)",
+    )
+    p.add_argument(
+        "--inference-workload",
+        action="append",
+        default=None,
+        help="a Deployment or StatefulSet whose pods are the release's inference pods "
+        "(repeatable; default: any owner, bare pods included)",
+    )
+    p.add_argument(
+        "--source-host",
+        action="append",
+        default=[],
+        help="a host https://, hf:// and s3:// sources may name (repeatable; *.example.com for "
+        "its subdomains); default: any host",
+    )
+    ambient = p.add_mutually_exclusive_group()
+    ambient.add_argument(
+        "--ambient-credentials-namespace",
+        action="append",
+        default=None,
+        help="a namespace whose s3:// sources without keys may use the operator's own cloud "
+        "identity (repeatable; default: every namespace)",
+    )
+    ambient.add_argument(
+        "--no-ambient-credentials",
+        action="store_true",
+        help="never sign s3:// requests with the operator's own cloud identity",
     )
     p.add_argument("--health-port", type=int, default=8080, help="liveness at /healthz")
     p.add_argument("--metrics-port", type=int, default=9090, help="Prometheus at /metrics")
@@ -149,9 +221,12 @@ def parse_args(argv: Sequence[str] | None = None) -> OperatorConfig:
     a = p.parse_args(argv)
     token: str | None
     if a.admin_token_file is not None:
-        token = a.admin_token_file.read_text().strip()
+        try:
+            token = tokens.read_token(a.admin_token_file)
+        except tokens.TokenError as e:
+            p.error(str(e))
     else:
-        token = os.environ.get("LORA_ADMIN_TOKEN") or None
+        token = os.environ.get("LORA_ADMIN_TOKEN", "").strip() or None
     for flag, value in (
         ("--max-concurrent-stagings", a.max_concurrent_stagings),
         ("--max-concurrent-loads", a.max_concurrent_loads),
@@ -172,6 +247,15 @@ def parse_args(argv: Sequence[str] | None = None) -> OperatorConfig:
     return OperatorConfig(
         volume_root=a.volume_root,
         admin_token=token,
+        admin_token_file=a.admin_token_file,
+        no_admin_token=a.no_admin_token,
+        inference_namespaces=tuple(a.inference_namespace) if a.inference_namespace else None,
+        inference_service_account=a.inference_service_account or None,
+        inference_workloads=tuple(a.inference_workload) if a.inference_workload else None,
+        source_hosts=tuple(h for h in a.source_host if h),
+        ambient_namespaces=()
+        if a.no_ambient_credentials
+        else tuple(a.ambient_credentials_namespace or ("*",)),
         namespaces=tuple(a.namespace),
         standalone=a.peering is None,
         peering=a.peering,

@@ -25,12 +25,14 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import os
 import time
 import uuid
 from collections import Counter
 from collections.abc import Callable, Collection, Coroutine, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
+from urllib.parse import urlsplit
 
 import aiohttp
 import kopf
@@ -40,6 +42,7 @@ from lora_operator import (
     autoscale,
     backoff,
     composition,
+    consent,
     errors,
     events,
     gc,
@@ -52,11 +55,13 @@ from lora_operator import (
     sinks,
     sources,
     staging,
+    trust,
 )
 from lora_operator import status as status_mod
 from lora_operator.config import OperatorConfig
 from lora_operator.metrics import Metrics
 from lora_operator.model import (
+    INFERENCE_LABEL,
     AdapterInfo,
     AutoscaleSpec,
     Command,
@@ -151,7 +156,7 @@ class Api(peering.Watcher, Protocol):
         self, namespace: str, name: str, status: Mapping[str, Any]
     ) -> None: ...
 
-    async def read_secret(self, namespace: str, name: str) -> dict[str, str]: ...
+    async def read_secret(self, namespace: str, name: str) -> kube.SecretRead: ...
 
     async def create_event(
         self, regarding: Mapping[str, str], name: str, type_: str, reason: str, note: str
@@ -262,8 +267,15 @@ class Controller:
             hf_endpoint=config.hf_endpoint,
         )
         self.pod_client: Pods = pods or PodClient(
-            admin_token=config.admin_token, timeout_s=config.load_timeout_s
+            admin_token=config.admin_token,
+            token_file=config.admin_token_file,
+            timeout_s=config.load_timeout_s,
         )
+        self.trust = config.trust_policy
+        # Labelled pods that are not the release's (trust.refusal), by key: the uid an Event
+        # was posted for, so that each such pod is reported once.
+        self._distrusted: dict[Key, str] = {}
+        self._api_endpoint: tuple[str, int] | None = None  # the API server's, from the login
         self.api: Api | None = api
         self.identity = identity or peering.own_identity()
         self.priority = (
@@ -307,6 +319,9 @@ class Controller:
     # -- lifecycle ----------------------------------------------------------------------------
 
     def use_credentials(self, info: kopf.ConnectionInfo) -> None:
+        server = urlsplit(info.server)
+        if server.hostname:
+            self._api_endpoint = (server.hostname, server.port or 443)
         old, self.api = self.api, kube.KubeApi(info, instance=self.identity)
         if old is not None:
             self._spawn(old.close())
@@ -426,6 +441,13 @@ class Controller:
 
     def pod_changed(self, info: PodInfo, deleted: bool = False) -> None:
         key = info.key
+        if deleted:
+            self._distrusted.pop(key, None)
+        elif (reason := trust.refusal(info, self.trust)) is not None:
+            # Not one of the release's inference pods: no worker, so no call at all (no admin
+            # token, no load), and an Event says why.
+            self._distrust(info, reason)
+            deleted = True
         prec = self.pods.get(key)
         self._stale_placements.add(info.namespace)
         if deleted:
@@ -443,6 +465,31 @@ class Controller:
             if before.uid != info.uid or before.restarts != info.restarts:
                 prec.report = None  # a new process: what it held is gone
             prec.wake.set()
+
+    def _distrust(self, info: PodInfo, reason: str) -> None:
+        if self._distrusted.get(info.key) == info.uid or not self.active.is_set():
+            return
+        self._distrusted[info.key] = info.uid
+        log.warning("action=distrust pod=%s/%s reason=%r", *info.key, reason)
+        regarding = {"apiVersion": "v1", "kind": "Pod", "name": info.name, "uid": info.uid}
+        if info.owner is not None and info.owner[0] in ("ReplicaSet", "Deployment", "StatefulSet"):
+            kind, name, uid = info.owner
+            regarding = {"apiVersion": "apps/v1", "kind": kind, "name": name, "uid": uid}
+        note = events.Note(
+            "Warning",
+            "UntrustedInferencePod",
+            f"pod {info.name} has the label {INFERENCE_LABEL} but is not one of the release's "
+            f"inference pods: {reason}. The operator sends it no admin token and loads nothing "
+            "on it.",
+        )
+        self._spawn(
+            self._send_event(
+                {**regarding, "namespace": info.namespace},
+                f"{info.name}.{uuid.uuid4().hex[:16]}",
+                1,
+                note,
+            )
+        )
 
     # -- staging ------------------------------------------------------------------------------
 
@@ -522,11 +569,13 @@ class Controller:
         else:
             source = sources.parse_source(info.source.uri, info.source.revision)
             described = sources.describe(source)
+            credentials = await self._credentials(info)
+            await self._check_source(source, credentials)
             staged = await self.volume.stage(
                 info.namespace,
                 info.name,
                 source,
-                credentials=await self._credentials(info),
+                credentials=credentials,
                 sha256=info.source.sha256,
                 progress=progress,
                 target=info.target,
@@ -641,12 +690,13 @@ class Controller:
         return delay
 
     async def _credentials(self, info: AdapterInfo) -> sources.Credentials:
+        ambient = self.config.source_rules.ambient_for(info.namespace)
         ref = info.source.secret
         if not ref:
-            return sources.Credentials()
+            return sources.Credentials(ambient=ambient)
         api = await self._api()
         try:
-            data = await api.read_secret(info.namespace, ref)
+            secret = await api.read_secret(info.namespace, ref)
         except kube.ApiError as e:
             if e.status == 404:
                 raise errors.SourceUnavailable(
@@ -661,7 +711,32 @@ class Controller:
                 f"Secret {ref!r} (source.secretRef) holds a value that is not UTF-8 text; "
                 "store the credentials as plain text"
             ) from e
-        return sources.credentials_from_secret(data)
+        # Before any value is used: a Secret that does not say it is for LoRAAdapters is
+        # refused, and its values never leave the operator.
+        consent.check_secret(ref, secret.labels, secret.annotations)
+        return dataclasses.replace(sources.credentials_from_secret(secret.data), ambient=ambient)
+
+    async def _check_source(self, source: sources.Source, credentials: sources.Credentials) -> None:
+        """Refuse a host outside the allowlist, or one that resolves to a link-local address
+        or the API server (consent decides; this resolves the names)."""
+        endpoint = consent.source_endpoint(source, credentials, self.config.hf_endpoint)
+        if endpoint is None:
+            return
+        host, port = endpoint
+        what = sources.describe(source)
+        consent.check_host(host, self.config.source_rules, what)
+        addresses = await _resolve(host)
+        # The API server's Service address is the API server on every port; the address the
+        # operator logs in to may be a shared host (a node), so there only its port.
+        service = os.environ.get("KUBERNETES_SERVICE_HOST")
+        api_addresses = await _resolve(service) if service else set()
+        api_endpoints: set[tuple[str, int]] = set()
+        if self._api_endpoint is not None:
+            login_host, login_port = self._api_endpoint
+            api_endpoints = {(a, login_port) for a in await _resolve(login_host)}
+        reason = consent.address_refusal(host, port, addresses, api_addresses, api_endpoints)
+        if reason is not None:
+            raise consent.HostRefused(f"{what}: {reason}; the operator never fetches from there")
 
     # -- deletion (the finalizer) -------------------------------------------------------------
 
@@ -1554,6 +1629,16 @@ class Controller:
         task = asyncio.create_task(coro, name=name)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+
+
+async def _resolve(host: str) -> set[str]:
+    """The addresses `host` resolves to; none when it does not resolve (the fetch then fails
+    with its own message)."""
+    try:
+        infos = await asyncio.get_running_loop().getaddrinfo(host, None)
+    except (OSError, UnicodeError):
+        return set()
+    return {str(i[4][0]) for i in infos}
 
 
 def _policy(spec: AutoscaleSpec) -> autoscale.Policy:

@@ -285,10 +285,14 @@ def _s3_client(credentials: sources.Credentials, policy: RetryPolicy) -> Any:
 
     session = boto3.session.Session()
     has_keys = credentials.aws_access_key_id is not None
-    # The chain is consulted only without keys: resolving it may ask a metadata endpoint.
+    # The chain is consulted only without keys, and only for namespaces the platform team
+    # lends the operator's identity to (consent.Rules.ambient): resolving it may ask a
+    # metadata endpoint.
     auth = choose_s3_auth(
         secret_has_keys=has_keys,
-        chain_has_credentials=not has_keys and session.get_credentials() is not None,
+        chain_has_credentials=not has_keys
+        and credentials.ambient
+        and session.get_credentials() is not None,
     )
     config = Config(
         retries={"max_attempts": policy.attempts, "mode": "standard"},

@@ -6,7 +6,8 @@
 
 Both kinds of object are held in kopf indices keyed by namespace (`lora_adapters`,
 `inference_pods`), complete before the first event handler runs; only pods with the
-`lora.dev/inference` label are watched at all. kopf's only write to an adapter is its finalizer
+`lora.dev/inference` label are watched at all, and only those `trust.refusal` accepts are
+indexed and reconciled. kopf's only write to an adapter is its finalizer
 (added once, removed after deletion): no diff-base annotation, no handler progress, no Events.
 """
 
@@ -16,7 +17,7 @@ from typing import Any
 
 import kopf
 
-from lora_operator import kube
+from lora_operator import kube, trust
 from lora_operator.config import OperatorConfig
 from lora_operator.controller import Controller
 from lora_operator.metrics import serve as serve_metrics
@@ -68,6 +69,8 @@ def build_registry(controller: Controller) -> kopf.OperatorRegistry:
     @kopf.index(id="inference_pods", **pods)  # type: ignore[arg-type]
     async def inference_pods(body: kopf.Body, **_: Any) -> dict[str, PodInfo]:
         info = pod_info(body)
+        if trust.refusal(info, controller.trust) is not None:
+            return {}  # a look-alike: never placed on, never targeted
         return {info.namespace: info}
 
     @kopf.index(id="lora_adapters", **adapters)  # type: ignore[arg-type]

@@ -16,7 +16,7 @@ import json
 import os
 from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import aiohttp
 import kopf
@@ -27,6 +27,14 @@ EVENTS = "/apis/events.k8s.io/v1"
 REPORTING_CONTROLLER = "lora.dev/operator"
 WATCH_READ_TIMEOUT_S = 120.0  # a watch asks the server to end it sooner (timeoutSeconds)
 SERVICE_ACCOUNT = Path("/var/run/secrets/kubernetes.io/serviceaccount")
+
+
+class SecretRead(NamedTuple):
+    """A Secret as the operator reads it: its values (decoded) and what it says about its use."""
+
+    data: dict[str, str]
+    labels: dict[str, str]
+    annotations: dict[str, str]
 
 
 class ApiError(Exception):
@@ -105,11 +113,16 @@ class KubeApi:
         body = {"metadata": {"resourceVersion": resource_version, "annotations": {key: None}}}
         await self.request("PATCH", path, body, "application/merge-patch+json")
 
-    async def read_secret(self, namespace: str, name: str) -> dict[str, str]:
-        """The Secret's data, decoded. Never logged."""
+    async def read_secret(self, namespace: str, name: str) -> SecretRead:
+        """The Secret's data, decoded, with its labels and annotations. Never logged."""
         body = await self.request("GET", f"/api/v1/namespaces/{namespace}/secrets/{name}")
         data = body.get("data") or {}
-        return {k: base64.b64decode(v).decode() for k, v in data.items()}
+        meta = body.get("metadata") or {}
+        return SecretRead(
+            {k: base64.b64decode(v).decode() for k, v in data.items()},
+            dict(meta.get("labels") or {}),
+            dict(meta.get("annotations") or {}),
+        )
 
     async def create_event(
         self, regarding: Mapping[str, str], name: str, type_: str, reason: str, note: str

@@ -49,6 +49,10 @@ class PodInfo:
     volume_root: PurePosixPath  # where the adapter volume is mounted inside the pod
     deleting: bool
     labels: tuple[tuple[str, str], ...] = field(default=())
+    # Who the pod is (trust.refusal decides whether it is one of the release's inference pods):
+    # its ServiceAccount, and its controlling owner as (kind, name, uid), None for a bare pod.
+    service_account: str = "default"
+    owner: tuple[str, str, str] | None = None
     # `labels` as a mapping, built once: every adapter's selector reads it at every pass.
     label_map: Mapping[str, str] = field(init=False, repr=False, compare=False)
 
@@ -96,6 +100,15 @@ def pod_info(body: Mapping[str, Any]) -> PodInfo:
         ),
         deleting=meta.get("deletionTimestamp") is not None,
         labels=tuple(sorted((meta.get("labels") or {}).items())),
+        service_account=str((body.get("spec") or {}).get("serviceAccountName") or "default"),
+        owner=next(
+            (
+                (str(o.get("kind", "")), str(o.get("name", "")), str(o.get("uid", "")))
+                for o in meta.get("ownerReferences") or ()
+                if isinstance(o, Mapping) and o.get("controller")
+            ),
+            None,
+        ),
     )
 
 

@@ -1,22 +1,25 @@
 """HTTP calls to one inference pod's adapter API (vLLM's shapes; see docs/inference-server.md).
 
 Every failure becomes a `PodError` that says whether retrying can help: a refusal of the adapter
-itself (422, 415, a path outside the pod's roots, a bad token) is permanent until the spec or the
-deployment changes; timeouts, connection errors, 429 and 5xx are transient.
+itself (422, 415, a path outside the pod's roots) is permanent until the spec or the deployment
+changes; timeouts, connection errors, 429, 5xx and 401 are transient. A 401 is what a token
+rotation looks like while the kubelet has given the new Secret to one side and not yet to the
+other: it is retried with the usual backoff, with the token file read again at every call.
 """
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import aiohttp
 
-from lora_operator import planning
+from lora_operator import planning, tokens
 from lora_operator.model import PodInfo
 
 # 404 on load: the pod does not see the revision yet (a lagging shared file system) - retry.
-_PERMANENT = {400, 401, 403, 413, 415, 422}
+_PERMANENT = {400, 403, 413, 415, 422}
 
 
 class PodError(Exception):
@@ -28,8 +31,16 @@ class PodError(Exception):
 
 
 class PodClient:
-    def __init__(self, *, admin_token: str | None, timeout_s: float, models_timeout_s: float = 10):
-        self._headers = {"Authorization": f"Bearer {admin_token}"} if admin_token else {}
+    def __init__(
+        self,
+        *,
+        admin_token: str | None,
+        timeout_s: float,
+        models_timeout_s: float = 10,
+        token_file: Path | None = None,
+    ):
+        self._token = admin_token
+        self._token_file = tokens.TokenFile(token_file, admin_token) if token_file else None
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
         self._models_timeout = aiohttp.ClientTimeout(total=models_timeout_s)
         self._session: aiohttp.ClientSession | None = None
@@ -45,6 +56,11 @@ class PodClient:
         if self._session is not None:
             await self._session.close()
             self._session = None
+
+    @property
+    def headers(self) -> dict[str, str]:
+        token = self._token_file.get() if self._token_file is not None else self._token
+        return {"Authorization": f"Bearer {token}"} if token else {}
 
     @property
     def session(self) -> aiohttp.ClientSession:
@@ -91,7 +107,7 @@ class PodClient:
             raise PodError(f"pod {pod.name} has no IP yet", permanent=False)
         try:
             async with self.session.request(
-                method, pod.url(path), json=body, headers=self._headers, timeout=timeout
+                method, pod.url(path), json=body, headers=self.headers, timeout=timeout
             ) as resp:
                 text = await resp.text()
                 if resp.status >= 400:

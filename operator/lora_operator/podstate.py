@@ -13,6 +13,9 @@ that changes it, one event at a time:
     any      --Conflicted--> Failed      the pod serves another adapter by this name (permanent)
     any      --Reported-->   Loaded      the pod's own /v1/models lists the wanted revision
     Loaded   --Reported-->   Pending     the pod no longer lists it (its server restarted empty)
+    Loading  --Reported-->   Pending     the pod answered 200 but does not list the wanted
+                                         revision: a failed load like any other (attempts + 1,
+                                         Failed at the bound), retried with the same backoff
 
 Only `Reported` makes an entry Loaded: what the pod says is the only evidence that it serves an
 adapter. The worker of a pod (controller.py) feeds the events and acts; this module decides.
@@ -38,6 +41,7 @@ class PodEntry:
     refused: Want | None = None  # what the pod refused for good: not retried while wanted
     loaded_at: str | None = None
     load_seconds: float | None = None
+    accepted: bool = False  # the last load call answered 200; the next report must list it
 
     @property
     def permanent(self) -> bool:
@@ -99,29 +103,24 @@ def transition(entry: PodEntry, event: Event, *, retry_bound: int) -> PodEntry:
     if isinstance(event, Started):
         if not may_load(entry, event.want):
             return entry
-        return replace(entry, state="Loading", refused=None)
+        return replace(entry, state="Loading", refused=None, accepted=False)
     if isinstance(event, Succeeded):
+        # Not yet evidence: `attempts` stays until the pod lists the revision (Reported).
         return replace(
             entry,
             state="Loading",
-            attempts=0,
-            last_error=None,
             refused=None,
+            accepted=True,
             loaded_at=event.at,
             load_seconds=round(event.seconds, 3),
         )
     if isinstance(event, Failed | Conflicted):
         permanent = isinstance(event, Conflicted) or event.permanent
         if permanent:
-            return replace(entry, state="Failed", refused=event.want, last_error=event.message)
-        attempts = entry.attempts + 1
-        return replace(
-            entry,
-            state="Failed" if attempts >= retry_bound else "Pending",
-            attempts=attempts,
-            last_error=event.message,
-            refused=None,
-        )
+            return replace(
+                entry, state="Failed", refused=event.want, last_error=event.message, accepted=False
+            )
+        return _failed_once(entry, event.message, retry_bound)
     return _reported(entry, event, retry_bound)
 
 
@@ -130,7 +129,25 @@ def _reported(entry: PodEntry, event: Reported, retry_bound: int) -> PodEntry:
     revision = card.revision if card is not None else None
     if card is not None and satisfied(event.want, card):
         return replace(
-            entry, state="Loaded", revision=revision, attempts=0, last_error=None, refused=None
+            entry,
+            state="Loaded",
+            revision=revision,
+            attempts=0,
+            last_error=None,
+            refused=None,
+            accepted=False,
+        )
+    if entry.accepted:
+        # The pod said 200 and then does not list it: counted as a failed load, so that the
+        # retries back off and end Degraded instead of calling once a pass for ever.
+        listed = "does not list it" if card is None else f"lists revision {revision}"
+        return replace(
+            _failed_once(
+                entry,
+                f"the pod accepted the load (200) but {listed} in GET /v1/models",
+                retry_bound,
+            ),
+            revision=revision,
         )
     if entry.refused is not None:
         if entry.refused == event.want:
@@ -139,6 +156,18 @@ def _reported(entry: PodEntry, event: Reported, retry_bound: int) -> PodEntry:
         return PodEntry(revision=revision)
     retrying = entry.attempts >= retry_bound
     return replace(entry, state="Failed" if retrying else "Pending", revision=revision)
+
+
+def _failed_once(entry: PodEntry, message: str, retry_bound: int) -> PodEntry:
+    attempts = entry.attempts + 1
+    return replace(
+        entry,
+        state="Failed" if attempts >= retry_bound else "Pending",
+        attempts=attempts,
+        last_error=message,
+        refused=None,
+        accepted=False,
+    )
 
 
 def retry_delay(entry: PodEntry, cap: float) -> float | None:

@@ -60,6 +60,9 @@ class Credentials:
     aws_endpoint_url: str | None = None
     aws_region: str | None = None
     authorization: str | None = field(default=None, repr=False)
+    # Whether an s3:// request without keys may be signed with the operator's own cloud
+    # identity (consent.Rules.ambient decides per namespace); False: it goes unsigned.
+    ambient: bool = True
 
 
 def parse_source(uri: str, revision: str | None = None) -> Source:
@@ -206,4 +209,11 @@ def credentials_from_secret(data: Mapping[str, str | bytes]) -> Credentials:
         raise errors.InvalidSource(
             "the Secret has only one of AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY; set both"
         )
-    return Credentials(**values)
+    return Credentials(
+        hf_token=values["hf_token"],
+        aws_access_key_id=values["aws_access_key_id"],
+        aws_secret_access_key=values["aws_secret_access_key"],
+        aws_endpoint_url=values["aws_endpoint_url"],
+        aws_region=values["aws_region"],
+        authorization=values["authorization"],
+    )

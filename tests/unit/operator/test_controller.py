@@ -16,7 +16,7 @@ from typing import Any
 
 import aiohttp
 import pytest
-from lora_operator import errors, kube, planning, staging
+from lora_operator import consent, errors, kube, planning, staging
 from lora_operator.config import OperatorConfig
 from lora_operator.controller import Controller, needs_staging
 from lora_operator.model import PodInfo, adapter_info, pod_info
@@ -89,6 +89,7 @@ class FakeApi:
         self.peering: dict[str, Any] = {}
         self.peering_changes: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
         self.secret_errors: list[Exception] = []  # raised by the next reads of a Secret
+        self.secrets: dict[str, kube.SecretRead] = {}  # by name; else an empty one that consents
         self.removed: list[tuple[str, str, str]] = []  # (object, annotation, resourceVersion)
         self.remove_errors: list[Exception] = []  # raised by the next annotation removals
 
@@ -97,10 +98,10 @@ class FakeApi:
     ) -> None:
         self.status.setdefault(name, []).append(dict(status))
 
-    async def read_secret(self, namespace: str, name: str) -> dict[str, str]:
+    async def read_secret(self, namespace: str, name: str) -> kube.SecretRead:
         if self.secret_errors:
             raise self.secret_errors.pop(0)
-        return {}
+        return self.secrets.get(name, kube.SecretRead({}, {consent.CONSENT_KEY: "true"}, {}))
 
     async def create_event(
         self, regarding: Mapping[str, str], name: str, type_: str, reason: str, note: str
@@ -546,3 +547,45 @@ async def test_an_unreachable_api_server_while_reading_the_secret_is_retried(
         c.adapter_changed(body)
         await until("Ready after a retry", lambda: rig.ready("a"))
         assert rig.api.secret_errors == []
+
+
+async def test_a_secret_that_does_not_consent_fails_the_adapter_and_is_never_used(
+    tmp_path: Path,
+) -> None:
+    async with Rig(tmp_path) as rig:
+        rig.api.secrets["db"] = kube.SecretRead({"AUTHORIZATION": "Bearer s3cret"}, {}, {})
+        c = rig.controller
+        c.start()
+        c.pod_changed(pod("p1"))
+        body = adapter(rig.volume, "a")
+        body["spec"]["source"]["secretRef"] = {"name": "db"}
+        c.adapter_changed(body)
+        await until("Failed", lambda: "Failed" in rig.api.phases("a"))
+        status = rig.api.status["a"][-1]
+        staged = next(x for x in status["conditions"] if x["type"] == "Staged")
+        assert staged["reason"] == "SecretNotConsented"
+        assert consent.CONSENT_KEY in staged["message"]
+        assert "s3cret" not in str(rig.api.status) + str(rig.api.events)
+        assert rig.log == []  # nothing staged, nothing loaded
+
+
+async def test_a_labelled_pod_that_is_not_the_releases_gets_no_call_and_an_event(
+    tmp_path: Path,
+) -> None:
+    async with Rig(
+        tmp_path, inference_namespaces=(NS,), inference_service_account="inference"
+    ) as rig:
+        c = rig.controller
+        c.start()
+        trusted = dataclasses.replace(pod("p1"), service_account="inference")
+        c.pod_changed(trusted)
+        c.pod_changed(pod("lookalike"))  # the default ServiceAccount
+        c.adapter_changed(adapter(rig.volume, "a"))
+        await until("Ready", lambda: rig.ready("a"))
+        await until("an Event", lambda: "UntrustedInferencePod" in rig.api.reasons("lookalike"))
+        c.pod_changed(pod("lookalike"))  # reported once per pod
+        await asyncio.sleep(0.5)
+        assert rig.api.status["a"][-1]["ready"] == "1/1"
+        assert "lookalike" not in rig.pods.reads and ("load", "lookalike", "a") not in rig.log
+        (note,) = [n for o, _, _, n in rig.api.events if o == "lookalike"]
+        assert "ServiceAccount 'default'" in note and "no admin token" in note

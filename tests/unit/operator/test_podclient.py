@@ -72,7 +72,9 @@ async def test_load_sends_the_pods_path_token_scale_and_pin(pod: Any) -> None:
 
 
 @pytest.mark.parametrize(
-    ("status", "permanent"), [(422, True), (401, True), (503, False), (429, False)]
+    ("status", "permanent"),
+    [(422, True), (401, False), (503, False), (429, False)],
+    ids=["refused", "token-rotating", "unavailable", "overloaded"],
 )
 async def test_refusals_are_permanent_and_overload_transient(
     pod: Any, status: int, permanent: bool
@@ -84,6 +86,22 @@ async def test_refusals_are_permanent_and_overload_transient(
             await client.load(info, planning.Want("a", SHA, 1.0, False), inplace=False)
     assert e.value.permanent is permanent
     assert "wrong shapes" in e.value.message
+
+
+async def test_a_rotated_token_file_is_sent_from_the_next_call(pod: Any, tmp_path: Path) -> None:
+    info, seen = pod
+    token = tmp_path / "token"
+    token.write_text("old\n")
+    async with PodClient(admin_token="old", token_file=token, timeout_s=5) as client:
+        await client.load(info, planning.Want("a", SHA, 1.0, False), inplace=False)
+        assert seen["auth"] == "Bearer old"
+        # The kubelet swaps the file; mid-swap, an empty file keeps the token in use.
+        token.write_text("")
+        await client.load(info, planning.Want("a", SHA, 1.0, False), inplace=False)
+        assert seen["auth"] == "Bearer old"
+        token.write_text("new-token\n")
+        await client.load(info, planning.Want("a", SHA, 1.0, False), inplace=False)
+        assert seen["auth"] == "Bearer new-token"
 
 
 async def test_an_unreachable_pod_is_transient() -> None:

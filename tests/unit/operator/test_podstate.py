@@ -162,3 +162,23 @@ def test_invariants_hold_after_any_sequence(sequence: list[podstate.Event]) -> N
         assert entry.state != "Pending" or entry.attempts < BOUND
         delay = retry_delay(entry, 60)
         assert (delay is None) == (entry.state == "Loaded" or entry.permanent)
+
+
+def test_a_pod_that_accepts_loads_but_never_lists_them_backs_off_to_failed() -> None:
+    """A 200 is not evidence: each report that then does not list the revision counts as a
+    failed load, so the retries back off and end Failed (Degraded) with the reason, never a
+    call once a pass for ever."""
+    entry = PodEntry()
+    delays = []
+    for attempt in range(1, BOUND + 1):
+        entry = run(Started(A), Succeeded(A, 0.1, "t"), Reported(A, None), entry=entry)
+        assert entry.attempts == attempt
+        assert "accepted the load (200) but does not list it" in (entry.last_error or "")
+        delays.append(retry_delay(entry, cap=60))
+    assert entry.state == "Failed" and entry.retrying
+    assert delays == [2.0, 4.0, 8.0]
+    # Listing the wrong revision is no better; listing the wanted one ends it.
+    wrong = run(Started(A), Succeeded(A, 0.1, "t"), Reported(A, card(B)))
+    assert wrong.attempts == 1 and "lists revision" in (wrong.last_error or "")
+    assert run(Reported(A, card(A)), entry=entry).state == "Loaded"
+    assert run(Reported(A, card(A)), entry=entry).attempts == 0
