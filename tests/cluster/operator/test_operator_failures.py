@@ -93,7 +93,11 @@ def test_bad_sources_get_the_documented_phase_and_reason_and_harm_no_other_adapt
             {
                 "apiVersion": "v1",
                 "kind": "Secret",
-                "metadata": {"name": "origin-creds"},
+                # Lent to LoRAAdapters on purpose: a Secret without this label is refused.
+                "metadata": {
+                    "name": "origin-creds",
+                    "labels": {"lora.dev/source-credentials": "true"},
+                },
                 "stringData": {"AUTHORIZATION": SECRET_HEADER},
             },
             ns,
