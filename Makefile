@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install prepare packages binaries test lint typecheck unit demo demo-inference images e2e-kind bench bench-operator docs clean
+.PHONY: install prepare packages binaries test lint typecheck unit demo demo-inference images push chart-push e2e-kind bench bench-operator docs clean
 
 install: $(STAMP) packages binaries
 
@@ -57,10 +57,31 @@ demo-inference: install
 # The container images (base, pause, operator, inference) without a Docker daemon: buildah
 # from a local Debian base, as docker-archive tars in a cache keyed by their inputs
 # (LORA_IMAGE_CACHE, default ~/.cache/lora-operator/images); an unchanged tree builds nothing.
+# The operator and inference images are left tagged in buildah's storage as
+# lora-operator/operator:<appVersion> and lora-operator/inference:<appVersion>.
 # Needs root and the Debian packages `make install` installs; see docs/images.md.
 IMAGES_PY = $(if $(wildcard $(PY)),$(PY),python3)
 images: packages
 	PYTHONPATH=devcluster $(IMAGES_PY) -m lora_devcluster.images build
+
+# `make push REGISTRY=host[:port]/path`: the operator and inference images (built first when
+# missing) to REGISTRY/operator:<appVersion> and REGISTRY/inference:<appVersion>;
+# `make chart-push REGISTRY=...`: the packaged chart to oci://REGISTRY/lora-operator:<version>.
+# Log in first (`buildah login`, `helm registry login`); PLAIN_HTTP=1 for a registry without TLS;
+# PUSH_IMAGES=operator pushes one image.
+REGISTRY ?=
+PLAIN_HTTP ?=
+PUSH_IMAGES ?=
+CHART_VERSION = $(shell sed -n 's/^version: *"\{0,1\}\([^"]*\)"\{0,1\}$$/\1/p' charts/lora-operator/Chart.yaml)
+HELM_PATH = PATH="$$PATH:$$(PYTHONPATH=devcluster $(IMAGES_PY) -m lora_devcluster.cli bin-dir 2>/dev/null)"
+push: packages
+	@test -n "$(REGISTRY)" || { echo "usage: make push REGISTRY=host[:port]/path [PLAIN_HTTP=1]" >&2; exit 2; }
+	PYTHONPATH=devcluster $(IMAGES_PY) -m lora_devcluster.images push $(REGISTRY) $(if $(PLAIN_HTTP),--plain-http) $(foreach i,$(PUSH_IMAGES),--only $(i))
+
+chart-push:
+	@test -n "$(REGISTRY)" || { echo "usage: make chart-push REGISTRY=host[:port]/path [PLAIN_HTTP=1]" >&2; exit 2; }
+	$(HELM_PATH) helm package charts/lora-operator -d dist
+	$(HELM_PATH) helm push dist/lora-operator-$(CHART_VERSION).tgz oci://$(REGISTRY) $(if $(PLAIN_HTTP),--plain-http)
 
 # The end-to-end suite against a kind cluster: needs Docker and kind (see docs/operations.md);
 # kind loads the archives `make images` built.

@@ -4,6 +4,8 @@
 pause, operator, inference): its reference, a docker-archive tar in the cache and the key it was
 built under, building what is missing; `built()` returns the same without building. The local
 cluster imports those archives into its containerd; `kind load image-archive` takes them too.
+`tag_local()` leaves the operator and inference images under their references in buildah's
+storage (what `make images` does last), and `push()` copies them to a registry (`make push`).
 
 Owns: the plan (which images exist, which inputs each one has, the key over those inputs: pure
 functions of a `Tree` read from the checkout), and its execution (debootstrap for the Debian
@@ -13,6 +15,7 @@ not create.
 
     python -m lora_devcluster.images build [--only NAME]... [--json]
     python -m lora_devcluster.images list  [--only NAME]... [--json]
+    python -m lora_devcluster.images push  REGISTRY [--only NAME]... [--plain-http] [--no-compress]
 """
 
 from __future__ import annotations
@@ -151,6 +154,10 @@ class ImageSpec:
 
     def archive_name(self) -> str:
         return f"{self.name}-{self.key}.tar"
+
+    def id_name(self) -> str:
+        """The file beside the archive that holds the built image's ID in buildah's storage."""
+        return f"{self.name}-{self.key}.id"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -332,6 +339,19 @@ def compute_key(inputs: Mapping[str, object]) -> str:
     """The key over an image's inputs: a sha256 of their canonical JSON, shortened."""
     blob = json.dumps(inputs, sort_keys=True, separators=(",", ":")).encode()
     return hashlib.sha256(blob).hexdigest()[:KEY_LENGTH]
+
+
+def push_destination(ref: str, registry: str) -> str:
+    """Where `push` copies an image: `REGISTRY/<the reference's last path part>:<tag>`, so
+    `lora-operator/operator:0.1.0` goes to `registry.example.com/lora-operator/operator:0.1.0`
+    for REGISTRY=registry.example.com/lora-operator (pure)."""
+    dest = registry.strip().removeprefix("docker://").rstrip("/")
+    if not dest or "://" in dest or any(c.isspace() for c in dest) or dest.startswith("/"):
+        raise ImageError(
+            f"REGISTRY {registry!r}: expected host[:port][/path], "
+            "e.g. registry.example.com/lora-operator"
+        )
+    return f"{dest}/{ref.rsplit('/', 1)[-1]}"
 
 
 def app_version(chart_yaml: str) -> str:
@@ -907,6 +927,7 @@ def _prune_archives(cache: Path, name: str, keep: str) -> None:
     )
     for p in others[KEEP_ARCHIVES - 1 :]:
         p.unlink(missing_ok=True)
+        p.with_suffix(".id").unlink(missing_ok=True)
 
 
 def _prune_bases(current: str) -> None:
@@ -966,6 +987,10 @@ def _build_one(
                 _export(iid, spec, cache, log)
             finally:
                 _keep_for_layer_cache(spec, iid)
+            if spec.kind == "dockerfile":
+                # Which image of buildah's storage the archive holds, so that tag_local() can
+                # name it without reading the archive.
+                (cache / spec.id_name()).write_text(iid.removeprefix("sha256:") + "\n")
     finally:
         shutil.rmtree(work, ignore_errors=True)
     _prune_archives(cache, spec.name, spec.archive_name())
@@ -982,7 +1007,9 @@ def _keep_for_layer_cache(spec: ImageSpec, iid: str) -> None:
     _capture(["buildah", "tag", iid, tag])
     for previous in old:
         if previous.removeprefix("sha256:") != iid.removeprefix("sha256:"):
-            _capture(["buildah", "rmi", previous])
+            # --force: the replaced build may still carry the image's own reference
+            # (tag_local() names it); no container of ours uses it.
+            _capture(["buildah", "rmi", "--force", previous])
 
 
 def _images(specs: Mapping[str, ImageSpec], names: Sequence[str], cache: Path) -> list[Image]:
@@ -1070,6 +1097,93 @@ def ensure(
     return _images(specs, names, cache)
 
 
+PUSHED_IMAGES = ("operator", "inference")
+"""The images a cluster runs from a registry; base and pause are the local node's own."""
+
+
+def _bare_id(image_id: str | None) -> str:
+    return (image_id or "").removeprefix("sha256:")
+
+
+def tag_local(
+    names: Sequence[str] = PUSHED_IMAGES,
+    *,
+    root: Path | None = None,
+    cache_dir: Path | None = None,
+    build_args: Mapping[str, str] | None = None,
+    progress: Progress | None = None,
+) -> list[Image]:
+    """Leave each of `names` (built: see `built()`) in buildah's storage under its reference
+    (`lora-operator/operator:<appVersion>`), naming the build its archive holds, so that
+    `buildah push` (or podman, skopeo) finds it by name. The newest build already sits in the
+    storage as the layer cache, so naming it costs nothing; only when the storage has lost it
+    is the archive loaded (about a minute for the inference image)."""
+    say = progress or _say
+    unknown = [n for n in names if n not in PUSHED_IMAGES]
+    if unknown:
+        raise ImageError(f"{unknown[0]}: only {', '.join(PUSHED_IMAGES)} are tagged and pushed")
+    records = built(names, root=root, cache_dir=cache_dir, build_args=build_args)
+    root, specs = _plan(root, build_args)
+    cache = cache_dir or cache_root()
+    check_tools(())
+    for record in records:
+        spec = specs[record.role]
+        id_file = cache / spec.id_name()
+        want = id_file.read_text().strip() if id_file.exists() else None
+        if want and _bare_id(_image_id(spec.ref)) == want:
+            continue
+        if want and _image_exists(want):
+            _capture(["buildah", "tag", want, spec.ref])
+        else:
+            log = cache / "logs" / f"{spec.name}-{spec.key}.log"
+            log.parent.mkdir(parents=True, exist_ok=True)
+            say(f"{spec.name}: loading {record.archive.name} into buildah's storage")
+            pull = ["buildah", "pull", "--quiet", f"docker-archive:{record.archive}"]
+            _run(pull, log, f"loading {spec.name}")
+            want = _bare_id(_image_id(spec.ref))
+            id_file.write_text(want + "\n")
+        if not want or _bare_id(_image_id(spec.ref)) != want:
+            raise ImageError(f"{record.archive} is not in buildah's storage as {spec.ref}")
+        say(f"{spec.name:<9} tagged {spec.ref}")
+    return records
+
+
+def push(
+    registry: str,
+    names: Sequence[str] = PUSHED_IMAGES,
+    *,
+    plain_http: bool = False,
+    compress: bool = True,
+    root: Path | None = None,
+    cache_dir: Path | None = None,
+    build_args: Mapping[str, str] | None = None,
+    progress: Progress | None = None,
+) -> list[str]:
+    """Copy each of `names` from buildah's storage to `push_destination(ref, registry)`;
+    returns the references pushed. `plain_http`: a registry without TLS (buildah's
+    --tls-verify=false); `compress=False` sends the layers uncompressed (for a registry on the
+    same machine: gzipping the inference image's 5 GB takes minutes)."""
+    say = progress or _say
+    push_destination("lora-operator/operator", registry)  # a bad REGISTRY fails before any work
+    records = tag_local(
+        names, root=root, cache_dir=cache_dir, build_args=build_args, progress=progress
+    )
+    cache = cache_dir or cache_root()
+    pushed: list[str] = []
+    for record in records:
+        dest = push_destination(record.ref, registry)
+        log = cache / "logs" / f"push-{record.role}.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        log.write_text(f"# push {record.ref} -> {dest}\n")
+        cmd = ["buildah", "push", "--quiet", f"--tls-verify={str(not plain_http).lower()}"]
+        cmd += [] if compress else ["--disable-compression"]
+        t0 = time.monotonic()
+        _run([*cmd, record.ref, f"docker://{dest}"], log, f"pushing {record.role} to {dest}")
+        say(f"{record.role:<9} pushed {time.monotonic() - t0:6.1f} s  {dest}")
+        pushed.append(dest)
+    return pushed
+
+
 # ---- CLI
 
 
@@ -1092,14 +1206,34 @@ def build_parser(prog: str = "python -m lora_devcluster.images") -> argparse.Arg
     )
     sub = parser.add_subparsers(dest="action", required=True)
     for action, help_text in (
-        ("build", "build what is missing for the current tree; print one line per image"),
+        (
+            "build",
+            "build what is missing for the current tree, leave operator and inference tagged "
+            "in buildah's storage; print one line per image",
+        ),
         ("list", "the images built for the current tree; fails naming any that is missing"),
+        ("push", "push operator and inference (built and tagged first) to REGISTRY"),
     ):
         p = sub.add_parser(action, help=help_text)
+        if action == "push":
+            p.add_argument(
+                "registry",
+                metavar="REGISTRY",
+                help="host[:port][/path]: the images go to REGISTRY/operator:<appVersion> and "
+                "REGISTRY/inference:<appVersion>",
+            )
+            p.add_argument(
+                "--plain-http", action="store_true", help="the registry speaks HTTP, not HTTPS"
+            )
+            p.add_argument(
+                "--no-compress",
+                action="store_true",
+                help="send the layers uncompressed (a registry on this machine)",
+            )
         p.add_argument(
             "--only",
             action="append",
-            choices=NODE_IMAGES,
+            choices=PUSHED_IMAGES if action == "push" else NODE_IMAGES,
             metavar="NAME",
             help=f"only this image ({', '.join(NODE_IMAGES)}); repeatable",
         )
@@ -1133,10 +1267,27 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
     # build's containers and temporary files are removed.
     signal.signal(signal.SIGTERM, _interrupt)
     try:
-        names = tuple(args.only or NODE_IMAGES)
         build_args = _parse_build_args(args.build_arg)
+        root, cache_dir = args.root, args.cache_dir
+        if args.action == "push":
+            names = tuple(args.only or PUSHED_IMAGES)
+            ensure(names, root=root, cache_dir=cache_dir, build_args=build_args)
+            push(
+                args.registry,
+                names,
+                plain_http=args.plain_http,
+                compress=not args.no_compress,
+                root=root,
+                cache_dir=cache_dir,
+                build_args=build_args,
+            )
+            return 0
+        names = tuple(args.only or NODE_IMAGES)
         act = ensure if args.action == "build" else built
-        records = act(names, root=args.root, cache_dir=args.cache_dir, build_args=build_args)
+        records = act(names, root=root, cache_dir=cache_dir, build_args=build_args)
+        if args.action == "build":
+            tagged = [n for n in names if n in PUSHED_IMAGES]
+            tag_local(tagged, root=root, cache_dir=cache_dir, build_args=build_args)
     except ImageError as e:
         print(f"lora-devcluster images: error: {e}", file=sys.stderr)
         return 1

@@ -328,3 +328,41 @@ def test_a_missing_tool_names_its_package(monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.setattr(images.shutil, "which", lambda tool: None)
     with pytest.raises(images.ImageError, match=r"make install.*debootstrap"):
         images.check_tools(["debootstrap"])
+
+
+# ---- pushing
+
+
+@pytest.mark.parametrize(
+    ("registry", "expected"),
+    [
+        ("registry.example.com/lora-operator", "registry.example.com/lora-operator/operator:0.1.0"),
+        ("localhost:5000", "localhost:5000/operator:0.1.0"),
+        ("docker://r.io/a/b/", "r.io/a/b/operator:0.1.0"),
+    ],
+)
+def test_push_destination_keeps_the_name_and_tag_under_the_registry(
+    registry: str, expected: str
+) -> None:
+    assert images.push_destination("lora-operator/operator:0.1.0", registry) == expected
+
+
+@pytest.mark.parametrize("registry", ["", "https://r.io/x", "/abs/path", "r.io/a b"])
+def test_push_refuses_what_is_not_a_registry(registry: str) -> None:
+    with pytest.raises(images.ImageError, match="expected host"):
+        images.push_destination("lora-operator/operator:0.1.0", registry)
+
+
+def test_only_operator_and_inference_are_pushed() -> None:
+    parser = images.build_parser()
+    args = parser.parse_args(["push", "r.io/x", "--only", "operator", "--plain-http"])
+    assert (args.registry, args.only, args.plain_http) == ("r.io/x", ["operator"], True)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["push", "r.io/x", "--only", "pause"])
+    with pytest.raises(images.ImageError, match="only operator, inference"):
+        images.tag_local(["base"])
+
+
+def test_the_id_file_sits_beside_the_archive(tree: images.Tree) -> None:
+    spec = images.plan_images(tree)["operator"]
+    assert spec.id_name() == spec.archive_name().removesuffix(".tar") + ".id"
