@@ -382,15 +382,24 @@ class Admission:
 
         Published for other pods (their LoRAAdapter's selector or base model does not match
         this one): AdapterNotFound, as for an unknown name, saying why. A server that does not
-        know its labels, or an adapter without a target (a volume filled by hand), serves it.
+        know its labels, or an adapter without a target (a volume filled by hand), serves it;
+        with `published_only` (the chart), an adapter without a target is unknown.
         """
         root = self._config.adapter_root
-        found = layout.resolve_on_root(root, name) if root is not None else None
+        published_only = self._config.published_only
+        found = (
+            layout.resolve_on_root(root, name, published_only=published_only)
+            if root is not None
+            else None
+        )
         labels_file = self._config.pod_labels_file
-        if found is None or root is None or labels_file is None:
+        if found is None or root is None or (labels_file is None and not published_only):
             return found
         target = layout.read_target(root, name, param=param)
         if target is None:
+            # Placed by hand: served by name only where the server allows it (standalone).
+            return None if published_only else found
+        if labels_file is None:
             return found
         try:
             labels = targeting.parse_pod_labels(labels_file.read_text())

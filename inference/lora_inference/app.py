@@ -26,6 +26,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from lora_inference import api, errors
+from lora_inference import tokens as tokens_mod
 from lora_inference.adapters.registry import AdapterRecord
 from lora_inference.config import ServerConfig
 from lora_inference.engine import Engine
@@ -39,6 +40,7 @@ METRICS = web.AppKey("metrics", Metrics)
 ENGINE = web.AppKey("engine", Engine)
 STARTUP = web.AppKey("startup", asyncio.Task[Engine])
 STARTED_AT = web.AppKey("started_at", float)
+TOKENS = web.AppKey("tokens", tokens_mod.Tokens)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -97,8 +99,10 @@ def _started(app: web.Application) -> Engine | None:
 
 
 def _authorise(request: web.Request) -> None:
-    """Load and unload: the admin token, when one is configured."""
-    token = request.app[CONFIG].admin_token
+    """Load and unload: the admin token, when one is configured (the CLI refuses to start
+    without one unless told to); read from its file as it is now, so a rotation needs no
+    restart."""
+    token = request.app[TOKENS].admin()
     if token and not _bearer_is(request, token):
         raise errors.Unauthorized(
             "this endpoint needs 'Authorization: Bearer <token>' with the server's admin token"
@@ -108,10 +112,11 @@ def _authorise(request: web.Request) -> None:
 def _authorise_client(request: web.Request) -> None:
     """Generation and the read endpoints: the client token, when one is configured, or the
     admin token (the operator reads /v1/models with it)."""
-    config = request.app[CONFIG]
-    if not config.client_token:
+    tokens = request.app[TOKENS]
+    client = tokens.client()
+    if not client:
         return
-    if not any(_bearer_is(request, t) for t in (config.client_token, config.admin_token) if t):
+    if not any(_bearer_is(request, t) for t in (client, tokens.admin()) if t):
         raise errors.Unauthorized(
             "this endpoint needs 'Authorization: Bearer <token>' with the server's client "
             "token (or its admin token)"
@@ -301,6 +306,9 @@ def create_app(config: ServerConfig, *, backend: DiffusionBackend | None = None)
     config.check()
     app = web.Application(middlewares=[error_middleware], client_max_size=1024**2)
     app[CONFIG] = config
+    app[TOKENS] = tokens_mod.Tokens.of(
+        config.admin_token, config.client_token, config.admin_token_file, config.client_token_file
+    )
     app[METRICS] = Metrics()
     if config.simulate:
         app[METRICS].simulated.labels(config.simulate).set(1)

@@ -82,6 +82,19 @@ def build_parser() -> argparse.ArgumentParser:
         "(or set LORA_CLIENT_TOKEN); the admin token is accepted there too",
     )
     serve.add_argument(
+        "--no-admin-token",
+        action="store_true",
+        help="serve load and unload to anyone (a server on a laptop); without it, a missing or "
+        "empty admin token refuses to start",
+    )
+    serve.add_argument(
+        "--published-only",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="resolve from --adapter-root only adapters the operator published (target.json), "
+        "never a file placed there by hand (the chart turns it on)",
+    )
+    serve.add_argument(
         "--allow-request-adapters",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -150,8 +163,31 @@ def build_parser() -> argparse.ArgumentParser:
 def _token(path: Path | None, env: str) -> str | None:
     """A token from its file (mounted from a Secret), else from the environment variable."""
     if path is not None:
-        return path.read_text().strip() or None
-    return os.environ.get(env) or None
+        try:
+            return path.read_text().strip() or None
+        except OSError:
+            return None  # `token_problem` has refused to start
+    return os.environ.get(env, "").strip() or None
+
+
+def token_problem(args: argparse.Namespace) -> str | None:
+    """Why `serve` must not start with these tokens (None: it may): a token file that is
+    missing or empty, or no admin token at all without --no-admin-token. No silent open door."""
+    from lora_inference import tokens
+
+    for kind, path in (("admin", args.admin_token_file), ("client", args.client_token_file)):
+        if path is not None:
+            try:
+                tokens.read_token(path, kind)
+            except tokens.TokenError as e:
+                return str(e)
+    if _token(args.admin_token_file, "LORA_ADMIN_TOKEN") is None and not args.no_admin_token:
+        return (
+            f"no admin token: {tokens.origin('admin', None)} is not set and no "
+            "--admin-token-file is given; pass one, or --no-admin-token to let anyone who "
+            "reaches the server load and unload adapters"
+        )
+    return None
 
 
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
@@ -170,6 +206,9 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         max_lora_rank=args.max_lora_rank,
         admin_token=_token(args.admin_token_file, "LORA_ADMIN_TOKEN"),
         client_token=_token(args.client_token_file, "LORA_CLIENT_TOKEN"),
+        admin_token_file=args.admin_token_file,
+        client_token_file=args.client_token_file,
+        published_only=args.published_only,
         allow_request_adapters=args.allow_request_adapters,
         device=args.device or default_device(),
         dtype=args.dtype,
@@ -236,6 +275,10 @@ def main(argv: list[str] | None = None) -> int:
             config.check()
         except ValueError as e:
             print(f"lora-inference: {e}", file=sys.stderr)
+            return 2
+        problem = token_problem(args)
+        if problem is not None:
+            print(f"lora-inference: {problem}", file=sys.stderr)
             return 2
         return asyncio.run(serve(config))
     if args.command == "tiny-model":

@@ -36,6 +36,12 @@ class ServerConfig:
     # Bearer token for generation and the read endpoints (/v1/models, /v1/adapters); the admin
     # token is accepted there too. None: those endpoints are open.
     client_token: str | None = None
+    # The tokens' files, read again when they change (a rotated Secret); None: the values above.
+    admin_token_file: Path | None = None
+    client_token_file: Path | None = None
+    # Resolve from the adapter root only what the operator published (a `target.json` beside
+    # it); off, a file or folder placed there by hand is served by its name too.
+    published_only: bool = False
     # Whether a generation request may register an adapter itself (`lora.local_path`).
     allow_request_adapters: bool = True
     device: str = "cpu"

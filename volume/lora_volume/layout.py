@@ -20,7 +20,8 @@ own namespace as `--adapter-root`. Next to the namespaces, the operator keeps it
 
 and every revision directory holds a hard link to its object named
 `pytorch_lora_weights.safetensors`. A plain adapter directory or `<name>.safetensors` file
-directly under the root is also resolved, so a volume filled by hand works too.
+directly under the root is also resolved, so a volume filled by hand works too, unless the
+server resolves published adapters only (`--published-only`, as the chart runs it).
 """
 
 from __future__ import annotations
@@ -113,11 +114,16 @@ def tmp_dir(volume_root: Path) -> Path:
     return volume_root / TMP
 
 
-def resolve_on_root(root: Path, name: str) -> Path | None:
-    """The adapter path for `name` under `root`, or None when the root has no such adapter."""
+def resolve_on_root(root: Path, name: str, *, published_only: bool = False) -> Path | None:
+    """The adapter path for `name` under `root`, or None when the root has no such adapter.
+
+    `published_only`: only what the operator published (a `current` link), never a file or
+    folder placed under the root by hand."""
     link = current_link(root, name)
     if link.exists():
         return link.resolve()
+    if published_only:
+        return None
     for candidate in (root / name, root / f"{name}.safetensors"):
         # An adapter directory the operator manages is never a hand-filled adapter, even
         # when it has no `current` (unpublished, not collected yet).

@@ -141,6 +141,7 @@ def test_serve_exits_when_the_model_cannot_load(tmp_path: Path) -> None:
             "serve",
             "--model",
             str(tmp_path / "missing"),
+            "--no-admin-token",
             "--port",
             str(free_port()),
             "--host",
