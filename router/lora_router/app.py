@@ -11,8 +11,9 @@ Two headers say what happened: `x-lora-pod` (the pod that answered) and `x-lora-
 
 `GET /v1/models` is answered from every Ready pod at once (the union of their cards), since each
 pod lists only the adapters it holds; the pods are asked with the client's own Authorization.
-The load and unload endpoints are per pod and are not routed: they answer 404 and say to call
-the pods' Service.
+Only generation is forwarded (`paths.forwarded`, an allowlist); every other path that is not
+the router's own (the playground, the model list, its probes) answers 404 and is never sent to a
+pod: not load and unload, not a pod's /metrics or /v1/adapters.
 
 The app owns the background work: the API watches (`sources`) and the residency poller, the
 only requests that carry the router's own credential (`--client-token-file`, when the pods
@@ -34,7 +35,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from lora_router import fleet as fleet_mod
-from lora_router import routing
+from lora_router import paths, routing
 from lora_router.config import RouterConfig, read_token
 from lora_router.fleet import AdapterPlacement, Fleet, Split
 from lora_router.metrics import Metrics
@@ -63,7 +64,6 @@ _HOP = frozenset(
         "Content-Length",
     )
 )
-PER_POD = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
 ADAPTER_PATHS = ("/v1/images/generations",)
 
 
@@ -205,12 +205,10 @@ def _adapter_for(request: web.Request, body: bytes) -> str | None:
 async def proxy(request: web.Request) -> web.StreamResponse:
     config, fleet, state = request.app[CONFIG], request.app[FLEET], request.app[STATE]
     metrics = request.app[METRICS]
-    if request.path in PER_POD:
+    if not paths.forwarded(request.method, request.path):
+        # An allowlist: a pod's /metrics, /v1/adapters, load and unload never go through.
         return _json_error(
-            f"{request.path} is per pod and the router does not route it: create a LoRAAdapter, "
-            f"or call a pod through the Service {config.service}",
-            "NotFoundError",
-            404,
+            paths.refusal(request.method, request.path, config.service), "NotFoundError", 404
         )
     try:
         body = await _read_body(request)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,10 +34,19 @@ class RouterConfig:
 
 
 def read_token(path: Path) -> str:
-    """The bearer token in `path` (a Secret's key, mounted); ValueError when it is empty."""
-    token = path.read_text().strip()
+    """The bearer token in `path` (a Secret's key, mounted); ValueError when it is empty.
+
+    Read again at every poll, so a rotated Secret is picked up without a restart; the message
+    names the Secret when the chart says which one is mounted there
+    (`LORA_CLIENT_TOKEN_SECRET`)."""
+    secret = os.environ.get("LORA_CLIENT_TOKEN_SECRET")
+    where = f"{path} (from {secret})" if secret else str(path)
+    try:
+        token = path.read_text().strip()
+    except OSError as e:
+        raise ValueError(f"{where} cannot be read: {e.strerror or e}") from e
     if not token:
-        raise ValueError(f"{path} is empty")
+        raise ValueError(f"{where} is empty: an empty token would turn authentication off")
     return token
 
 

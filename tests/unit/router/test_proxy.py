@@ -152,7 +152,9 @@ async def test_answers_and_requests_pass_through_unchanged(
         assert resp.status == 418
         assert resp.headers["X-Upstream"] == "yes"
         assert (await resp.json())["error"]["message"] == "teapot"
-    async with router.session.get(router.url("/anything?big=5000000")) as resp:
+    async with router.session.post(
+        router.url("/v1/images/generations?big=5000000"), json=generation()
+    ) as resp:
         assert resp.status == 200
         assert await resp.read() == b"\x01\x02" * 2_500_000
     assert router.metric("lora_router_requests_total", reason="unplaced", code="418") == 1
@@ -232,7 +234,9 @@ async def test_an_answer_broken_midway_ends_the_clients_connection(
     router = await start_router()
     await pods(start_backend, router, Pod("a", mode="midstream"))
     with pytest.raises(aiohttp.ClientPayloadError):
-        async with router.session.get(router.url("/anything")) as resp:
+        async with router.session.post(
+            router.url("/v1/images/generations"), json=generation()
+        ) as resp:
             await resp.read()
     assert router.metric("lora_router_upstream_failures_total", kind="midstream") == 1
 
