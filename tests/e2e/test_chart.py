@@ -264,6 +264,12 @@ def test_operator_defaults(helm: str) -> None:
         "--standalone",
         "--volume-root=/var/lib/lora/adapters",
         "--admin-token-file=/var/run/lora/admin-token/token",
+        # Only the release's own inference pods get the admin token and load calls.
+        f"--inference-service-account={FULLNAME}-inference",
+        f"--inference-namespace={NAMESPACE}",
+        f"--inference-workload={FULLNAME}-inference",
+        # No tenant borrows the operator's cloud identity unless the values say so.
+        "--no-ambient-credentials",
         "--health-port=8080",
         "--metrics-port=9090",
         "--max-concurrent-stagings=4",
@@ -1019,7 +1025,8 @@ def test_network_policy_admits_the_operator_router_helm_test_and_allow_from(helm
     test_pod = one(docs, "Pod", f"{FULLNAME}-test-health")
     spec = policy["spec"]
     assert spec["podSelector"] == inference["spec"]["selector"]
-    assert spec["policyTypes"] == ["Ingress"]
+    # The inference pods open no connection at all.
+    assert (spec["policyTypes"], spec["egress"]) == (["Ingress", "Egress"], [])
     [ingress] = spec["ingress"]
     assert ingress["ports"] == [{"port": "http", "protocol": "TCP"}]
     peers = ingress["from"]

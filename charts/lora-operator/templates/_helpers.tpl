@@ -172,8 +172,8 @@ includes it, and helm renders every template, so any install or template reports
 {{- if and .Values.metrics.prometheusRule.enabled (not (or .Values.metrics.serviceMonitor.enabled .Values.metrics.podMonitor.enabled)) }}
 {{- fail "metrics.prometheusRule needs metrics.serviceMonitor.enabled or metrics.podMonitor.enabled: its alerts select the job labels those monitors set" }}
 {{- end }}
-{{- if and .Values.inference.enabled .Values.networkPolicy.enabled (not .Values.networkPolicy.allowFrom) (not (include "lora-operator.router.enabled" .)) }}
-{{- fail "networkPolicy.allowFrom is empty and router.enabled is false: only the operator could reach the inference pods, so nothing could generate; enable the router or name your gateway or clients there" }}
+{{- if and .Values.networkPolicy.enabled (not .Values.networkPolicy.allowFrom) (or .Values.inference.enabled (include "lora-operator.router.enabled" .)) }}
+{{- fail "networkPolicy.allowFrom is empty: with networkPolicy.enabled only its peers reach the router and the inference pods, so no client could generate; name your gateway, clients and Prometheus there" }}
 {{- end }}
 {{- if not (hasPrefix "/" .Values.volumeRoot) }}
 {{- fail (printf "volumeRoot must be an absolute path; got %q" .Values.volumeRoot) }}
