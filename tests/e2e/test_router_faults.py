@@ -391,6 +391,12 @@ def mute_pod(deployment: Obj, image: str, name: str) -> Obj:
     )
     labels = {**template["metadata"]["labels"], MUTE_LABEL: "withheld"}
     metadata = {"name": name, "labels": labels, "annotations": template["metadata"]["annotations"]}
+    # Owned by the release's inference Deployment (it runs as the release's ServiceAccount, from
+    # the template), so the operator counts it among the release's inference pods; the
+    # Deployment controller leaves alone a pod it controls directly (no ReplicaSet of it).
+    owner = {"kind": "Deployment", "apiVersion": "apps/v1", "controller": True}
+    owner |= {"name": deployment["metadata"]["name"], "uid": deployment["metadata"]["uid"]}
+    metadata["ownerReferences"] = [owner]
     return {"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": spec}
 
 
