@@ -28,7 +28,9 @@ async def serve(
         config, sources=kube_sources(config) if sources is None else sources, metrics=metrics
     )
     runners = [
-        web.AppRunner(app),
+        # No access log: a line per request cost a fifth of the router's CPU per request; the
+        # pods log every generation, and lora_router_requests_total counts each route and code.
+        web.AppRunner(app, access_log=None),
         web.AppRunner(metrics_app(metrics), access_log=None),
     ]
     for runner, port in zip(runners, (config.port, config.metrics_port), strict=True):

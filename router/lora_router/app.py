@@ -65,6 +65,9 @@ _HOP = frozenset(
     )
 )
 ADAPTER_PATHS = ("/v1/images/generations",)
+# Answers up to this size with a known length are read whole and sent in one write; longer
+# ones (large images) stream through.
+BUFFERED_ANSWER_BYTES = 256 * 1024
 
 
 def error_body(message: str, error_type: str, status: int) -> dict[str, Any]:
@@ -122,6 +125,8 @@ class ProxyState:
         self.config, self.fleet, self.metrics = config, fleet, metrics
         self.session: aiohttp.ClientSession | None = None
         self._gone: dict[str, asyncio.Event] = {}
+        # pod -> the calls to it still waiting for their answer's head
+        self.calls: dict[str, set[asyncio.Future[aiohttp.ClientResponse]]] = {}
         # Background loops that raised (each should run for ever): name -> the error. The
         # liveness probe fails while any did, so the kubelet restarts a router whose view froze.
         self.stopped: dict[str, str] = {}
@@ -135,6 +140,9 @@ class ProxyState:
         present = set(self.fleet.endpoints())
         for pod in [p for p in self._gone if p not in present]:
             self._gone.pop(pod).set()
+        for pod in [p for p in self.calls if p not in present]:
+            for call in self.calls.pop(pod):
+                call.cancel()
         self.fleet.forget_reports(present)
         self.update_gauges()
 
@@ -228,14 +236,20 @@ async def proxy(request: web.Request) -> web.StreamResponse:
             revision = placement.split.canary[:12]
     tried: list[str] = []
     failures: list[str] = []
+    now = time.monotonic()
+    backends = fleet.backends(now)
+    if adapter is not None:
+        fleet.note_request(adapter)
+    affinity = routing.affinity_pays(fleet.working_set(), fleet.fewest_slots(now))
     for attempt in range(2):
         decision = routing.route(
             adapter,
-            fleet.backends(time.monotonic()),
+            fleet.backends(time.monotonic()) if attempt else backends,
             placed,
             known=placement is not None,
             load_factor=config.load_factor,
             exclude=frozenset(tried),
+            affinity=affinity,
         )
         if decision is None:
             break
@@ -302,13 +316,17 @@ async def _send(
             allow_redirects=False,
         )
     )
-    gone = asyncio.ensure_future(state.gone_event(pod).wait())
+    # One task per request: when the pod leaves the endpoints, `endpoints_changed` cancels the
+    # calls waiting on it (no second waiter per request).
+    waiting = state.calls.setdefault(pod, set())
+    waiting.add(call)
     try:
-        done, _ = await asyncio.wait({call, gone}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait((call,))
     finally:
-        gone.cancel()
-    if call not in done:
-        call.cancel()
+        waiting.discard(call)
+        if not call.done():  # this request itself was cancelled (its client left)
+            call.cancel()
+    if call.cancelled():
         raise _Unanswered("gone", "left the endpoints before answering")
     try:
         return call.result()
@@ -341,32 +359,63 @@ async def _forward(
                 504,
             )
         async with upstream:
+            headers = forwarded_headers(upstream.headers)
+            headers["x-lora-pod"] = decision.pod
+            headers["x-lora-route"] = decision.reason.value
+            length = upstream.content_length
+            if length is not None and length <= BUFFERED_ANSWER_BYTES:
+                # Small, of known length (an image's JSON): read whole, then sent with its head
+                # in one write, the bytes untouched.
+                try:
+                    answer = await upstream.read()
+                except (aiohttp.ClientError, TimeoutError) as e:
+                    return await _broken(request, decision, upstream, headers, e, metrics)
+                metrics.requests.labels(decision.reason, str(upstream.status)).inc()
+                return web.Response(
+                    status=upstream.status, reason=upstream.reason, headers=headers, body=answer
+                )
             response = web.StreamResponse(
-                status=upstream.status,
-                reason=upstream.reason,
-                headers=forwarded_headers(upstream.headers),
+                status=upstream.status, reason=upstream.reason, headers=headers
             )
-            if upstream.content_length is not None:
-                response.content_length = upstream.content_length
-            response.headers["x-lora-pod"] = decision.pod
-            response.headers["x-lora-route"] = decision.reason.value
+            if length is not None:
+                response.content_length = length
             await response.prepare(request)
             try:
                 async for chunk in upstream.content.iter_any():
                     await response.write(chunk)
             except (aiohttp.ClientError, TimeoutError) as e:
-                metrics.failures.labels("midstream").inc()
-                log.warning("action=proxy pod=%s result=broken error=%s", decision.pod, e)
-                # Headers are out: all that is left is to end the client's connection.
-                if request.transport is not None:
-                    request.transport.close()
-                return response
+                return await _broken(request, decision, upstream, headers, e, metrics, response)
             await response.write_eof()
             metrics.requests.labels(decision.reason, str(upstream.status)).inc()
             return response
     finally:
         fleet.inflight[decision.pod] -= 1
         metrics.upstream_seconds.observe(time.monotonic() - started)
+
+
+async def _broken(
+    request: web.Request,
+    decision: routing.Decision,
+    upstream: aiohttp.ClientResponse,
+    headers: dict[str, str],
+    error: BaseException,
+    metrics: Metrics,
+    response: web.StreamResponse | None = None,
+) -> web.StreamResponse:
+    """An answer that broke off midway: the client gets its head and then a closed connection,
+    an error it sees, never a hang."""
+    metrics.failures.labels("midstream").inc()
+    log.warning("action=proxy pod=%s result=broken error=%s", decision.pod, error)
+    if response is None:
+        response = web.StreamResponse(
+            status=upstream.status, reason=upstream.reason, headers=headers
+        )
+        if upstream.content_length is not None:
+            response.content_length = upstream.content_length
+        await response.prepare(request)
+    if request.transport is not None:
+        request.transport.close()
+    return response
 
 
 async def playground_page(request: web.Request) -> web.Response:

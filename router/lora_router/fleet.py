@@ -16,6 +16,7 @@ The router keeps nothing on disk: after a restart it lists the objects again and
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -109,6 +110,7 @@ class Report:
     queue: int | None  # waiting + running, when the pod reports it
     base_model: str | None
     at: float  # when it was read (the router's monotonic clock)
+    slots: int | None = None  # its GPU slots (max_loras), when it says
 
 
 def parse_report(payload: Any, at: float) -> Report:
@@ -139,6 +141,7 @@ def parse_report(payload: Any, at: float) -> Report:
         queue=queue,
         base_model=model if isinstance(model, str) else None,
         at=at,
+        slots=max_loras if isinstance(max_loras, int) else None,
     )
 
 
@@ -156,6 +159,34 @@ class Fleet:
     # What has been read at least once: "endpoints", "adapters" (listed), "residency" (every
     # pod listed was polled once).
     synced: set[str] = field(default_factory=set)
+    # The adapters of the last `window` requests routed, and how many times each appears there:
+    # the working set, which says whether affinity can help (routing.affinity_pays).
+    window: int = 256
+    recent: collections.deque[str] = field(default_factory=collections.deque)
+    recent_counts: collections.Counter[str] = field(default_factory=collections.Counter)
+
+    def note_request(self, adapter: str) -> None:
+        """Count `adapter` into the recent requests (O(1))."""
+        self.recent.append(adapter)
+        self.recent_counts[adapter] += 1
+        if len(self.recent) > self.window:
+            old = self.recent.popleft()
+            self.recent_counts[old] -= 1
+            if not self.recent_counts[old]:
+                del self.recent_counts[old]
+
+    def working_set(self) -> int | None:
+        """Distinct adapters among the last `window` requests; None until there were that many."""
+        return len(self.recent_counts) if len(self.recent) >= self.window else None
+
+    def fewest_slots(self, now: float) -> int | None:
+        """The fewest GPU slots a pod with a fresh report has (None: no such pod)."""
+        slots = [
+            r.slots
+            for r in self.reports.values()
+            if r.slots is not None and now - r.at <= self.stale_after_s
+        ]
+        return min(slots) if slots else None
 
     def endpoints(self) -> dict[str, Endpoint]:
         """Pod -> its endpoint (a pod in two slices at once, during a move, counts once)."""

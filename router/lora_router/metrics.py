@@ -22,7 +22,8 @@ class Metrics:
         self.requests = Counter(
             "lora_router_requests",
             "Requests routed, by routing reason (gpu-resident, cpu-resident, free-slot, "
-            "least-queued, no-residency, overflow, unplaced, base) and the status answered",
+            "least-queued, no-residency, overflow, unplaced, base, balanced) and the status "
+            "answered",
             ["reason", "code"],
             registry=r,
         )

@@ -23,6 +23,14 @@ goes to the least-queued pod. A pod whose residency report is missing or stale r
 pods that hold neither the adapter nor a free slot: it is judged by its queue alone, and when no
 candidate reports, the choice is by queue alone.
 
+Affinity is worth something only when a pod cannot keep every adapter it is asked for resident:
+when the adapters of the recent requests (the working set) fit in every pod's GPU slots, each
+pod holds them all wherever requests go, and keeping an adapter on one pod only costs balance.
+Then (`affinity_pays` is false) the request goes to the least-queued candidate (`balanced`), as
+a least-request balancer would send it. Under overload the load bound already spreads the hot
+adapters; affinity stays on there, because the misses it saves are what a saturated fleet's
+throughput is made of.
+
 Purely computational: the app passes the pods, their reports and loads, and what to exclude (a
 pod that just failed this request).
 """
@@ -45,6 +53,7 @@ class Reason(StrEnum):
     OVERFLOW = "overflow"  # every placed pod at the load bound
     UNPLACED = "unplaced"  # an unknown name, or no placed pod is Ready
     BASE = "base"  # no adapter: the base model
+    BALANCED = "balanced"  # affinity cannot help (affinity_pays): the least-queued candidate
 
     @property
     def affinity(self) -> bool:
@@ -112,6 +121,18 @@ def _least_queued(backends: Iterable[Backend], key: str) -> Backend:
     return min(backends, key=lambda b: (b.load, _affinity(key, b.name)))
 
 
+def affinity_pays(working_set: int | None, slots: int | None) -> bool:
+    """Whether sending an adapter where it is resident can save anything (pure).
+
+    `working_set`: the distinct adapters of the recent requests (None: too few requests yet to
+    say); `slots`: the fewest GPU slots a reporting pod has (None: no pod reports). False when
+    the working set fits in every pod's slots: each pod keeps all of it resident wherever
+    requests go. Until the working set is known, affinity stays on: a fleet that starts cold
+    should not copy its first adapters onto every pod.
+    """
+    return working_set is None or slots is None or working_set > slots
+
+
 def route(
     adapter: str | None,
     backends: Sequence[Backend],
@@ -120,11 +141,13 @@ def route(
     known: bool,
     load_factor: float = 0.25,
     exclude: frozenset[str] = frozenset(),
+    affinity: bool = True,
 ) -> Decision | None:
     """The pod for a request naming `adapter` (None: the base model); None when no pod is Ready.
 
     `backends` are the Ready pods; `placed` the pods the adapter is placed on (None: every pod);
-    `known` whether the adapter is a LoRAAdapter the router has seen.
+    `known` whether the adapter is a LoRAAdapter the router has seen; `affinity` whether it can
+    help (`affinity_pays`): without it, the least-queued candidate.
     """
     ready = [b for b in backends if b.name not in exclude]
     if not ready:
@@ -142,6 +165,8 @@ def route(
     within = [b for b in candidates if b.load + 1 <= bound]
     if not within:
         return Decision(_least_queued(ready, adapter).name, Reason.OVERFLOW)
+    if not affinity:
+        return Decision(_least_queued(within, adapter).name, Reason.BALANCED)
     best = min(within, key=lambda b: _preference(adapter, b))
     if best.residency is None:
         return Decision(best.name, Reason.NO_RESIDENCY)

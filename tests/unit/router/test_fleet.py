@@ -91,10 +91,34 @@ def test_reports_read_tiers_slots_queue_and_model() -> None:
     }
     report = parse_report(payload, at=5.0)
     residency = Residency(frozenset("a"), frozenset("b"), True, disk=frozenset("c"))
-    assert report == Report(residency, 4, "tiny", 5.0)
+    assert report == Report(residency, 4, "tiny", 5.0, slots=2)
     # A server that says nothing of slots or queue: no free slot known, queue unknown.
     old = parse_report({"data": [{"id": "a", "tier": "gpu"}]}, at=1.0)
     assert old.residency.free_slot is False and old.queue is None and old.base_model is None
+    assert old.slots is None
+
+
+def test_the_working_set_is_the_distinct_adapters_of_the_recent_requests() -> None:
+    fleet = Fleet(window=4)
+    for adapter in "aab":
+        fleet.note_request(adapter)
+    assert fleet.working_set() is None  # fewer requests than the window: not known yet
+    for adapter in "cd":
+        fleet.note_request(adapter)
+    assert fleet.working_set() == 4  # the first "a" left the window, the second is in it
+    fleet.note_request("d")
+    assert fleet.working_set() == 3 and list(fleet.recent) == list("bcdd")
+
+
+def test_the_fewest_slots_of_the_pods_reporting_now() -> None:
+    fleet = Fleet(stale_after_s=5.0)
+    assert fleet.fewest_slots(10.0) is None
+    base = {"data": []}
+    fleet.reports["a"] = parse_report({**base, "max_loras": 4}, at=9.0)
+    fleet.reports["b"] = parse_report({**base, "max_loras": 2}, at=1.0)  # stale at 10
+    fleet.reports["c"] = parse_report(base, at=9.0)  # says nothing
+    assert fleet.fewest_slots(10.0) == 4
+    assert fleet.fewest_slots(6.0) == 2
 
 
 @pytest.mark.parametrize(

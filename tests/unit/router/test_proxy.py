@@ -21,7 +21,7 @@ import pytest
 from aiohttp import ClientSession, web
 from aiohttp.test_utils import TestClient, TestServer, unused_port
 from lora_router.__main__ import serve
-from lora_router.app import STATE, ProxyState, create_app
+from lora_router.app import BUFFERED_ANSWER_BYTES, STATE, ProxyState, create_app
 from lora_router.fleet import AdapterPlacement, Endpoint, Fleet, Report, Split
 from lora_router.routing import Residency
 
@@ -539,3 +539,38 @@ async def test_a_rollout_sends_its_weight_to_the_canary_on_the_pods_that_hold_it
             router.url("/v1/images/generations"), json=generation("x")
         ) as resp:
             assert json.loads((await resp.json())["body"])["model"] == "x"
+
+
+async def test_once_the_working_set_fits_every_pods_slots_requests_are_balanced(
+    start_router: StartRouter, start_backend: StartBackend
+) -> None:
+    router = await start_router()
+    router.fleet.window = 4
+    a, b = Pod("a", gpu=("x",)), Pod("b")
+    a.queue, b.queue = (1, 0), (0, 0)
+    await pods(start_backend, router, a, b)
+    router.place("x", frozenset({"a", "b"}))
+    await router.wait_reports({"a", "b"})
+    routes = []
+    for _ in range(4):
+        async with router.session.post(
+            router.url("/v1/images/generations"), json=generation("x")
+        ) as r:
+            assert r.status == 200
+            routes.append((r.headers["x-lora-pod"], r.headers["x-lora-route"]))
+    # Three requests do not yet say what the working set is: affinity; the fourth fills the
+    # window, one adapter for two slots a pod: every pod can hold it, so the least queued.
+    assert routes == [("a", "gpu-resident")] * 3 + [("b", "balanced")]
+
+
+async def test_the_pods_answer_and_its_headers_pass_through_buffered_or_streamed(
+    start_router: StartRouter, start_backend: StartBackend
+) -> None:
+    router = await start_router()
+    await pods(start_backend, router, Pod("a"))
+    for size in (1000, BUFFERED_ANSWER_BYTES + 2):
+        async with router.session.post(
+            router.url(f"/v1/images/generations?big={size}"), json=generation()
+        ) as r:
+            assert r.status == 200 and r.headers["x-lora-pod"] == "a"
+            assert await r.read() == b"\x01\x02" * (size // 2)

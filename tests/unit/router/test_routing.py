@@ -211,3 +211,57 @@ def test_a_rollout_split_is_exact_and_even(weight: int) -> None:
         for length in (1, 5, 20, 100):
             window = sum(sent[start : start + length])
             assert abs(window - len(sent[start : start + length]) * weight / 100) <= 1
+
+
+@pytest.mark.parametrize(
+    ("working_set", "slots", "pays"),
+    [
+        (None, 4, True),  # too few requests yet: stay on (a cold fleet)
+        (100, None, True),  # no pod reports its slots
+        (5, 4, True),  # more adapters than a pod's slots: where they are matters
+        (4, 4, False),  # every pod can hold the whole working set
+        (1, 4, False),
+    ],
+    ids=["unknown-working-set", "unknown-slots", "more-than-slots", "fits", "one-adapter"],
+)
+def test_affinity_pays_only_when_a_pod_cannot_hold_the_working_set(
+    working_set: int | None, slots: int | None, pays: bool
+) -> None:
+    assert routing.affinity_pays(working_set, slots) is pays
+
+
+def test_without_affinity_the_least_queued_candidate_whatever_is_resident() -> None:
+    backends = [pod("a", load=2, gpu=("x",)), pod("b", load=0), pod("c", load=1, cpu=("x",))]
+    everywhere = frozenset({"a", "b", "c"})
+    assert route("x", backends, everywhere, known=True, affinity=False) == Decision(
+        "b", Reason.BALANCED
+    )
+    # ... among the pods it is placed on, and within the bound like any choice.
+    placed = frozenset({"a", "c"})
+    assert route("x", backends, placed, known=True, affinity=False) == Decision(
+        "c", Reason.BALANCED
+    )
+    busy = [pod("a", load=9, gpu=("x",)), pod("b", load=0)]
+    assert route("x", busy, frozenset({"a"}), known=True, affinity=False) == Decision(
+        "b", Reason.OVERFLOW
+    )
+    # The base model and unknown names are routed as before.
+    assert route(None, backends, ALL, known=False, affinity=False) == Decision("b", Reason.BASE)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    loads=st.lists(st.integers(0, 20), min_size=1, max_size=8),
+    resident=st.lists(st.booleans(), min_size=8, max_size=8),
+)
+def test_without_affinity_no_candidate_is_less_loaded_than_the_choice(
+    loads: list[int], resident: list[bool]
+) -> None:
+    backends = [
+        pod(f"p{i}", load=load, gpu=("x",) if resident[i] else ()) for i, load in enumerate(loads)
+    ]
+    everywhere = frozenset(b.name for b in backends)
+    decision = route("x", backends, everywhere, known=True, affinity=False)
+    assert decision is not None
+    chosen = next(b for b in backends if b.name == decision.pod)
+    assert chosen.load == min(b.load for b in backends)
