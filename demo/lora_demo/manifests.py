@@ -47,15 +47,17 @@ NON_ROOT = {
 @dataclasses.dataclass(frozen=True)
 class AdapterSource:
     """An adapter source written to `<volume>/<folder>/<name>`: one of the demo model's trained
-    adapters (`trained`, copied from the image), or a random one for the tiny model, with strong
-    weights so the difference shows even on a random model."""
+    adapters (`trained`, copied from the image), or a random one for the tiny model, strong enough
+    that the difference shows on a random model and no stronger: far stronger random weights make
+    the tiny model chaotic, and a pod that merges a layer another runs as a branch would then
+    draw another picture (docs/architecture.md, "The same image on every path")."""
 
     name: str
     seed: int = 0
     text_encoder: bool = False
     folder: str = layout.SHARED  # the volume folder every namespace's adapters may copy from
     rank: int = 8
-    strength: float = 0.8
+    strength: float = 0.3
     trained: bool = False
 
     @property

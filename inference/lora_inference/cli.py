@@ -115,9 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--fuse",
-        choices=("auto", "never"),
+        choices=("auto", "always", "never"),
         default="auto",
-        help="run a mixed batch's adapters in one pass per layer where it pays (auto)",
+        help="run a mixed batch's adapters in one pass per Linear layer where it pays (auto)",
     )
     serve.add_argument(
         "--max-queue", type=int, default=64, help="queued requests before answering 429"

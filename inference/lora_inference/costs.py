@@ -28,8 +28,9 @@ from typing import Literal
 
 # auto: merge the layers where plan_merge says it pays; always / never: every layer / none.
 MergePolicy = Literal["auto", "always", "never"]
-# auto: fuse the layers of a mixed batch where plan_fuse says it pays; never: one pass per adapter.
-FusePolicy = Literal["auto", "never"]
+# auto: fuse the layers of a mixed batch where plan_fuse says it pays; always: every Linear layer;
+# never: one pass per adapter.
+FusePolicy = Literal["auto", "always", "never"]
 
 
 @dataclass(frozen=True)

@@ -377,7 +377,9 @@ class DiffusionBackend:
                     groups.append(Group(owner, cursor, cursor + count))
             cursor += count
         self.slots.activate({s: scales[s] for s in kinds if s is not None}, routed=True)
-        fused = self.fuse_plan(groups, call) if fuse == "auto" else []
+        fused = {"auto": self.fuse_plan, "always": self.fusable, "never": lambda *_: []}[fuse](
+            groups, call
+        )
         with self.slots.routed(groups, cursor, fused=fused):
             produced = generate([jobs[i] for i in order])
         per_job: dict[int, list[Image.Image]] = {}
@@ -412,6 +414,14 @@ class DiffusionBackend:
         decisions = costs.plan_merge(loads, call, calibration.rates)
         return [key for key, merge in zip(keys, decisions, strict=True) if merge]
 
+    def fusable(self, groups: Sequence[Group], call: costs.Call | None = None) -> list[LayerKey]:
+        """Every Linear layer of a mixed call: what `fuse_plan` chooses from."""
+        return [
+            key
+            for key in self.slots.routed_layers(groups)
+            if self.shapes[key[0]][key[1]].kernel is None
+        ]
+
     def fuse_plan(self, groups: Sequence[Group], call: costs.Call) -> list[LayerKey]:
         """The Linear layers of a mixed call to run in one pass for every image (pure given the
         calibration; none without one)."""
@@ -419,11 +429,10 @@ class DiffusionBackend:
         if calibration is None:
             return []
         keys, loads = [], []
-        for key, mine in self.slots.routed_layers(groups).items():
-            component, module = key
-            shape = self.shapes[component][module]
-            if shape.kernel is not None:  # a Conv2d: fusing covers Linear layers only
-                continue
+        per_layer = self.slots.routed_layers(groups)
+        for key in self.fusable(groups):
+            mine = per_layer[key]
+            shape = self.shapes[key[0]][key[1]]
             footprint = [self.slots.footprint(g.slot)[key] for g in mine]
             keys.append(key)
             loads.append(
