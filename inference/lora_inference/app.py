@@ -18,7 +18,7 @@ import io
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 import lora_playground as playground
@@ -29,7 +29,7 @@ from lora_inference import api, errors
 from lora_inference import tokens as tokens_mod
 from lora_inference.adapters.registry import AdapterRecord
 from lora_inference.config import ServerConfig
-from lora_inference.engine import Engine
+from lora_inference.engine import Engine, GeneratedImage
 from lora_inference.metrics import Metrics
 from lora_inference.pipeline import DiffusionBackend, resolve_dtype
 
@@ -253,6 +253,18 @@ async def generate_images(request: web.Request) -> web.Response:
         return transport is None or transport.is_closing()
 
     images = await engine.generate(params, record, abandoned=client_gone)
+    # PNG, base64 and JSON take tens of milliseconds per large image: off the event loop, so
+    # other requests keep being admitted and answered while the next batch runs.
+    body = await asyncio.to_thread(encode_images, images, int(time.time()))
+    return web.Response(
+        body=body,
+        content_type="application/json",
+        headers=served_headers(record, request.app[CONFIG].model_id),
+    )
+
+
+def encode_images(images: Sequence[GeneratedImage], created: int) -> bytes:
+    """The OpenAI Images answer for `images`, as JSON bytes (any thread: touches nothing shared)."""
     data = []
     for generated in images:
         buffer = io.BytesIO()
@@ -264,10 +276,7 @@ async def generate_images(request: web.Request) -> web.Response:
                 "seed": generated.seed,
             }
         )
-    return web.json_response(
-        {"created": int(time.time()), "data": data},
-        headers=served_headers(record, request.app[CONFIG].model_id),
-    )
+    return json.dumps({"created": created, "data": data}).encode()
 
 
 def served_headers(record: AdapterRecord | None, base_model: str) -> dict[str, str]:
