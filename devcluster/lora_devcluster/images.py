@@ -1105,74 +1105,58 @@ def _bare_id(image_id: str | None) -> str:
     return (image_id or "").removeprefix("sha256:")
 
 
-def tag_local(
-    names: Sequence[str] = PUSHED_IMAGES,
-    *,
-    root: Path | None = None,
-    cache_dir: Path | None = None,
-    build_args: Mapping[str, str] | None = None,
-    progress: Progress | None = None,
-) -> list[Image]:
-    """Leave each of `names` (built: see `built()`) in buildah's storage under its reference
-    (`lora-operator/operator:<appVersion>`), naming the build its archive holds, so that
-    `buildah push` (or podman, skopeo) finds it by name. The newest build already sits in the
-    storage as the layer cache, so naming it costs nothing; only when the storage has lost it
-    is the archive loaded (about a minute for the inference image)."""
+def tag_local(records: Sequence[Image], *, progress: Progress | None = None) -> None:
+    """Leave each image of `records` (what `ensure()` or `built()` returned: operator,
+    inference) in buildah's storage under its reference (`lora-operator/operator:<appVersion>`),
+    naming the build its archive holds, so that `buildah push` (or podman, skopeo) finds it by
+    name. The newest build already sits in the storage as the layer cache, so naming it costs
+    nothing; only when the storage has lost it is the archive loaded (about a minute for the
+    inference image)."""
     say = progress or _say
-    unknown = [n for n in names if n not in PUSHED_IMAGES]
+    unknown = [r.role for r in records if r.role not in PUSHED_IMAGES]
     if unknown:
         raise ImageError(f"{unknown[0]}: only {', '.join(PUSHED_IMAGES)} are tagged and pushed")
-    records = built(names, root=root, cache_dir=cache_dir, build_args=build_args)
-    root, specs = _plan(root, build_args)
-    cache = cache_dir or cache_root()
-    check_tools(())
+    if records:
+        check_tools(())
     for record in records:
-        spec = specs[record.role]
-        id_file = cache / spec.id_name()
+        id_file = record.archive.with_suffix(".id")
         want = id_file.read_text().strip() if id_file.exists() else None
-        if want and _bare_id(_image_id(spec.ref)) == want:
+        if want and _bare_id(_image_id(record.ref)) == want:
             continue
         if want and _image_exists(want):
-            _capture(["buildah", "tag", want, spec.ref])
+            _capture(["buildah", "tag", want, record.ref])
         else:
-            log = cache / "logs" / f"{spec.name}-{spec.key}.log"
+            log = record.archive.parent / "logs" / f"{record.role}-{record.key}.log"
             log.parent.mkdir(parents=True, exist_ok=True)
-            say(f"{spec.name}: loading {record.archive.name} into buildah's storage")
+            say(f"{record.role}: loading {record.archive.name} into buildah's storage")
             pull = ["buildah", "pull", "--quiet", f"docker-archive:{record.archive}"]
-            _run(pull, log, f"loading {spec.name}")
-            want = _bare_id(_image_id(spec.ref))
+            _run(pull, log, f"loading {record.role}")
+            want = _bare_id(_image_id(record.ref))
             id_file.write_text(want + "\n")
-        if not want or _bare_id(_image_id(spec.ref)) != want:
-            raise ImageError(f"{record.archive} is not in buildah's storage as {spec.ref}")
-        say(f"{spec.name:<9} tagged {spec.ref}")
-    return records
+        if not want or _bare_id(_image_id(record.ref)) != want:
+            raise ImageError(f"{record.archive} is not in buildah's storage as {record.ref}")
+        say(f"{record.role:<9} tagged {record.ref}")
 
 
 def push(
     registry: str,
-    names: Sequence[str] = PUSHED_IMAGES,
+    records: Sequence[Image],
     *,
     plain_http: bool = False,
     compress: bool = True,
-    root: Path | None = None,
-    cache_dir: Path | None = None,
-    build_args: Mapping[str, str] | None = None,
     progress: Progress | None = None,
 ) -> list[str]:
-    """Copy each of `names` from buildah's storage to `push_destination(ref, registry)`;
-    returns the references pushed. `plain_http`: a registry without TLS (buildah's
-    --tls-verify=false); `compress=False` sends the layers uncompressed (for a registry on the
-    same machine: gzipping the inference image's 5 GB takes minutes)."""
+    """Tag each image of `records` (`tag_local`) and copy it from buildah's storage to
+    `push_destination(ref, registry)`; returns the references pushed. `plain_http`: a registry
+    without TLS (buildah's --tls-verify=false); `compress=False` sends the layers uncompressed
+    (for a registry on the same machine: gzipping the inference image's 5 GB takes minutes)."""
     say = progress or _say
     push_destination("lora-operator/operator", registry)  # a bad REGISTRY fails before any work
-    records = tag_local(
-        names, root=root, cache_dir=cache_dir, build_args=build_args, progress=progress
-    )
-    cache = cache_dir or cache_root()
+    tag_local(records, progress=progress)
     pushed: list[str] = []
     for record in records:
         dest = push_destination(record.ref, registry)
-        log = cache / "logs" / f"push-{record.role}.log"
+        log = record.archive.parent / "logs" / f"push-{record.role}.log"
         log.parent.mkdir(parents=True, exist_ok=True)
         log.write_text(f"# push {record.ref} -> {dest}\n")
         cmd = ["buildah", "push", "--quiet", f"--tls-verify={str(not plain_http).lower()}"]
@@ -1271,23 +1255,15 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
         root, cache_dir = args.root, args.cache_dir
         if args.action == "push":
             names = tuple(args.only or PUSHED_IMAGES)
-            ensure(names, root=root, cache_dir=cache_dir, build_args=build_args)
-            push(
-                args.registry,
-                names,
-                plain_http=args.plain_http,
-                compress=not args.no_compress,
-                root=root,
-                cache_dir=cache_dir,
-                build_args=build_args,
-            )
+            records = ensure(names, root=root, cache_dir=cache_dir, build_args=build_args)
+            push(args.registry, records, plain_http=args.plain_http, compress=not args.no_compress)
             return 0
         names = tuple(args.only or NODE_IMAGES)
         act = ensure if args.action == "build" else built
         records = act(names, root=root, cache_dir=cache_dir, build_args=build_args)
         if args.action == "build":
-            tagged = [n for n in names if n in PUSHED_IMAGES]
-            tag_local(tagged, root=root, cache_dir=cache_dir, build_args=build_args)
+            # The records ensure() built or found: the tree may change meanwhile.
+            tag_local([r for r in records if r.role in PUSHED_IMAGES])
     except ImageError as e:
         print(f"lora-devcluster images: error: {e}", file=sys.stderr)
         return 1

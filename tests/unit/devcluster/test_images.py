@@ -359,8 +359,9 @@ def test_only_operator_and_inference_are_pushed() -> None:
     assert (args.registry, args.only, args.plain_http) == ("r.io/x", ["operator"], True)
     with pytest.raises(SystemExit):
         parser.parse_args(["push", "r.io/x", "--only", "pause"])
+    base = images.Image("localhost/lora-devcluster/base:k", Path("/nonexistent.tar"), "k", "base")
     with pytest.raises(images.ImageError, match="only operator, inference"):
-        images.tag_local(["base"])
+        images.tag_local([base])
 
 
 def test_the_id_file_sits_beside_the_archive(tree: images.Tree) -> None:
