@@ -5,9 +5,12 @@
 #   images: buildah debootstrap gcc libc6-dev (the pause program is a static C binary)
 #   tests:  dosfstools fusefat (a vfat adapter volume, which the operator must refuse),
 #           chromium chromium-driver (the playground page, driven headless)
+#   registry and monitoring tests: docker-registry (an OCI registry for `make push`),
+#           prometheus (promtool and a real Prometheus for the dashboard and the alerts)
 set -euo pipefail
 packages=(containerd runc containernetworking-plugins iptables conntrack socat iproute2
-          util-linux buildah debootstrap gcc libc6-dev dosfstools fusefat chromium chromium-driver)
+          util-linux buildah debootstrap gcc libc6-dev dosfstools fusefat chromium chromium-driver
+          docker-registry prometheus)
 missing=()
 for p in "${packages[@]}"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -1,0 +1,403 @@
+"""The chart's alerts and Grafana dashboard checked by Prometheus itself (Debian's `prometheus`
+package: `promtool` and the server): every expression parses, each alert fires on the series it
+is written for and stays quiet on a healthy fleet (`promtool test rules`), each links to its
+runbook, and, on the local cluster, a real Prometheus scraping a release's pods returns series
+for every dashboard query and every metric the alerts select."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import urllib.parse
+import urllib.request
+from pathlib import Path
+from typing import Any, NoReturn
+
+import pytest
+import yaml
+from lora_demo import manifests, release
+from lora_demo.manifests import RELEASE, AdapterSource
+from lora_devcluster.harness import Harness
+
+from tests.e2e.test_chart import (  # noqa: F401  (helm: a fixture)
+    FULLNAME,
+    ROOT,
+    Obj,
+    _registered_metrics,
+    helm,
+    of_kind,
+    render,
+)
+from tests.support.phases import Phase
+
+OP, INF, RT = (f"{FULLNAME}-{c}" for c in ("operator", "inference", "router"))
+MONITORING = ["--set", "metrics.serviceMonitor.enabled=true"]
+RULES = [*MONITORING, "--set", "metrics.prometheusRule.enabled=true"]
+DASHBOARD = ["--set", "metrics.grafanaDashboard.enabled=true"]
+# Grafana's own variable; Prometheus is given what Grafana would put there.
+RATE_INTERVAL = "1m"
+METRIC = re.compile(r"([a-zA-Z_:][a-zA-Z0-9_:]*)\{")
+# The release the cluster test installs (the demo's): its fullname is the release name.
+OP_LIVE, INF_LIVE, RT_LIVE = (f"{RELEASE}-{c}" for c in ("operator", "inference", "router"))
+
+
+def _live(text: str) -> str:
+    """A query rendered for release `demo`, for the cluster test's release."""
+    return text.replace(FULLNAME, RELEASE)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _unavailable(message: str) -> NoReturn:
+    if os.environ.get("CI"):
+        pytest.fail(message, pytrace=False)
+    pytest.skip(message)
+
+
+@pytest.fixture(scope="session")
+def promtool() -> str:
+    found = shutil.which("promtool")
+    if not found:
+        _unavailable("no promtool: run `make install` (Debian's prometheus package)")
+    return found
+
+
+def alert_rules(helm: str) -> list[Obj]:  # noqa: F811
+    [rule] = of_kind(render(helm, *RULES), "PrometheusRule")
+    rules: list[Obj] = rule["spec"]["groups"][0]["rules"]
+    return rules
+
+
+def dashboard(helm: str, *flags: str) -> dict[str, Any]:  # noqa: F811
+    [cm] = of_kind(render(helm, *MONITORING, *DASHBOARD, *flags), "ConfigMap")
+    board: dict[str, Any] = json.loads(cm["data"]["lora-operator.json"])
+    return board
+
+
+def dashboard_queries(board: dict[str, Any]) -> list[tuple[str, str]]:
+    """(panel title, PromQL) for every query of the dashboard, as Prometheus receives it."""
+    return [
+        (p["title"], t["expr"].replace("$__rate_interval", RATE_INTERVAL))
+        for p in board["panels"]
+        for t in p.get("targets", [])
+    ]
+
+
+def _promtool(promtool: str, *args: str, cwd: Path) -> None:
+    proc = subprocess.run(
+        [promtool, *args], cwd=cwd, capture_output=True, text=True, timeout=120, check=False
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+# ---- the dashboard ConfigMap
+
+
+def test_the_dashboard_is_off_by_default(helm: str) -> None:  # noqa: F811
+    assert of_kind(render(helm), "ConfigMap") == []
+
+
+def test_the_dashboard_configmap_carries_the_sidecar_label_and_the_release_jobs(
+    helm: str,  # noqa: F811
+) -> None:
+    docs = render(
+        helm, *DASHBOARD, "--set", "metrics.grafanaDashboard.annotations.grafana_folder=LoRA"
+    )
+    [cm] = of_kind(docs, "ConfigMap")
+    assert cm["metadata"]["name"] == f"{FULLNAME}-dashboard"
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert cm["metadata"]["annotations"] == {"grafana_folder": "LoRA"}
+    text = cm["data"]["lora-operator.json"]
+    assert "LORA_" not in text, "every job placeholder is replaced"
+    board = json.loads(text)
+    assert board["uid"] == "lora-operator"
+    jobs = {m for _, q in dashboard_queries(board) for m in re.findall(r'job=~?"([^"]+)"', q)}
+    assert jobs == {OP, INF, RT, f"{OP}|{INF}|{RT}"}
+
+
+def test_the_dashboard_covers_the_fleet_and_names_only_registered_metrics(
+    helm: str,  # noqa: F811
+) -> None:
+    board = dashboard(helm)
+    rows = [p["title"] for p in board["panels"] if p["type"] == "row"]
+    assert rows == [
+        "Fleet: generation",
+        "Adapters: residency and misses",
+        "Staging",
+        "Operator: loads and reconciles",
+    ]
+    registered = _registered_metrics()
+    suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"), "gauge": ("",)}
+    for title, query in dashboard_queries(board):
+        for metric in METRIC.findall(query):
+            if metric == "up":
+                continue
+            assert any(
+                metric == name + sfx for name, (t, _) in registered.items() for sfx in suffixes[t]
+            ), f"{title}: {metric} is not registered in code"
+
+
+# ---- promtool
+
+
+def test_every_alert_and_dashboard_expression_parses(
+    helm: str,  # noqa: F811
+    promtool: str,
+    tmp_path: Path,
+) -> None:
+    recorded = [
+        {"record": f"dashboard:query_{i}", "expr": q}
+        for i, (_, q) in enumerate(dashboard_queries(dashboard(helm)))
+    ]
+    groups = {
+        "groups": [
+            {"name": "alerts", "rules": alert_rules(helm)},
+            {"name": "dashboard", "rules": recorded},
+        ]
+    }
+    (tmp_path / "rules.yaml").write_text(yaml.safe_dump(groups))
+    _promtool(promtool, "check", "rules", "rules.yaml", cwd=tmp_path)
+
+
+def test_every_alert_links_to_its_runbook(helm: str) -> None:  # noqa: F811
+    headings = set(re.findall(r"^## (\w+)$", (ROOT / "docs" / "runbooks.md").read_text(), re.M))
+    for r in alert_rules(helm):
+        assert r["annotations"]["runbook_url"] == f"docs/runbooks.md#{r['alert'].lower()}"
+        assert r["alert"] in headings, f"docs/runbooks.md has no section for {r['alert']}"
+    base = "https://docs.example.com/lora/runbooks.html"
+    flags = ["--set", f"metrics.prometheusRule.runbookBaseUrl={base}"]
+    [rule] = of_kind(render(helm, *RULES, *flags), "PrometheusRule")
+    first = rule["spec"]["groups"][0]["rules"][0]
+    assert first["annotations"]["runbook_url"] == f"{base}#{first['alert'].lower()}"
+
+
+# Per alert: the series that make it fire, when it is evaluated, and the value its summary shows.
+FIRING: dict[str, tuple[list[tuple[str, str]], str, str]] = {
+    "LoRAOperatorDown": ([(f'up{{job="{OP}"}}', "0x20")], "6m", ""),
+    "LoRAAdapterFailed": (
+        [(f'lora_operator_adapters{{job="{OP}", phase="Failed"}}', "2x20")],
+        "6m",
+        "2",
+    ),
+    "LoRAAdapterDegraded": (
+        [(f'lora_operator_adapters{{job="{OP}", phase="Degraded"}}', "1x30")],
+        "16m",
+        "1",
+    ),
+    "LoRAAdapterStuckStaging": (
+        [(f'lora_operator_adapters{{job="{OP}", phase="Staging"}}', "1x40")],
+        "31m",
+        "",
+    ),
+    "LoRAPodLoadsFailing": (
+        [
+            (f'lora_operator_pod_loads_total{{job="{OP}", result="ok"}}', "0+1x40"),
+            (f'lora_operator_pod_loads_total{{job="{OP}", result="transient"}}', "0+1x40"),
+        ],
+        "25m",
+        "",
+    ),
+    "LoRAStagingsFailing": (
+        [(f'lora_operator_stagings_total{{job="{OP}", result="transient"}}', "0+1x80")],
+        "65m",
+        "",
+    ),
+    "LoRAPodLoadSlow": (
+        [
+            (f'lora_operator_pod_load_seconds_bucket{{job="{OP}", le="10"}}', "0x40"),
+            (f'lora_operator_pod_load_seconds_bucket{{job="{OP}", le="60"}}', "0+1x40"),
+            (f'lora_operator_pod_load_seconds_bucket{{job="{OP}", le="+Inf"}}', "0+1x40"),
+        ],
+        "35m",
+        "",
+    ),
+    "LoRAInferenceDown": ([(f'up{{job="{INF}"}}', "0x20")], "6m", ""),
+    "LoRAInferenceQueueFull": (
+        [(f'lora_generation_requests_total{{job="{INF}", outcome="rejected"}}', "0+5x30")],
+        "20m",
+        "",
+    ),
+    "LoRARouterDown": ([(f'up{{job="{RT}"}}', "0x20")], "6m", ""),
+    "LoRARouterNoPods": (
+        [(f'lora_router_requests_total{{job="{RT}", reason="none", code="503"}}', "0+1x30")],
+        "20m",
+        "",
+    ),
+}
+# A healthy fleet: everything up, adapters Ready, loads and stagings succeed, quick loads.
+HEALTHY = [
+    (f'up{{job="{OP}"}}', "1x80"),
+    (f'up{{job="{INF}"}}', "1x80"),
+    (f'up{{job="{RT}"}}', "1x80"),
+    (f'lora_operator_adapters{{job="{OP}", phase="Ready"}}', "3x80"),
+    (f'lora_operator_adapters{{job="{OP}", phase="Failed"}}', "0x80"),
+    (f'lora_operator_pod_loads_total{{job="{OP}", result="ok"}}', "0+1x80"),
+    (f'lora_operator_stagings_total{{job="{OP}", result="ok"}}', "0+1x80"),
+    (f'lora_operator_pod_load_seconds_bucket{{job="{OP}", le="1"}}', "0+1x80"),
+    (f'lora_operator_pod_load_seconds_bucket{{job="{OP}", le="+Inf"}}', "0+1x80"),
+    (f'lora_generation_requests_total{{job="{INF}", outcome="ok"}}', "0+9x80"),
+    (f'lora_router_requests_total{{job="{RT}", reason="gpu-resident", code="200"}}', "0+9x80"),
+]
+
+
+def test_alerts_fire_on_their_series_and_not_on_a_healthy_fleet(
+    helm: str,  # noqa: F811
+    promtool: str,
+    tmp_path: Path,
+) -> None:
+    rules = alert_rules(helm)
+    assert {r["alert"] for r in rules} == set(FIRING)
+    tests = []
+    for r in rules:
+        series, at, value = FIRING[r["alert"]]
+        annotations = {k: v.replace("{{ $value }}", value) for k, v in r["annotations"].items()}
+        tests.append(
+            {
+                "interval": "1m",
+                "input_series": [{"series": s, "values": v} for s, v in series],
+                "alert_rule_test": [
+                    {
+                        "eval_time": at,
+                        "alertname": r["alert"],
+                        "exp_alerts": [{"exp_labels": r["labels"], "exp_annotations": annotations}],
+                    }
+                ],
+            }
+        )
+    tests.append(
+        {
+            "interval": "1m",
+            "input_series": [{"series": s, "values": v} for s, v in HEALTHY],
+            "alert_rule_test": [
+                {"eval_time": "70m", "alertname": r["alert"], "exp_alerts": []} for r in rules
+            ],
+        }
+    )
+    (tmp_path / "rules.yaml").write_text(
+        yaml.safe_dump({"groups": [{"name": "alerts", "rules": rules}]})
+    )
+    (tmp_path / "tests.yaml").write_text(
+        yaml.safe_dump({"rule_files": ["rules.yaml"], "evaluation_interval": "1m", "tests": tests})
+    )
+    _promtool(promtool, "test", "rules", "tests.yaml", cwd=tmp_path)
+
+
+# ---- a real Prometheus scraping a release on the local cluster
+
+
+def _prometheus_config(targets: dict[str, list[str]]) -> Obj:
+    return {
+        "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+        "scrape_configs": [
+            {"job_name": job, "metrics_path": "/metrics", "static_configs": [{"targets": t}]}
+            for job, t in targets.items()
+        ],
+    }
+
+
+def _query(port: int, expr: str) -> list[Obj]:
+    url = f"http://127.0.0.1:{port}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
+    with urllib.request.urlopen(url, timeout=30) as r:
+        body = json.loads(r.read())
+    assert body["status"] == "success", (expr, body)
+    result: list[Obj] = body["data"]["result"]
+    return result
+
+
+def test_a_real_prometheus_returns_series_for_every_dashboard_and_alert_query(
+    devcluster: Harness,
+    devcluster_namespace: str,
+    helm: str,  # noqa: F811
+    tmp_path: Path,
+    phase: Phase,
+) -> None:
+    h, ns = devcluster, devcluster_namespace
+    prometheus = shutil.which("prometheus")
+    if not prometheus:
+        _unavailable("no prometheus: run `make install` (Debian's prometheus package)")
+    sources = (AdapterSource("a", seed=1, folder=f"{ns}/sources"),)
+    try:
+        phase("install the chart, an adapter Ready, generation through the Service")
+        release.prepare_model(h, ns)
+        release.install_crd(h)
+        release.install_chart(h, ns, manifests.local_values(ns, replicas=1), tmp_path)
+        release.prepare_adapters(h, ns, sources, "prepare-sources")
+        release.ready_inference_pods(h, ns, 1)
+        h.apply({**manifests.adapter(sources[0]), "metadata": {"name": "pixel-art"}}, ns)
+        release.wait_adapter_ready(h, ns, "pixel-art", "1/1")
+        for model in ("pixel-art", manifests.MODEL_NAME, "pixel-art"):
+            release.generate(h, ns, release.service_target(), model)
+
+        phase("Prometheus scrapes the operator, the inference pod and the routers")
+        jobs = {"operator": OP_LIVE, "inference": INF_LIVE, "router": RT_LIVE}
+        ports = {"operator": 9090, "inference": 8000, "router": 9090}
+        targets = {
+            jobs[c]: [
+                f"{p['status']['podIP']}:{ports[c]}"
+                for p in h.pods(ns, f"app.kubernetes.io/component={c}")
+                if release.is_ready(p)
+            ]
+            for c in jobs
+        }
+        assert all(targets.values()), targets
+        (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(_prometheus_config(targets)))
+        port = _free_port()
+        log = (tmp_path / "prometheus.log").open("w")
+        proc = subprocess.Popen(
+            [
+                prometheus,
+                f"--config.file={tmp_path / 'prometheus.yml'}",
+                f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+                f"--web.listen-address=127.0.0.1:{port}",
+                "--log.level=warn",
+            ],
+            stdout=log,
+            stderr=log,
+        )
+        try:
+            h.wait_for(
+                "every target scraped twice",
+                lambda: (
+                    len(_query(port, "count_over_time(up[1m]) >= 2"))
+                    == len([t for ts in targets.values() for t in ts])
+                    or None
+                ),
+                timeout=90,
+                interval=1,
+            )
+            assert len(_query(port, "up == 1")) == sum(map(len, targets.values()))
+
+            phase("every dashboard query and every metric the alerts select returns series")
+            empty = [
+                title
+                for title, query in dashboard_queries(dashboard(helm))
+                if not _query(port, _live(query))
+            ]
+            assert empty == [], f"dashboard panels without series: {empty}"
+            missing = []
+            for r in alert_rules(helm):
+                for metric in METRIC.findall(r["expr"]):
+                    job = re.search(rf'{re.escape(metric)}\{{job="([^"]+)"', r["expr"])
+                    assert job, (r["alert"], metric)
+                    live_job = _live(job.group(1))
+                    if not _query(port, f'{metric}{{job="{live_job}"}}'):
+                        missing.append(f"{r['alert']}: {metric}{{job={live_job}}}")
+            assert missing == [], missing
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            log.close()
+    finally:
+        h.run(["helm", "uninstall", RELEASE, "-n", ns, "--ignore-not-found"], check=False)
