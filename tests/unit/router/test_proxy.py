@@ -547,7 +547,7 @@ async def test_once_the_working_set_fits_every_pods_slots_requests_are_balanced(
     router = await start_router()
     router.fleet.window = 4
     a, b = Pod("a", gpu=("x",)), Pod("b")
-    a.queue, b.queue = (1, 0), (0, 0)
+    a.queue, b.queue = (2, 0), (1, 0)
     await pods(start_backend, router, a, b)
     router.place("x", frozenset({"a", "b"}))
     await router.wait_reports({"a", "b"})

@@ -57,7 +57,8 @@ def test_preferences(backends: list[Backend], expected: Decision) -> None:
 
 def test_inside_a_resident_rank_the_hash_not_the_queue_chooses() -> None:
     """Consistent hashing with bounded loads: while its pod is within the bound, an adapter
-    resident on several pods keeps going to one of them, whatever the queues say."""
+    resident on several pods keeps going to one of them, whatever the queues say (short of a
+    request waiting there while a candidate is idle, below)."""
     for tier in ("gpu", "cpu"):
         names = [f"p{i}" for i in range(4)]
         chosen = set()
@@ -75,6 +76,20 @@ def test_inside_a_resident_rank_the_hash_not_the_queue_chooses() -> None:
     busy = [pod(n, load=9 if n == first.pod else 0, gpu=("x",)) for n in ("p0", "p1")]
     other = route("x", busy, ALL, known=True)
     assert other is not None and other.pod != first.pod and other.reason is Reason.GPU
+
+
+def test_an_idle_candidate_is_never_passed_over_for_a_busy_one() -> None:
+    """Where a request already waits, a newcomer would wait a whole generation; an idle pod
+    costs at most a miss. Among idle candidates, the preferences as usual; one request running
+    (perhaps a report a poll old) does not turn the adapter away from its pod."""
+    backends = [pod("a", load=2, gpu=("x",)), pod("b", load=0), pod("c", load=0, cpu=("x",))]
+    assert route("x", backends, ALL, known=True, load_factor=2.0) == Decision("c", Reason.CPU)
+    placed = frozenset({"a", "b"})
+    assert route("x", backends[:2], placed, known=True, load_factor=2.0) == Decision(
+        "b", Reason.LEAST_QUEUED
+    )
+    running = [pod("a", load=1, gpu=("x",)), pod("b", load=0)]
+    assert route("x", running, placed, known=True) == Decision("a", Reason.GPU)
 
 
 def test_an_adapter_without_replicas_goes_to_the_pods_that_hold_it() -> None:
