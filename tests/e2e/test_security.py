@@ -1,0 +1,500 @@
+"""Attacks on the chart's trust boundaries, on a real cluster: one test per attack, each against
+the same release (installed once for the module), each checking what the attacker got.
+
+The attacker may create pods, Secrets and LoRAAdapters in the release's namespace, and call the
+router. docs/security.md lists each boundary, what enforces it and the test here that tries it.
+A recorder pod (the operator image's Python) plays the attacker's server: it carries the
+inference label and answers like an inference server on its HTTP port, and counts every
+connection to a second port that a source URL may point at; its log is the evidence of what
+reached it.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import shlex
+import subprocess
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from lora_demo import manifests, release
+from lora_demo.manifests import MODEL_NAME, RELEASE, AdapterSource
+from lora_demo.release import ROOT
+from lora_devcluster import images
+from lora_devcluster.harness import Harness
+
+Obj = dict[str, Any]
+
+RECORDER = "lookalike"
+INFERENCE_PODS = f"app.kubernetes.io/instance={RELEASE},app.kubernetes.io/component=inference"
+SOURCE_PORT = 8443
+RECORDER_SCRIPT = f"""
+import http.server, json, socket, threading
+
+def note(**what):
+    print(json.dumps(what), flush=True)
+
+class Handler(http.server.BaseHTTPRequestHandler):
+    def answer(self, body, kind="application/json"):
+        self.send_response(200)
+        self.send_header("Content-Type", kind)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_GET(self):
+        if self.path == "/ready":
+            return self.answer(b"ok", "text/plain")
+        note(method="GET", path=self.path, auth=self.headers.get("Authorization"))
+        card = {{"id": "{MODEL_NAME}", "object": "model", "root": "{MODEL_NAME}", "parent": None}}
+        self.answer(json.dumps({{"object": "list", "data": [card]}}).encode())
+
+    def do_POST(self):
+        length = int(self.headers.get("Content-Length") or 0)
+        note(method="POST", path=self.path, auth=self.headers.get("Authorization"),
+             body=self.rfile.read(length).decode(errors="replace"))
+        self.answer(b"Success: LoRA adapter added successfully.", "text/plain")
+
+    def log_message(self, *args):
+        pass
+
+def sources():
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind(("", {SOURCE_PORT}))
+    s.listen()
+    while True:
+        conn, peer = s.accept()
+        conn.settimeout(2)
+        try:
+            data = conn.recv(4096)
+        except OSError:
+            data = b""
+        note(connection={SOURCE_PORT}, peer=peer[0], data=data[:300].decode("latin-1"))
+        conn.close()
+
+threading.Thread(target=sources, daemon=True).start()
+http.server.ThreadingHTTPServer(("", 8000), Handler).serve_forever()
+"""
+
+
+class Release:
+    def __init__(self, h: Harness, ns: str) -> None:
+        self.h, self.ns = h, ns
+
+    def pods(self, component: str) -> list[str]:
+        selector = f"app.kubernetes.io/instance={RELEASE},app.kubernetes.io/component={component}"
+        return [p["metadata"]["name"] for p in self.h.pods(self.ns, selector)]
+
+    def recorded(self) -> list[Obj]:
+        """What reached the recorder: one entry per request or connection."""
+        log = self.h.kubectl("logs", "-n", self.ns, RECORDER, check=False)
+        return [json.loads(line) for line in log.splitlines() if line.startswith("{")]
+
+    def events(self, reason: str) -> list[Obj]:
+        items = self.h.get(f"/apis/events.k8s.io/v1/namespaces/{self.ns}/events")["items"]
+        return [e for e in items if e.get("reason") == reason]
+
+    def condition(self, adapter: str, kind: str) -> Obj:
+        status = release.adapter_status(self.h, self.ns, adapter)
+        return next((c for c in status.get("conditions") or () if c["type"] == kind), {})
+
+    def wait_failed(self, adapter: str, reason: str, timeout: float = 120) -> Obj:
+        def failed() -> Obj | None:
+            status = release.adapter_status(self.h, self.ns, adapter)
+            staged = self.condition(adapter, "Staged")
+            return status if status.get("phase") == "Failed" and staged else None
+
+        status = self.h.wait_for(f"{adapter} to fail", failed, timeout=timeout)
+        staged = self.condition(adapter, "Staged")
+        assert staged.get("reason") == reason, json.dumps(status)
+        return status
+
+
+def recorder_pod(image: str) -> Obj:
+    """A labelled look-alike of an inference pod: the label, the annotations, the port, Ready;
+    but the default ServiceAccount and no owner."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": RECORDER,
+            "labels": {"lora.dev/inference": "true"},
+            "annotations": {
+                "lora.dev/port": "8000",
+                "lora.dev/adapter-root": str(manifests.VOLUME_ROOT),
+            },
+        },
+        "spec": {
+            "automountServiceAccountToken": False,
+            "containers": [
+                {
+                    "name": "recorder",
+                    "image": image,
+                    "imagePullPolicy": "IfNotPresent",
+                    "command": ["python", "-u", "-c", RECORDER_SCRIPT],
+                    "ports": [{"name": "http", "containerPort": 8000}],
+                    "readinessProbe": {"httpGet": {"path": "/ready", "port": 8000}},
+                    "securityContext": manifests.NON_ROOT,
+                }
+            ],
+        },
+    }
+
+
+@pytest.fixture(scope="module")
+def secured(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Release]:
+    """One release for every attack: one inference pod, an adapter Ready on it, a source
+    placed by hand in the namespace's folder, and the recorder pod Ready beside them."""
+    kubeconfig = os.environ.get("LORA_E2E_KUBECONFIG")
+    ns = f"sec-{uuid.uuid4().hex[:6]}"
+    if kubeconfig:
+        refs = {i.role: i.ref for i in images.built(("operator", "inference"))}
+        node_shell = shlex.split(os.environ.get("LORA_E2E_NODE_SHELL", ""))
+        h = Harness.external(Path(kubeconfig), refs, node_shell)
+    else:
+        h = request.getfixturevalue("devcluster")
+    h.kubectl("create", "namespace", ns)
+    h.wait_for(
+        "the namespace's default ServiceAccount",
+        lambda: h.get_or_none(f"/api/v1/namespaces/{ns}/serviceaccounts/default"),
+        timeout=60,
+    )
+    published = AdapterSource("pixel-art", seed=1, folder=f"{ns}/sources")
+    by_hand = AdapterSource("by-hand", seed=2, folder=ns)  # in the pods' adapter root itself
+    try:
+        release.prepare_model(h, ns)
+        release.install_crd(h)
+        release.install_chart(
+            h, ns, manifests.local_values(ns, replicas=1), tmp_path_factory.mktemp("values")
+        )
+        release.prepare_adapters(h, ns, (published, by_hand), "prepare-sources")
+        release.ready_inference_pods(h, ns, 1)
+        h.apply(manifests.adapter(published), ns)
+        release.wait_adapter_ready(h, ns, "pixel-art", "1/1")
+        h.apply(recorder_pod(h.image("operator")), ns)
+        h.wait_for(
+            "the recorder pod to be Ready",
+            lambda: release.is_ready(h.get(f"/api/v1/namespaces/{ns}/pods/{RECORDER}")),
+            timeout=120,
+        )
+        yield Release(h, ns)
+    finally:
+        # The adapters first, while the operator runs to release their finalizers.
+        h.kubectl("delete", "loraadapters", "--all", "-n", ns, "--timeout=90s", check=False)
+        h.run(["helm", "uninstall", RELEASE, "-n", ns, "--ignore-not-found"], check=False)
+        h.kubectl("delete", "namespace", ns, "--wait=false", check=False)
+
+
+def test_a_labelled_lookalike_pod_gets_no_token_and_no_call(secured: Release) -> None:
+    h, ns = secured.h, secured.ns
+    events = h.wait_for(
+        "an Event saying why the look-alike is not the release's",
+        lambda: [
+            e for e in secured.events("UntrustedInferencePod") if e["regarding"]["name"] == RECORDER
+        ],
+        timeout=60,
+    )
+    assert "ServiceAccount 'default'" in events[0]["note"], events[0]["note"]
+    # Several resync periods (5 s with these values) later: not one call, so no token.
+    h.wait_for(
+        "the adapter to be written again (a resync has passed)",
+        lambda: release.adapter_status(h, ns, "pixel-art").get("ready") == "1/1",
+        timeout=30,
+    )
+    time.sleep(15)
+    calls = [r for r in secured.recorded() if "path" in r]
+    assert calls == [], calls
+    status = release.adapter_status(h, ns, "pixel-art")
+    assert status["ready"] == "1/1"
+    assert RECORDER not in {p["name"] for p in status.get("pods") or ()}
+
+
+def test_an_empty_token_refuses_to_start_naming_the_secret(secured: Release) -> None:
+    h, ns = secured.h, secured.ns
+    h.apply(
+        {
+            "apiVersion": "v1",
+            "kind": "Secret",
+            "metadata": {"name": "empty-token"},
+            "stringData": {"token": ""},
+        },
+        ns,
+    )
+    named = f"Secret {ns}/empty-token, key token"
+    mount = [{"name": "token", "mountPath": "/var/run/lora/token", "readOnly": True}]
+
+    def container(name: str, image: str, command: list[str], env: str) -> Obj:
+        return {
+            "name": name,
+            "image": h.image(image),
+            "imagePullPolicy": "IfNotPresent",
+            "command": command,
+            "env": [{"name": env, "value": named}, {"name": "HOME", "value": "/tmp"}],
+            "volumeMounts": [*mount, {"name": "tmp", "mountPath": "/tmp"}],
+            "securityContext": manifests.NON_ROOT,
+        }
+
+    token = "/var/run/lora/token/token"
+    h.apply(
+        {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": "empty-token"},
+            "spec": {
+                "restartPolicy": "Never",
+                "automountServiceAccountToken": False,
+                "volumes": [
+                    {"name": "token", "secret": {"secretName": "empty-token"}},
+                    {"name": "tmp", "emptyDir": {}},
+                ],
+                "containers": [
+                    container(
+                        "server",
+                        "inference",
+                        [
+                            "lora-inference",
+                            "serve",
+                            "--model=/tmp/none",
+                            "--device=cpu",
+                            f"--admin-token-file={token}",
+                        ],
+                        "LORA_ADMIN_TOKEN_SECRET",
+                    ),
+                    container(
+                        "operator",
+                        "operator",
+                        [
+                            "python",
+                            "-m",
+                            "lora_operator",
+                            "--standalone",
+                            f"--admin-token-file={token}",
+                        ],
+                        "LORA_ADMIN_TOKEN_SECRET",
+                    ),
+                    container(
+                        "router",
+                        "operator",
+                        [
+                            "python",
+                            "-m",
+                            "lora_router",
+                            f"--namespace={ns}",
+                            f"--client-token-file={token}",
+                        ],
+                        "LORA_CLIENT_TOKEN_SECRET",
+                    ),
+                ],
+            },
+        },
+        ns,
+    )
+
+    def ended() -> list[Obj] | None:
+        pod = h.get(f"/api/v1/namespaces/{ns}/pods/empty-token")
+        statuses = (pod.get("status") or {}).get("containerStatuses") or []
+        done = [s for s in statuses if "terminated" in (s.get("state") or {})]
+        return done if len(done) == 3 else None
+
+    for status in h.wait_for("all three programs to exit", ended, timeout=240):
+        name = status["name"]
+        log = h.kubectl("logs", "-n", ns, "empty-token", "-c", name, check=False)
+        assert status["state"]["terminated"]["exitCode"] == 2, (name, log)
+        assert named in log and "empty" in log, (name, log)
+
+
+def test_an_unpublished_file_requested_by_name_is_404(secured: Release) -> None:
+    h, ns = secured.h, secured.ns
+    (pod,) = secured.pods("inference")
+    for model, expected in (("by-hand", 404), ("pixel-art", 200)):
+        request = manifests.generation_request(model, size=32, steps=2)
+        status, body = h.proxy(ns, release.pod_target(pod), "/v1/images/generations", request)
+        assert status == expected, (model, status, body[:300])
+
+
+def test_router_paths_outside_the_allowlist_are_404(secured: Release) -> None:
+    h, ns = secured.h, secured.ns
+    service = release.service_target()
+    for path in ("/metrics", "/v1/adapters"):
+        status, body = h.proxy(ns, service, path, timeout=30)
+        assert status == 404, (path, status, body[:300])
+        assert b"not served by the router" in body, body[:300]
+    status, body = h.proxy(
+        ns, service, "/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "/etc"}, timeout=30
+    )
+    assert status == 404, body[:300]
+    request = manifests.generation_request("pixel-art", size=32, steps=2)
+    status, _ = h.proxy(ns, service, "/v1/images/generations", request)
+    assert status == 200
+
+
+def recorder_ip(secured: Release) -> str:
+    pod = secured.h.get(f"/api/v1/namespaces/{secured.ns}/pods/{RECORDER}")
+    ip: str = pod["status"]["podIP"]
+    return ip
+
+
+def test_an_adapter_naming_an_unlabelled_secret_fails_and_the_secret_is_never_sent(
+    secured: Release,
+) -> None:
+    h, ns = secured.h, secured.ns
+    canary = f"canary-{uuid.uuid4().hex}"
+    h.apply(
+        {
+            "apiVersion": "v1",
+            "kind": "Secret",
+            "metadata": {"name": "database-password"},
+            "stringData": {"AUTHORIZATION": f"Bearer {canary}"},
+        },
+        ns,
+    )
+    url = f"https://{recorder_ip(secured)}:{SOURCE_PORT}/pixel.safetensors"
+    h.apply(
+        {
+            "apiVersion": "lora.dev/v1alpha1",
+            "kind": "LoRAAdapter",
+            "metadata": {"name": "borrowed"},
+            "spec": {
+                "baseModel": MODEL_NAME,
+                "source": {"uri": url, "secretRef": {"name": "database-password"}},
+            },
+        },
+        ns,
+    )
+    status = secured.wait_failed("borrowed", "SecretNotConsented")
+    assert "lora.dev/source-credentials" in secured.condition("borrowed", "Staged")["message"]
+    # Not a byte went to the source: the value never left the operator.
+    connections = [r for r in secured.recorded() if "connection" in r]
+    assert connections == [], connections
+    operator = secured.pods("operator")[0]
+    logs = h.kubectl("logs", "-n", ns, operator, "-c", "operator", check=False)
+    everything = json.dumps(status) + json.dumps(secured.events("Failed")) + logs
+    assert canary not in everything
+
+
+def test_sources_at_the_metadata_or_api_server_address_are_refused(secured: Release) -> None:
+    h, ns = secured.h, secured.ns
+    api = h.get("/api/v1/namespaces/default/services/kubernetes")["spec"]["clusterIP"]
+    targets = {
+        "metadata": "https://169.254.169.254/latest/meta-data/lora.safetensors",
+        "api-server": f"https://{api}/api/v1/namespaces/{ns}/secrets/x.safetensors",
+    }
+    h.apply(
+        [
+            {
+                "apiVersion": "lora.dev/v1alpha1",
+                "kind": "LoRAAdapter",
+                "metadata": {"name": name},
+                "spec": {"baseModel": MODEL_NAME, "source": {"uri": uri}},
+            }
+            for name, uri in targets.items()
+        ],
+        ns,
+    )
+    for name, words in (("metadata", "link-local"), ("api-server", "API server")):
+        secured.wait_failed(name, "HostRefused")
+        assert words in secured.condition(name, "Staged")["message"]
+
+
+def test_a_rotated_admin_token_keeps_loads_working(secured: Release) -> None:
+    """The Secret changes; the operator picks it up from its file, and a new inference pod
+    (which starts with the new token) gets the adapter: no Failed adapter on the way."""
+    h, ns = secured.h, secured.ns
+    operator = secured.pods("operator")[0]
+    deployment = h.get(f"/apis/apps/v1/namespaces/{ns}/deployments/{RELEASE}-operator")
+    volumes = deployment["spec"]["template"]["spec"]["volumes"]
+    secret = next(v["secret"]["secretName"] for v in volumes if v["name"] == "admin-token")
+    rotated = f"rotated-{uuid.uuid4().hex}"
+    encoded = base64.b64encode(rotated.encode()).decode()
+    h.merge_patch(f"/api/v1/namespaces/{ns}/secrets/{secret}", {"data": {"token": encoded}})
+
+    def operator_has_it() -> bool:
+        cat = ["exec", "-n", ns, operator, "-c", "operator", "--"]
+        out = h.kubectl(*cat, "cat", "/var/run/lora/admin-token/token", check=False)
+        return out.strip() == rotated
+
+    h.wait_for("the operator's mounted token to change", operator_has_it, timeout=180)
+    (old,) = secured.pods("inference")
+    h.kubectl("delete", "pod", "-n", ns, old, "--wait=false")
+    phases: list[str] = []
+
+    def moved() -> bool:
+        status = release.adapter_status(h, ns, "pixel-art")
+        phases.append(str(status.get("phase")))
+        ready = [p["metadata"]["name"] for p in h.pods(ns, INFERENCE_PODS) if release.is_ready(p)]
+        pods = {p["name"]: p.get("state") for p in status.get("pods") or ()}
+        return (
+            old not in ready
+            and status.get("ready") == "1/1"
+            and all(pods.get(p) == "Loaded" for p in ready)
+        )
+
+    h.wait_for("the new pod to hold the adapter", moved, timeout=300, interval=1)
+    assert "Failed" not in phases, phases
+    (new,) = secured.pods("inference")
+    assert "pixel-art" in release.served_adapters(h, ns, new)
+
+
+def test_the_backup_task_restores_adapters_without_downloading(
+    secured: Release, tmp_path: Path
+) -> None:
+    """docs/tasks/back-up-the-adapter-volume.md as written (its namespace and the images this
+    cluster has aside): back up, lose the release and its claim, restore, and the adapter is
+    Ready again with nothing staged."""
+    from tests.e2e.test_docs_commands import commands, parse_blocks
+
+    h, ns = secured.h, secured.ns
+    doc = ROOT / "docs" / "tasks" / "back-up-the-adapter-volume.md"
+    backup, restore = [
+        b for b in parse_blocks(doc, doc.read_text()) if b.lang == "sh" and b.mode == "dry-run"
+    ]
+    # The block's relative paths, in a folder of the test's own: the chart, and the example with
+    # this cluster's image and, on one node, a ReadWriteOnce claim (all its provisioner offers).
+    (tmp_path / "charts").symlink_to(ROOT / "charts")
+    example = (ROOT / "examples" / "adapter-volume-restore.yaml").read_text()
+    example = example.replace("lora-operator/operator:0.1.0", h.image("operator"))
+    (tmp_path / "examples").mkdir()
+    (tmp_path / "examples" / "adapter-volume-restore.yaml").write_text(
+        example.replace("[ReadWriteMany]", "[ReadWriteOnce]")
+    )
+    values = tmp_path / "values.yaml"
+    values.write_text(json.dumps(manifests.local_values(ns, replicas=1)))
+    sha = release.adapter_status(h, ns, "pixel-art")["staged"]["sha256"]
+
+    def run(block: Any) -> None:
+        for words in commands(block.text):
+            # The words as the docs test reads them, redirections kept for the shell.
+            line = " ".join(shlex.quote(w) if w not in ("<", ">") else w for w in words)
+            line = line.replace("-n lora", f"-n {ns}")
+            if words[:2] == ["helm", "install"]:
+                line += f" -f {shlex.quote(str(values))}"
+            done = subprocess.run(
+                ["bash", "-c", line], cwd=tmp_path, env=h.env, capture_output=True, timeout=300
+            )
+            assert done.returncode == 0, (line, done.stderr.decode(errors="replace")[-2000:])
+
+    run(backup)
+    names = subprocess.run(
+        ["tar", "-tf", str(tmp_path / "adapters.tar")], capture_output=True, text=True, check=True
+    ).stdout
+    assert f"adapters/{ns}/pixel-art/revisions/{sha}/" in names, names[:2000]
+    # The release and its claim are lost.
+    h.run(["helm", "uninstall", RELEASE, "-n", ns, "--wait", "--timeout", "120s"])
+    h.kubectl("delete", "pvc", "-n", ns, f"{RELEASE}-adapters", "--timeout=120s")
+    run(restore)
+    release.ready_inference_pods(h, ns, 1)
+    release.wait_adapter_ready(h, ns, "pixel-art", "1/1", timeout=240, sha256=sha)
+    (operator,) = secured.pods("operator")
+    log = h.kubectl("logs", "-n", ns, operator, "-c", "operator")
+    assert "action=staged" not in log, log[-3000:]
+    (pod,) = secured.pods("inference")
+    assert release.served_adapters(h, ns, pod)["pixel-art"]["root"].endswith(sha)
