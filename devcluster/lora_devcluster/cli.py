@@ -10,7 +10,7 @@ import os
 import sys
 from pathlib import Path
 
-from lora_devcluster import cluster, images, ns
+from lora_devcluster import cluster, images, netpolicy, ns
 
 
 def _progress(message: str) -> None:
@@ -30,6 +30,9 @@ def cmd_up(args: argparse.Namespace) -> int:
         f"  logs:       {c.layout.logs}/ (components), {c.layout.pod_logs}/ (containers)\n"
         f"  stop it:    lora-devcluster{flag} down"
     )
+    problem = netpolicy.enforcement_problem()
+    if problem is not None:
+        print(f"  note:       {problem}")
     return 0
 
 
