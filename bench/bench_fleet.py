@@ -60,6 +60,29 @@ Needs root and the devcluster binaries (`make binaries`), like the cluster tests
 always reads
     fleet: throughput router/round-robin = X.XX, hit rate router/round-robin = Y.YY
 Results go in docs/benchmarks.md together with the command.
+
+Simulated GPU pods (`--simulate PROFILE`, `--simulate-suite`). The pods run
+`lora-inference serve --simulate PROFILE` (the chart's inference.extraArgs): the real server
+with a pipeline that sleeps for an H200's measured costs and imports no torch, so tens of pods
+fit here. Three routes on the same pods: round-robin (the pods' Service), least-queued (the load
+generator sends each request straight to the pod with the fewest of its requests in flight: a
+least-request balancer without affinity) and the router; each cell is a stream (Zipf(1.1) or
+uniform over the K adapters) and a loop: closed (`--concurrency` in flight, default 2 per pod)
+or open (Poisson arrivals at `--load-fraction` of the fleet's no-miss bound, 0.8: every latency
+timed from its arrival). Per route: throughput, p50/p95, GPU-tier hit rate, fresh loads per 100
+requests and the throughput over the no-miss bound (the profile's one-image call, merged, on
+every pod back to back). Each measured round of a route follows `--settle` requests of its own;
+the route that goes first rotates. The adapters are placed on every pod (`--replicas N` sets
+spec.replicas instead). The requests ask for the profile's size and steps.
+
+    .venv/bin/python bench/bench_fleet.py --simulate h200-sdxl-4step --pods 16 --adapters 1000
+    .venv/bin/python bench/bench_fleet.py --simulate-suite --pods 16 --adapters 1000
+
+The suite runs both bundled profiles (a cluster each) over both streams and loops and ends with
+    fleet-sim: throughput router/round-robin 4step = X.XX, 20step = Y.YY, bound fraction
+    4step = Z.ZZ, worst cell = W.WW
+(one line; the Zipf closed-loop cells; worst cell: the lowest router/round-robin throughput of
+any cell).
 """
 
 from __future__ import annotations
@@ -109,31 +132,61 @@ SETTLE_SEED = 10_000  # settle streams' seeds: apart from the measured rounds' (
 # the few pods its connections landed on), and answers the wall time, the latencies, the
 # failures and the router's x-lora-route reasons.
 LOADGEN_SCRIPT = """
-import asyncio, collections, json, sys, time
+import asyncio, collections, json, random, sys, time
 from aiohttp import ClientSession, ClientTimeout, TCPConnector, web
 
 async def run_round(request):
     spec = await request.json()
     bodies = iter(spec["requests"])
     latencies, failures, routes = [], [], collections.Counter()
+    rejected = 0
+    # "pods": send each request straight to the pod with the fewest of this client's requests
+    # in flight (least-queued, no affinity); else to "url" (a Service).
+    pods = spec.get("pods") or []
+    inflight = dict.fromkeys(pods, 0)
+    rng = random.Random(spec.get("seed", 0))
 
-    async def client(session):
-        for body in bodies:
-            started = time.perf_counter()
-            async with session.post(spec["url"], json=body) as resp:
+    async def one(session, body, started):
+        nonlocal rejected
+        url = spec["url"]
+        if pods:
+            least = min(inflight.values())
+            url = rng.choice([p for p, n in inflight.items() if n == least])
+            inflight[url] += 1
+        try:
+            async with session.post(url, json=body) as resp:
                 text = await resp.text()
+                if resp.status == 429:
+                    rejected += 1
+                    return
                 if resp.status != 200:
                     failures.append(f"{body['model']}: {resp.status} {text[:300]}")
                 routes[resp.headers.get("x-lora-route", "none")] += 1
-            latencies.append(time.perf_counter() - started)
+        finally:
+            if pods:
+                inflight[url] -= 1
+        latencies.append(time.perf_counter() - started)
 
-    connector = TCPConnector(force_close=True)
-    async with ClientSession(connector=connector, timeout=ClientTimeout(total=600)) as session:
+    async def client(session):
+        for body in bodies:
+            await one(session, body, time.perf_counter())
+
+    connector = TCPConnector(force_close=True, limit=0)
+    async with ClientSession(connector=connector, timeout=ClientTimeout(total=900)) as session:
         started = time.perf_counter()
-        await asyncio.gather(*(client(session) for _ in range(spec["concurrency"])))
+        rate = spec.get("rate")
+        if rate:  # open loop: Poisson arrivals at `rate`, each timed from its arrival
+            arrivals, tasks, at = random.Random(spec.get("seed", 0) + 1), [], started
+            for body in bodies:
+                at += arrivals.expovariate(rate)
+                await asyncio.sleep(max(0.0, at - time.perf_counter()))
+                tasks.append(asyncio.create_task(one(session, body, at)))
+            await asyncio.gather(*tasks)
+        else:
+            await asyncio.gather(*(client(session) for _ in range(spec["concurrency"])))
         wall = time.perf_counter() - started
     result = {"label": spec["label"], "requests": len(latencies), "wall": wall,
-              "failures": failures, "routes": dict(routes)}
+              "failures": failures, "routes": dict(routes), "rejected": rejected}
     print(json.dumps(result), flush=True)
     return web.json_response({**result, "latencies": latencies})
 
@@ -414,16 +467,18 @@ def set_up(h: Harness, args: argparse.Namespace, work: Path) -> list[str]:
     release.prepare_model(h, NS)
     say("tiny SD 1.5 written onto its claim")
     release.install_crd(h)
-    release.install_chart(h, NS, build_values(args), work)
+    values = build_sim_values(args) if args.simulate else build_values(args)
+    release.install_chart(h, NS, values, work)
     sources = build_sources(args.adapters)
     release.run_job(h, NS, build_adapters_job(h.image("inference"), sources))
     say(f"helm install done; {len(sources)} adapter sources written onto the adapter volume")
     pods = release.ready_inference_pods(h, NS, args.pods, timeout=args.timeout)
     say(f"{args.pods} inference pods Ready")
-    h.apply([manifests.adapter(s) for s in sources], NS)
+    h.apply([sim_adapter(s, args.replicas) for s in sources], NS)
+    want = args.replicas or args.pods
     for s in sources:
-        release.wait_adapter_ready(h, NS, s.name, f"{args.pods}/{args.pods}", timeout=args.timeout)
-    say(f"{len(sources)} LoRAAdapters Ready {args.pods}/{args.pods}")
+        release.wait_adapter_ready(h, NS, s.name, f"{want}/{want}", timeout=args.timeout)
+    say(f"{len(sources)} LoRAAdapters Ready {want}/{want}")
     h.apply(build_loadgen_pod(h.image("operator")), NS)
 
     def routers_and_loadgen_ready() -> bool:
@@ -596,6 +651,244 @@ def print_report(tallies: dict[str, Tally], args: argparse.Namespace) -> tuple[f
     return throughput, hit_ratio
 
 
+# -- the simulated fleet (--simulate, --simulate-suite) -------------------------------------------
+
+SIM_ROUTES = ("round-robin", "least-queued", "router")
+SIM_PROFILES = ("h200-sdxl-4step", "h200-sdxl-20step")
+STREAMS = ("zipf", "uniform")
+LOOPS = ("closed", "open")
+
+
+def build_sim_values(args: argparse.Namespace) -> Obj:
+    """The chart's values for simulated pods: the profile's costs, no torch, the chart's
+    default tiers, one image per call (a lookup is a request and the no-miss bound is exact)."""
+    values = manifests.local_values(NS, replicas=args.pods)
+    values["inference"].update(
+        maxLoras=args.max_loras,
+        maxCpuLoras=args.max_cpu_loras,
+        maxBatchSize=1,
+        maxQueue=256,
+        extraArgs=[f"--simulate={args.simulate}"],
+    )
+    return values
+
+
+def sim_adapter(source: AdapterSource, replicas: int | None) -> Obj:
+    obj = manifests.adapter(source)
+    if replicas is not None:
+        obj["spec"]["replicas"] = replicas
+    return obj
+
+
+def stream_of(kind: str, count: int, k: int, zipf: float, seed: int) -> list[str]:
+    if kind == "zipf":
+        return zipf_stream(count, k, zipf, seed=seed)
+    import random
+
+    rng = random.Random(seed)
+    return [f"adapter-{rng.randrange(k):02d}" for _ in range(count)]
+
+
+@dataclass
+class Cell:
+    """One profile x stream x loop on one fleet: a Tally per route."""
+
+    profile: str
+    stream: str
+    loop: str
+    pods: int
+    adapters: int
+    bound: float  # images/s if every request hit a slot
+    rate: float | None  # open loop: the requests per second sent
+    tallies: dict[str, Tally]
+    rejected: collections.Counter[str] = field(default_factory=collections.Counter)
+
+    def ratio(self, route: str = "router") -> float:
+        return self.tallies[route].throughput / self.tallies["round-robin"].throughput
+
+    def p95_ratio(self, route: str = "router") -> float:
+        return self.tallies[route].percentile(0.95) / self.tallies["round-robin"].percentile(0.95)
+
+
+def sim_round(
+    stream: list[str], args: argparse.Namespace, label: str, seed: int, pod_urls: list[str],
+    rate: float | None,
+) -> Obj:  # fmt: skip
+    service = ROUTES["router" if label == "router" else "round-robin"]
+    url = manifests.service_url(NS, "/v1/images/generations", service=service)
+    bodies = [
+        manifests.generation_request(model, size=args.size, steps=args.steps, seed=seed + i)
+        for i, model in enumerate(stream)
+    ]
+    spec: Obj = {
+        "url": url,
+        "requests": bodies,
+        "concurrency": args.concurrency,
+        "label": label,
+        "seed": seed,
+    }
+    if label == "least-queued":
+        spec["pods"] = pod_urls
+    if rate is not None:
+        spec["rate"] = rate
+    return spec
+
+
+def measure_sim(h: Harness, pods: list[str], args: argparse.Namespace) -> list[Cell]:
+    from lora_inference.simulate.profile import load_profile
+
+    profile = load_profile(args.simulate)
+    inference = pids_of(h, manifests.INFERENCE_LABELS, "inference")
+    router = pids_of(h, ROUTER_LABELS, "router")
+    pod_urls = [
+        f"http://{p['status']['podIP']}:8000/v1/images/generations"
+        for p in h.pods(NS, manifests.INFERENCE_LABELS)
+    ]
+    bound = profile.no_miss_images_per_s(args.pods)
+    cells = []
+    for stream_kind in args.streams:
+        for loop in args.loops:
+            rate = args.load_fraction * bound if loop == "open" else None
+            cell = Cell(
+                args.simulate, stream_kind, loop, args.pods, args.adapters, bound, rate,
+                {label: Tally(label) for label in SIM_ROUTES},
+            )  # fmt: skip
+            for r in range(args.rounds):
+                seed = args.seed + 1 + r
+                stream = stream_of(stream_kind, args.requests, args.adapters, args.zipf, seed)
+                settle = stream_of(
+                    stream_kind, args.settle, args.adapters, args.zipf, SETTLE_SEED + seed
+                )
+                order = SIM_ROUTES[r % 3 :] + SIM_ROUTES[: r % 3]
+                line = []
+                for label in order:
+                    if settle:
+                        send_round(
+                            h, sim_round(settle, args, label, SETTLE_SEED + seed, pod_urls, None)
+                        )
+                    before = snapshot(h, pods, inference, router)
+                    result = send_round(
+                        h, sim_round(stream, args, label, seed * 1000, pod_urls, rate)
+                    )
+                    after = snapshot(h, pods, inference, router)
+                    cell.rejected[label] += int(result.get("rejected", 0))
+                    tally = cell.tallies[label]
+                    hits, lookups = tally.gpu_hits, tally.lookups
+                    tally.add(stream, result, before, after)
+                    hit = (tally.gpu_hits - hits) / max(1.0, tally.lookups - lookups)
+                    line.append(
+                        f"{label} {result['requests'] / result['wall']:.2f} images/s, hit {hit:.2f}"
+                    )
+                print(
+                    f"  {stream_kind}/{loop} round {r + 1}/{args.rounds}: " + "; ".join(line),
+                    flush=True,
+                )
+            print_cell(cell)
+            cells.append(cell)
+    return cells
+
+
+def print_cell(cell: Cell) -> None:
+    rate = f"open loop at {cell.rate:.2f} requests/s" if cell.rate else "closed loop"
+    print(
+        f"\n{cell.profile}, N={cell.pods}, K={cell.adapters}, {cell.stream}, {rate};"
+        f" no-miss bound {cell.bound:.2f} images/s"
+    )
+    print(
+        f"{'route':<14}{'images/s':>10}{'/rr':>7}{'/bound':>8}{'p50 s':>8}{'p95 s':>8}"
+        f"{'p95/rr':>8}{'GPU hit':>9}{'fresh/100':>11}{'429s':>6}  routes"
+    )
+    for label, t in cell.tallies.items():
+        routes = ", ".join(
+            f"{k} {v / max(1, sum(t.routes.values())):.0%}" for k, v in t.routes.most_common(3)
+        )
+        print(
+            f"{label:<14}{t.throughput:>10.2f}{cell.ratio(label):>7.2f}"
+            f"{t.throughput / cell.bound:>8.2f}{t.percentile(0.5):>8.2f}{t.percentile(0.95):>8.2f}"
+            f"{cell.p95_ratio(label):>8.2f}{t.hit_rate:>9.2f}{t.per_100(t.fresh_loads):>11.1f}"
+            f"{cell.rejected[label]:>6}  {routes}"
+        )
+
+
+def run_sim(args: argparse.Namespace, node_images: object) -> list[Cell]:
+    """One cluster: the chart with simulated pods, K adapters Ready, every cell measured."""
+    with tempfile.TemporaryDirectory(prefix="lora-bench-fleet-") as scratch:
+        work = Path(scratch)
+        with cluster_mod.joined(
+            work / "cluster", node_images=node_images, die_with_parent=True
+        ) as c:
+            h = Harness(c)
+            try:
+                pods = set_up(h, args, work)
+                cells = measure_sim(h, pods, args)
+            except BaseException:
+                print(h.describe_pods(NS), file=sys.stderr)
+                print(h.container_logs(NS)[-6000:], file=sys.stderr)
+                raise
+        left = cluster_mod.leftovers(work / "cluster")
+    print(f"cluster torn down; {f'LEFT BEHIND: {left}' if left else 'nothing left behind'}")
+    return cells
+
+
+def sim_summary(cells: list[Cell]) -> str:
+    """The suite's last line: the Zipf closed-loop cells of each profile, and the worst cell."""
+
+    def zipf(profile: str) -> Cell | None:
+        return next(
+            (c for c in cells if c.profile == profile and (c.stream, c.loop) == ("zipf", "closed")),
+            None,
+        )
+
+    four, twenty = zipf("h200-sdxl-4step"), zipf("h200-sdxl-20step")
+    nan = float("nan")
+    bound = four.tallies["router"].throughput / four.bound if four else nan
+    return (
+        f"fleet-sim: throughput router/round-robin 4step = {four.ratio() if four else nan:.2f},"
+        f" 20step = {twenty.ratio() if twenty else nan:.2f}, bound fraction 4step = {bound:.2f},"
+        f" worst cell = {min(c.ratio() for c in cells):.2f}"
+    )
+
+
+def main_sim(args: argparse.Namespace, node_images: object) -> int:
+    from lora_inference.simulate.profile import load_profile
+
+    args.streams = [s for s in args.streams.split(",") if s]
+    args.loops = [loop for loop in args.loops.split(",") if loop]
+    args.concurrency = args.concurrency or 2 * args.pods
+    started = time.monotonic()
+    cells: list[Cell] = []
+    for name in SIM_PROFILES if args.simulate_suite else (args.simulate,):
+        profile = load_profile(name)
+        args.simulate, args.size, args.steps = name, profile.size, profile.steps
+        cells += run_sim(args, node_images)
+    memory = psutil.virtual_memory().total / 2**30
+    print(
+        f"\nsimulated fleet on lora-devcluster: N={args.pods} pods, K={args.adapters} adapters"
+        f" ({'on every pod' if args.replicas is None else f'spec.replicas {args.replicas}'}),"
+        f" {args.rounds} rounds x {args.requests} requests per route and cell (each after"
+        f" {args.settle} not counted), closed loop {args.concurrency} in flight; --max-loras"
+        f" {args.max_loras}, --max-cpu-loras {args.max_cpu_loras}, --max-batch-size 1;"
+        f" {platform.machine()}, {os.cpu_count()} cores, {memory:.0f} GiB;"
+        f" {datetime.date.today().isoformat()}; {time.monotonic() - started:.0f} s"
+    )
+    for cell in cells:
+        print_cell(cell)
+    print(
+        "\nGPU hit: lookups that found the adapter in a GPU slot (one per request); fresh/100:"
+        " adapters read from the volume into the CPU tier per 100 requests; /bound: throughput"
+        " over the no-miss bound (every pod generating back to back with no miss); 429s:"
+        " requests the pods refused with a full queue (open loop), not counted in the latencies."
+    )
+    if args.simulate_suite:
+        print(sim_summary(cells))
+    else:
+        print(
+            f"fleet-sim {args.simulate}: worst cell router/round-robin ="
+            f" {min(c.ratio() for c in cells):.2f}"
+        )
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -605,7 +898,9 @@ def main() -> int:
     parser.add_argument("--adapters", type=int, default=100, help="LoRAAdapters (K)")
     parser.add_argument("--rounds", type=int, default=8, help="measured rounds per route")
     parser.add_argument("--requests", type=int, default=100, help="requests per round")
-    parser.add_argument("--concurrency", type=int, default=8, help="requests in flight")
+    parser.add_argument(
+        "--concurrency", type=int, help="requests in flight (default: 8; simulated: 2 per pod)"
+    )
     parser.add_argument(
         "--settle",
         type=int,
@@ -619,11 +914,36 @@ def main() -> int:
     parser.add_argument("--max-cpu-loras", type=int, default=32, help="CPU tier per pod")
     parser.add_argument("--seed", type=int, default=0, help="the streams' first seed")
     parser.add_argument("--timeout", type=float, default=600.0, help="per wait, seconds")
+    parser.add_argument(
+        "--simulate",
+        metavar="PROFILE",
+        help="simulated GPU pods (lora-inference serve --simulate PROFILE, e.g. h200-sdxl-4step)"
+        ": round-robin, least-queued and the router, on each stream and loop",
+    )
+    parser.add_argument(
+        "--simulate-suite",
+        action="store_true",
+        help=f"every cell: {', '.join(SIM_PROFILES)} x {', '.join(STREAMS)} x {', '.join(LOOPS)}",
+    )
+    parser.add_argument(
+        "--replicas", type=int, help="spec.replicas of every adapter (default: on every pod)"
+    )
+    parser.add_argument("--streams", default=",".join(STREAMS), help="simulated: zipf, uniform")
+    parser.add_argument("--loops", default=",".join(LOOPS), help="simulated: closed, open")
+    parser.add_argument(
+        "--load-fraction",
+        type=float,
+        default=0.8,
+        help="open loop: requests per second as a fraction of the no-miss bound",
+    )
     args = parser.parse_args()
     if args.quick:
         args.rounds, args.requests = 2, 40
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # tear the cluster down
     node_images = images.ensure()
+    if args.simulate or args.simulate_suite:
+        return main_sim(args, node_images)
+    args.concurrency = args.concurrency or 8
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="lora-bench-fleet-") as scratch:
         work = Path(scratch)
