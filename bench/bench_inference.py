@@ -18,8 +18,12 @@ Modes:
     .venv/bin/python bench/bench_inference.py --full-size --device cuda \\
         --size 1024 --rank 64 --steps 20 --requests 60        # the three
 
-The last line always reads
+The line
     serving: a/c tiny = X.XX, a/c representative = Y.YY, a/b representative = Z.ZZ
+ends a run of the CPU modes; with --full-size the full-size mode also measures a call of four
+different adapters against the base model's, a slot fill's bandwidth and the kernels a step
+launches, and the last line reads
+    serving-gpu: a/c full-size = X.XX, mixed-4/base = Y.YY, slot copy GB/s = Z.Z
 Results go in docs/benchmarks.md together with the command.
 """
 
@@ -46,7 +50,7 @@ from aiohttp.test_utils import TestServer
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from lora_inference.app import METRICS, create_app
 from lora_inference.config import ServerConfig
-from lora_inference.pipeline import DiffusionBackend, resolve_dtype
+from lora_inference.pipeline import DiffusionBackend, ImageJob, resolve_dtype
 from lora_inference.tools.full_size import build_full_size_sd15, build_full_size_sdxl
 from lora_inference.tools.random_adapters import write_random_adapter
 from lora_inference.tools.tiny_models import write_tiny_model
@@ -69,17 +73,18 @@ class Mode:
 
 
 TINY = Mode("tiny", requests=120, steps=4, size=32, ranks=(4,), resident=(1, 5, 25, 50))
+# Full-width slots are a few hundred MB each at rank 64: the growth table stops at 8.
 REPRESENTATIVE = Mode(
     "representative",
     requests=32,
     steps=4,
     size=64,
     ranks=(16, 32, 64),
-    resident=(1, 5, 25, 50),
+    resident=(1, 4, 8),
     strength=0.02,
 )
 FULL_SIZE = Mode(
-    "full-size", requests=60, steps=20, size=1024, ranks=(64,), resident=(1, 5, 25), strength=0.02
+    "full-size", requests=60, steps=20, size=1024, ranks=(64,), resident=(1, 4, 8), strength=0.02
 )
 
 
@@ -96,6 +101,93 @@ class RunResult:
 class ModeResult:
     a_c: float
     a_b: float
+    engine: EngineFigures | None = None  # the full-size mode's
+
+
+@dataclass(frozen=True)
+class EngineFigures:
+    """What a batch of adapters costs next to the base model, and what moving one costs."""
+
+    base_s: float  # a call of four images, base model
+    mixed_s: float  # the same call, four different adapters
+    copy_gb_s: float  # a slot fill: bytes of a slot row per second
+    launches_base: int  # kernels per denoising step (CUDA only; 0 elsewhere)
+    launches_mixed: int
+
+    @property
+    def mixed_over_base(self) -> float:
+        return self.mixed_s / self.base_s
+
+
+def engine_figures(
+    backend: DiffusionBackend, adapters: list[Path], mode: Mode, samples: int = 3
+) -> EngineFigures:
+    """A call of four images with four different adapters against the same call of the base
+    model (median of `samples`), a slot fill's bandwidth, and kernel launches per step."""
+    parsed = [backend.parse_adapter(p, name=p.name, max_rank=64) for p in adapters[:4]]
+    slots = [f"mix{i}" for i in range(len(parsed))]
+    for slot, adapter in zip(slots, parsed, strict=True):
+        backend.place(slot, adapter)
+    jobs = [ImageJob(prompt="a lighthouse", negative_prompt=None, seeds=(i,)) for i in range(4)]
+    scales = dict.fromkeys(slots, 1.0)
+
+    def call_seconds(per_job: list[str | None], steps: int) -> float:
+        times = []
+        for _ in range(samples + 1):  # the first warms up
+            synchronize(backend)
+            started = time.perf_counter()
+            backend.run_batch(
+                jobs,
+                per_job,
+                scales,
+                width=mode.size,
+                height=mode.size,
+                steps=steps,
+                guidance_scale=5.0,
+            )
+            synchronize(backend)
+            times.append(time.perf_counter() - started)
+        return statistics.median(times[1:])
+
+    base = call_seconds([None] * 4, mode.steps)
+    mixed = call_seconds(list(slots), mode.steps)
+    copies = []
+    for i in range(samples * 3):
+        synchronize(backend)
+        started = time.perf_counter()
+        backend.place(slots[0], parsed[i % len(parsed)])
+        synchronize(backend)
+        copies.append(time.perf_counter() - started)
+    copy_gb_s = backend.slots.row_bytes / statistics.median(copies) / 1e9
+
+    def launches(per_job: list[str | None]) -> int:
+        if not backend.device.startswith("cuda"):
+            return 0
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            backend.run_batch(
+                jobs,
+                per_job,
+                scales,
+                width=mode.size,
+                height=mode.size,
+                steps=1,
+                guidance_scale=5.0,
+            )
+            synchronize(backend)
+        return sum(1 for e in prof.events() if e.device_type.name == "CUDA")
+
+    figures = EngineFigures(
+        base_s=base,
+        mixed_s=mixed,
+        copy_gb_s=copy_gb_s,
+        launches_base=launches([None] * 4),
+        launches_mixed=launches(list(slots)),
+    )
+    for slot in slots:
+        backend.clear(slot)
+    return figures
 
 
 def zipf_stream(count: int, n_adapters: int, s: float, seed: int) -> list[str]:
@@ -238,9 +330,9 @@ def growth(
 
     First use: parse the file and copy it into a slot that held another adapter (a miss whose
     adapter is not cached yet). Swap: copy a cached adapter into such a slot (every other miss).
-    Activate: set one resident adapter on its layers before a batch, after another one.
+    Activate: set up a call of one resident adapter, after another one.
     """
-    parsed = [backend.parse_adapter(p, name=p.name, max_rank=1024) for p in adapters]
+    parsed = [backend.parse_adapter(p, name=p.name, max_rank=64) for p in adapters]
     probe_cycle = parsed[: min(3, len(parsed))]  # different ranks where the mode has several
     rows = []
     loaded = 0
@@ -252,16 +344,21 @@ def growth(
         first, swap, activate, touched = [], [], [], []
         for i in range(samples):
             started = time.perf_counter()
-            fresh = backend.parse_adapter(adapters[i % len(adapters)], name="probe", max_rank=1024)
+            fresh = backend.parse_adapter(adapters[i % len(adapters)], name="probe", max_rank=64)
             backend.place("probe", fresh)
+            synchronize(backend)
             first.append(time.perf_counter() - started)
             started = time.perf_counter()
             backend.place("probe", probe_cycle[(i + 1) % len(probe_cycle)])
+            synchronize(backend)
             swap.append(time.perf_counter() - started)
         for i in range(samples * 4):
+            slot = f"res{i % loaded}"
             started = time.perf_counter()
-            touched.append(backend.slots.activate({f"res{i % loaded}": 1.0}))
+            with backend.slots.call([slot], {slot: 1.0}):
+                pass
             activate.append(time.perf_counter() - started)
+            touched.append(len(backend.slots.footprint(slot)))
         backend.clear("probe")
         rows.append(
             (
@@ -275,6 +372,12 @@ def growth(
     for i in range(loaded):
         backend.clear(f"res{i}")
     return rows
+
+
+def synchronize(backend: DiffusionBackend) -> None:
+    """Wait for the device (a slot copy on a GPU runs asynchronously)."""
+    if backend.device.startswith("cuda"):
+        torch.cuda.synchronize()
 
 
 def pipelines(
@@ -318,7 +421,10 @@ async def run_mode(mode: Mode, args: argparse.Namespace) -> ModeResult:
             for i in range(max(ADAPTERS, *mode.resident))
         ]
         stream = zipf_stream(mode.requests, ADAPTERS, 1.1, seed=0)
-        backend = DiffusionBackend(pipe, device=device, dtype=dtype)
+        # Room for (a)'s four slots, and afterwards for the growth table's resident adapters.
+        backend = DiffusionBackend(
+            pipe, device=device, dtype=dtype, slots=max(4, *mode.resident) + 1, max_rank=64
+        )
         config = ServerConfig(
             model=model,
             adapter_root=root,
@@ -326,7 +432,6 @@ async def run_mode(mode: Mode, args: argparse.Namespace) -> ModeResult:
             max_cpu_loras=ADAPTERS,
             max_batch_size=args.batch,
             device=device,
-            fuse=args.fuse,
         )
         app_a = create_app(config, backend=backend)
         # (b) and (c) get a pipeline of their own that never held an adapter.
@@ -343,7 +448,7 @@ async def run_mode(mode: Mode, args: argparse.Namespace) -> ModeResult:
                 "(c) base model, no LoRA",
                 create_app(
                     replace(config, merge="never"),
-                    backend=DiffusionBackend(limit_pipe, device=device, dtype=dtype),
+                    backend=DiffusionBackend(limit_pipe, device=device, dtype=dtype, slots=1),
                 ),
                 [model.name] * len(stream),
                 model.name,
@@ -359,7 +464,7 @@ async def run_mode(mode: Mode, args: argparse.Namespace) -> ModeResult:
         print(
             f"\n[{mode.name}] Zipf(1.1) over {ADAPTERS} adapters: {len(stream)} requests "
             f"({len(set(stream))} distinct adapters), {args.clients} clients, {mode.steps} steps, "
-            f"{mode.size}x{mode.size}, rank {ranks}, --fuse {args.fuse}, {model.name} on {device} "
+            f"{mode.size}x{mode.size}, rank {ranks}, {model.name} on {device} "
             f"({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads); "
             f"models and adapters built in {prepared:.0f} s"
         )
@@ -407,6 +512,16 @@ async def run_mode(mode: Mode, args: argparse.Namespace) -> ModeResult:
                 f"{resident:8d}{first * 1000:14.1f}{swap * 1000:10.1f}{activate * 1000:13.2f}"
                 f"{touched:16d}"
             )
+        if mode.name == "full-size":
+            engine = engine_figures(backend, paths, mode)
+            print(
+                f"a call of 4 images: base model {engine.base_s:.3f} s, four different adapters "
+                f"{engine.mixed_s:.3f} s (mixed-4/base {engine.mixed_over_base:.2f}); a slot fill "
+                f"moves {backend.slots.row_bytes / 1e6:.0f} MB at {engine.copy_gb_s:.1f} GB/s; "
+                f"kernels in one step of 4 images: base {engine.launches_base}, "
+                f"mixed {engine.launches_mixed}"
+            )
+            result = replace(result, engine=engine)
         return result
 
 
@@ -437,6 +552,13 @@ async def main_async(args: argparse.Namespace) -> None:
         f"a/c representative = {figure('representative', 'a_c')}, "
         f"a/b representative = {figure('representative', 'a_b')}"
     )
+    engine = results["full-size"].engine if "full-size" in results else None
+    if engine is not None:  # with --full-size the GPU's figures are the last line
+        print(
+            f"serving-gpu: a/c full-size = {figure('full-size', 'a_c')}, "
+            f"mixed-4/base = {engine.mixed_over_base:.2f}, "
+            f"slot copy GB/s = {engine.copy_gb_s:.1f}"
+        )
 
 
 def main() -> None:
@@ -453,12 +575,6 @@ def main() -> None:
         help="torch threads per operation (0: torch's choice); see docs/benchmarks.md",
     )
     parser.add_argument("--device", default=None)
-    parser.add_argument(
-        "--fuse",
-        choices=("auto", "never"),
-        default="auto",
-        help="(a)'s --fuse: a mixed batch's adapters in one pass per layer where it pays",
-    )
     parser.add_argument("--growth-samples", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=4, help="interleaved slices of the stream")
     parser.add_argument(

@@ -4,9 +4,9 @@ One random-weight SDXL base (fp16, built in code) holds four rank-64 adapters in
 pipeline call of 4 images (20 steps, 1024x1024, guidance 5) runs each way the server runs a batch:
 
   base                    no adapter (the limit)
-  one adapter, peft path  every image through one slot, peft's LoRA layers unmerged
+  one adapter, unmerged   every image through one slot, its branch run from the slot buffers
   one adapter, merged     the same slot merged into every layer it targets
-  mixed, 4 adapters       each image through its own slot (the routing hooks)
+  mixed, 4 adapters       each image through its own slot (one gathered pass per layer)
 
 and prints the best of two calls' wall-clock and CPU time for each, then the kernel launches of a
 one-step call, mixed and base, from torch's profiler (those through the CUDA runtime,
@@ -34,7 +34,7 @@ def main() -> None:
     dtype = resolve_dtype("auto", "cuda")
     pipe = build_full_size_sdxl("cuda", dtype)
     pipe.set_progress_bar_config(disable=True)
-    backend = DiffusionBackend(pipe, device="cuda", dtype=dtype)
+    backend = DiffusionBackend(pipe, device="cuda", dtype=dtype, slots=4, max_rank=64)
     with tempfile.TemporaryDirectory() as scratch:
         for i in range(4):
             path = write_random_adapter(
@@ -46,12 +46,12 @@ def main() -> None:
                 strength=0.02,
                 dtype=dtype,
             )
-            backend.place(f"s{i}", backend.parse_adapter(path, name=f"a{i}", max_rank=1024))
+            backend.place(f"s{i}", backend.parse_adapter(path, name=f"a{i}", max_rank=64))
     jobs = [ImageJob("a lighthouse", None, (i,)) for i in range(4)]
     scales = {f"s{i}": 1.0 for i in range(4)}
     cases: dict[str, list[str | None]] = {
         "base": [None] * 4,
-        "one adapter, peft path": ["s0"] * 4,
+        "one adapter, unmerged": ["s0"] * 4,
         "one adapter, merged": ["s0"] * 4,
         "mixed, 4 adapters": ["s0", "s1", "s2", "s3"],
     }

@@ -50,7 +50,7 @@ def main() -> None:
             for i in range(5)
         ]
         print("sizes MB", [size_mb(p) for p in paths], flush=True)
-        backend = DiffusionBackend(pipe, device="cuda", dtype=dtype)
+        backend = DiffusionBackend(pipe, device="cuda", dtype=dtype, slots=6, max_rank=64)
         generations = []
         for _ in range(4):
             torch.cuda.synchronize()

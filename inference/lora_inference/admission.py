@@ -93,8 +93,13 @@ class Reader:
             stacking.Member(name=record.name, sha256=part.sha256, scale=scale, layers=part.layers)
             for (record, scale), part in zip(members, parts, strict=True)
         ]
-        layers = await asyncio.get_running_loop().run_in_executor(
+        loop = asyncio.get_running_loop()
+        layers = await loop.run_in_executor(
             self._pool, functools.partial(stacking.compose, stacked, param=param)
+        )
+        name = stacking.stack_name([(m.name, m.scale) for m in stacked])
+        packed = await loop.run_in_executor(
+            self._pool, functools.partial(self._backend.pack, layers, name=name)
         )
         return ParsedAdapter(
             sha256=stacking.stack_sha256([(m.name, m.sha256, m.scale) for m in stacked]),
@@ -105,6 +110,7 @@ class Reader:
             rank=max((w.rank for w in layers.values()), default=0),
             weights_file=parts[0].weights_file,
             layers=layers,
+            packed=packed,
         )
 
     async def check_base_model(self, path: Path, name: str) -> None:

@@ -345,7 +345,12 @@ async def _engine_lifecycle(
         if loaded is None:
             dtype = resolve_dtype(config.dtype, config.device)
             loaded = await asyncio.to_thread(
-                DiffusionBackend.load, config.model, device=config.device, dtype=dtype
+                DiffusionBackend.load,
+                config.model,
+                device=config.device,
+                dtype=dtype,
+                slots=config.max_loras,
+                max_rank=config.max_lora_rank,
             )
         engine = Engine(loaded, config, app[METRICS])
         try:

@@ -69,7 +69,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--max-cpu-loras", type=int, default=32, help="parsed adapters cached in host memory"
     )
-    serve.add_argument("--max-lora-rank", type=int, default=128, help="largest rank accepted")
+    serve.add_argument(
+        "--max-lora-rank",
+        type=int,
+        default=64,
+        help="largest rank accepted: every slot has room for this rank in every layer",
+    )
     serve.add_argument(
         "--admin-token-file",
         type=Path,
@@ -112,12 +117,6 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("auto", "always", "never"),
         default="auto",
         help="merge a single-adapter batch's adapter into the weights where it pays (auto)",
-    )
-    serve.add_argument(
-        "--fuse",
-        choices=("auto", "always", "never"),
-        default="auto",
-        help="run a mixed batch's adapters in one pass per Linear layer where it pays (auto)",
     )
     serve.add_argument(
         "--max-queue", type=int, default=64, help="queued requests before answering 429"
@@ -214,7 +213,6 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         dtype=args.dtype,
         max_batch_size=args.max_batch_size,
         merge=args.merge,
-        fuse=args.fuse,
         max_queue=args.max_queue,
         host=args.host,
         port=args.port,

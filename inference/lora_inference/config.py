@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from lora_inference.costs import FusePolicy, MergePolicy
+from lora_inference.costs import MergePolicy
 
 
 @dataclass(frozen=True)
@@ -31,7 +31,7 @@ class ServerConfig:
     accepted_base_models: tuple[str, ...] = ()
     max_loras: int = 4
     max_cpu_loras: int = 32
-    max_lora_rank: int = 128
+    max_lora_rank: int = 64
     admin_token: str | None = None
     # Bearer token for generation and the read endpoints (/v1/models, /v1/adapters); the admin
     # token is accepted there too. None: those endpoints are open.
@@ -52,9 +52,6 @@ class ServerConfig:
     # Single-adapter batches merge the adapter into the layers where the measured cost model
     # says it pays (auto), into every layer (always) or none (never).
     merge: MergePolicy = "auto"
-    # A batch that mixes adapters runs their branches in one pass per layer where the measured
-    # cost model says it pays (auto), or one pass per adapter (never).
-    fuse: FusePolicy = "auto"
     host: str = "0.0.0.0"
     port: int = 8000
     # A simulated GPU's profile (`--simulate`, lora_inference.simulate): the pipeline sleeps for
@@ -89,8 +86,6 @@ class ServerConfig:
             )
         if self.merge not in ("auto", "always", "never"):
             raise ValueError(f"--merge must be auto, always or never, got {self.merge!r}")
-        if self.fuse not in ("auto", "never"):
-            raise ValueError(f"--fuse must be auto or never, got {self.fuse!r}")
         if self.max_batch_size < 1 or self.max_queue < 1:
             raise ValueError("--max-batch-size and --max-queue must be at least 1")
         names = [s.name for s in self.static_loras]

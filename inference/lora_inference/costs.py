@@ -12,12 +12,8 @@ call a fixed overhead plus the delta B @ A (rank x fan-in x fan-out) and two pas
 (the add, and the restore from the pristine copy). High-resolution layers see many rows and are
 narrow, so they merge; deep, wide layers see few rows and stay unmerged.
 
-A batch that mixes adapters runs each image's branch. Per adapter, a layer makes one pass over
-that adapter's images: a fixed overhead per adapter, which on a GPU (kernel launches) outweighs
-the arithmetic of a rank-64 branch. Fused, it makes one pass for every image at once, each image
-with its adapter's matrices padded to the largest rank among them (a base-model image's are
-zeros): one fixed overhead, more arithmetic, and a copy of the matrices per image once per call.
-`plan_fuse` takes the cheaper of the two for each layer.
+A batch that mixes adapters has nothing to decide here: it runs every image's branch in one
+gathered pass per layer (`slots.Slots.call`), whatever the number of adapters.
 """
 
 from __future__ import annotations
@@ -28,9 +24,6 @@ from typing import Literal
 
 # auto: merge the layers where plan_merge says it pays; always / never: every layer / none.
 MergePolicy = Literal["auto", "always", "never"]
-# auto: fuse the layers of a mixed batch where plan_fuse says it pays; always: every Linear layer;
-# never: one pass per adapter.
-FusePolicy = Literal["auto", "always", "never"]
 
 
 @dataclass(frozen=True)
@@ -142,56 +135,6 @@ def plan_merge(layers: Sequence[LayerLoad], call: Call, rates: Rates) -> list[bo
     Each layer is decided on its own: merging one layer does not change what the others cost.
     """
     return [merged_seconds(layer, rates) < unmerged_seconds(layer, call, rates) for layer in layers]
-
-
-@dataclass(frozen=True)
-class RoutedLoad:
-    """One layer of a batch that mixes adapters, as the cost model needs it."""
-
-    fan_in: int
-    fan_out: int
-    groups: tuple[tuple[int, int], ...]  # per adapter of the batch on this layer: (images, rank)
-    rows: LayerRows | None  # None: calibration never saw the layer run
-
-
-def per_adapter_seconds(layer: RoutedLoad, call: Call, rates: Rates) -> float:
-    """What the layer's branches cost over one call, one pass per adapter."""
-    if layer.rows is None:
-        return 0.0
-    passes, rows = _over_call(layer.rows, call)
-    macs = sum(images * rows * rank for images, rank in layer.groups)
-    return (
-        passes * len(layer.groups) * rates.lora_pass_s
-        + macs * (layer.fan_in + layer.fan_out) * rates.lora_mac_s
-    )
-
-
-def fused_seconds(layer: RoutedLoad, call: Call, rates: Rates) -> float:
-    """What the layer's branches cost over one call, fused into one pass for every image."""
-    if layer.rows is None:
-        return 0.0
-    passes, rows = _over_call(layer.rows, call)
-    rank = max(rank for _, rank in layer.groups)
-    width = layer.fan_in + layer.fan_out
-    return (
-        passes * rates.lora_pass_s
-        + call.images * rows * rank * width * rates.lora_mac_s
-        + call.images * rank * width * rates.merge_element_s  # each image's matrices, once
-    )
-
-
-def plan_fuse(layers: Sequence[RoutedLoad], call: Call, rates: Rates) -> list[bool]:
-    """For each layer of a batch that mixes adapters: fuse its branches into one pass?
-
-    A layer that only one adapter of the batch targets stays as it is (nothing to fuse), and so
-    does one calibration never saw (no rows to weigh).
-    """
-    return [
-        len(layer.groups) > 1
-        and layer.rows is not None
-        and fused_seconds(layer, call, rates) < per_adapter_seconds(layer, call, rates)
-        for layer in layers
-    ]
 
 
 def fit_line(points: Sequence[tuple[float, float]]) -> tuple[float, float]:

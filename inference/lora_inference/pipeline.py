@@ -45,8 +45,8 @@ from PIL import Image
 
 from lora_inference import costs, errors
 from lora_inference.adapters import validation
-from lora_inference.costs import FusePolicy, MergePolicy
-from lora_inference.slots import Group, LayerKey, LayerWeights, Slots
+from lora_inference.costs import MergePolicy
+from lora_inference.slots import LayerKey, LayerWeights, Slots
 
 log = logging.getLogger(__name__)
 
@@ -74,8 +74,10 @@ class ParsedAdapter:
     rank: int
     weights_file: Path
     # Per targeted layer: the weights under peft's module names, with the setup peft would give
-    # them. Entering the pipeline copies these; they are never handed over themselves.
+    # them (stacks are built from these).
     layers: Mapping[LayerKey, LayerWeights]
+    # The same, packed into one slot row (`slots.Slots.pack`): entering a slot is one copy of it.
+    packed: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -96,8 +98,7 @@ class BatchOutcome:
 
 @dataclass(frozen=True)
 class Calibration:
-    """What the cost model (`costs.plan_merge`, `costs.plan_fuse`) needs about this pipeline on
-    this device."""
+    """What the cost model (`costs.plan_merge`) needs about this pipeline on this device."""
 
     rates: costs.Rates
     rows: Mapping[LayerKey, costs.LayerRows]
@@ -118,7 +119,9 @@ def default_device() -> str:
 class DiffusionBackend:
     """A loaded pipeline, its LoRA slots, and the layer table adapters are checked against."""
 
-    def __init__(self, pipe: Any, *, device: str, dtype: torch.dtype) -> None:
+    def __init__(
+        self, pipe: Any, *, device: str, dtype: torch.dtype, slots: int = 16, max_rank: int = 64
+    ) -> None:
         self.pipe = pipe
         self.device = device
         self.dtype = dtype
@@ -129,7 +132,9 @@ class DiffusionBackend:
             if getattr(pipe, c, None) is not None
         )
         self.shapes = _layer_shapes(pipe, self.components)
-        self.slots = Slots({c: getattr(pipe, c) for c in self.components})
+        self.slots = Slots(
+            {c: getattr(pipe, c) for c in self.components}, count=slots, max_rank=max_rank
+        )
         self.calibration: Calibration | None = None
         self._call_params = set(inspect.signature(pipe.__call__).parameters)
         self.vae_scale = int(getattr(pipe, "vae_scale_factor", 8))
@@ -141,7 +146,15 @@ class DiffusionBackend:
         self.default_steps, self.default_guidance = _SAMPLING_DEFAULTS.get(self.family, (30, 7.0))
 
     @classmethod
-    def load(cls, model_dir: Path, *, device: str, dtype: torch.dtype) -> DiffusionBackend:
+    def load(
+        cls,
+        model_dir: Path,
+        *,
+        device: str,
+        dtype: torch.dtype,
+        slots: int = 16,
+        max_rank: int = 64,
+    ) -> DiffusionBackend:
         pipe = DiffusionPipeline.from_pretrained(str(model_dir), dtype=dtype)
         pipe.to(device)
         pipe.set_progress_bar_config(disable=True)
@@ -150,7 +163,7 @@ class DiffusionBackend:
                 component.eval()  # dropout would make generation nondeterministic
         if not hasattr(pipe, "load_lora_weights"):
             raise ValueError(f"{type(pipe).__name__} does not support LoRA adapters")
-        return cls(pipe, device=device, dtype=dtype)
+        return cls(pipe, device=device, dtype=dtype, slots=slots, max_rank=max_rank)
 
     # -- reading adapters (any thread: touches no pipeline state) ----------------------------
 
@@ -197,7 +210,16 @@ class DiffusionBackend:
             rank=summary.rank,
             weights_file=weights,
             layers=layers,
+            packed=self.pack(layers, name=name),
         )
+
+    def pack(self, layers: Mapping[LayerKey, LayerWeights], *, name: str) -> torch.Tensor:
+        """`layers` packed into one slot row (any thread); IncompatibleAdapter if they do not
+        fit the slots (a rank above --max-lora-rank, a layer the slots lack)."""
+        try:
+            return self.slots.pack(layers)
+        except ValueError as e:
+            raise errors.IncompatibleAdapter(f"adapter {name!r}: {e}", param="lora_path") from e
 
     def _convert(
         self, tensors: dict[str, torch.Tensor], name: str
@@ -315,7 +337,7 @@ class DiffusionBackend:
 
     def place(self, slot: str, adapter: ParsedAdapter) -> None:
         """Copy `adapter` into `slot` (see slots.Slots.place)."""
-        self.slots.place(slot, adapter.layers)
+        self.slots.place(slot, adapter.layers, adapter.packed)
 
     def clear(self, slot: str) -> None:
         self.slots.clear(slot)
@@ -334,60 +356,34 @@ class DiffusionBackend:
         steps: int,
         guidance_scale: float,
         merge: MergePolicy = "auto",
-        fuse: FusePolicy = "auto",
     ) -> BatchOutcome:
         """One pipeline call for `jobs`, each through its own slot (None: the base model).
 
-        Every image of a batch with one slot goes through it plainly, with the layers where the
-        cost model says so (`merge`) merged for the call; a batch that mixes slots, or a slot and
-        the base model, routes each image through its own slot, in one pass per layer where the
-        cost model says so (`fuse`).
+        A batch of one slot runs its branch directly, with the layers where the cost model says
+        so (`merge`) merged for the call; a batch that mixes slots, or a slot and the base model,
+        runs every image's branch in one gathered pass per layer (`slots.Slots.call`).
         """
         kinds = set(slots)
+        per_image = [slot for job, slot in zip(jobs, slots, strict=True) for _ in job.seeds]
         generate = functools.partial(
             self._generate, width=width, height=height, steps=steps, guidance_scale=guidance_scale
         )
         if kinds == {None}:
-            self.slots.activate({})
             return BatchOutcome(generate(jobs), "base", 0)
-        call = costs.Call(
-            images=sum(len(job.seeds) for job in jobs),
-            steps=steps,
-            latent_area=(width / self.vae_scale) * (height / self.vae_scale),
-            guided=guidance_scale > 1.0,
-        )
         if len(kinds) == 1:
             slot = next(s for s in kinds if s is not None)
+            call = costs.Call(
+                images=len(per_image),
+                steps=steps,
+                latent_area=(width / self.vae_scale) * (height / self.vae_scale),
+                guided=guidance_scale > 1.0,
+            )
             keys = self.merge_plan(slot, call, merge)
-            self.slots.activate({slot: scales[slot]}, merged=keys)
-            with self.slots.merged(slot, keys):
+            with self.slots.call(per_image, scales, merged=keys):
                 images = generate(jobs)
             return BatchOutcome(images, "merged" if keys else "adapter", len(keys))
-        # Images of one slot next to each other, so each layer takes a slot's rows as views.
-        order = sorted(range(len(jobs)), key=lambda i: (slots[i] is None, slots[i] or ""))
-        groups: list[Group] = []
-        cursor = 0
-        for i in order:
-            count = len(jobs[i].seeds)
-            owner = slots[i]
-            if owner is not None:
-                if groups and groups[-1].slot == owner and groups[-1].stop == cursor:
-                    groups[-1] = Group(owner, groups[-1].start, cursor + count)
-                else:
-                    groups.append(Group(owner, cursor, cursor + count))
-            cursor += count
-        self.slots.activate({s: scales[s] for s in kinds if s is not None}, routed=True)
-        fused = {"auto": self.fuse_plan, "always": self.fusable, "never": lambda *_: []}[fuse](
-            groups, call
-        )
-        with self.slots.routed(groups, cursor, fused=fused):
-            produced = generate([jobs[i] for i in order])
-        per_job: dict[int, list[Image.Image]] = {}
-        cursor = 0
-        for i in order:
-            per_job[i] = produced[cursor : cursor + len(jobs[i].seeds)]
-            cursor += len(jobs[i].seeds)
-        return BatchOutcome([image for i in range(len(jobs)) for image in per_job[i]], "mixed", 0)
+        with self.slots.call(per_image, scales):
+            return BatchOutcome(generate(jobs), "mixed", 0)
 
     def merge_plan(self, slot: str, call: costs.Call, policy: MergePolicy) -> list[LayerKey]:
         """The layers of `slot` to merge for `call` (pure given the calibration)."""
@@ -407,46 +403,12 @@ class DiffusionBackend:
                 costs.LayerLoad(
                     fan_in=shape.in_features * math.prod(shape.kernel or (1,)),
                     fan_out=shape.out_features,
-                    rank=footprint[(component, module)].rank,
+                    rank=footprint[(component, module)],
                     rows=calibration.rows.get((component, module)),
                 )
             )
         decisions = costs.plan_merge(loads, call, calibration.rates)
         return [key for key, merge in zip(keys, decisions, strict=True) if merge]
-
-    def fusable(self, groups: Sequence[Group], call: costs.Call | None = None) -> list[LayerKey]:
-        """Every Linear layer of a mixed call: what `fuse_plan` chooses from."""
-        return [
-            key
-            for key in self.slots.routed_layers(groups)
-            if self.shapes[key[0]][key[1]].kernel is None
-        ]
-
-    def fuse_plan(self, groups: Sequence[Group], call: costs.Call) -> list[LayerKey]:
-        """The Linear layers of a mixed call to run in one pass for every image (pure given the
-        calibration; none without one)."""
-        calibration = self.calibration
-        if calibration is None:
-            return []
-        keys, loads = [], []
-        per_layer = self.slots.routed_layers(groups)
-        for key in self.fusable(groups):
-            mine = per_layer[key]
-            shape = self.shapes[key[0]][key[1]]
-            footprint = [self.slots.footprint(g.slot)[key] for g in mine]
-            keys.append(key)
-            loads.append(
-                costs.RoutedLoad(
-                    fan_in=shape.in_features,
-                    fan_out=shape.out_features,
-                    groups=tuple(
-                        (g.stop - g.start, w.rank) for g, w in zip(mine, footprint, strict=True)
-                    ),
-                    rows=calibration.rows.get(key),
-                )
-            )
-        decisions = costs.plan_fuse(loads, call, calibration.rates)
-        return [key for key, fuse in zip(keys, decisions, strict=True) if fuse]
 
     def _generate(
         self,
@@ -480,7 +442,7 @@ class DiffusionBackend:
     # -- calibration (pipeline thread, once, before any adapter) --------------------------------
 
     def calibrate(self) -> Calibration:
-        """Measure what the merge and fuse decisions need; cached, so backends sharing it agree.
+        """Measure what the merge decisions need; cached, so backends sharing it agree.
 
         Rows per layer come from three calls of one image and one step with every Linear and
         Conv2d of the adaptable components counting the rows it sees (guided at two sizes,
@@ -570,7 +532,7 @@ class DiffusionBackend:
         probe = torch.nn.ModuleDict(
             {name: torch.nn.Linear(w, w, device=device, dtype=dtype) for name, w in widths.items()}
         )
-        slots = Slots({"probe": probe})
+        slots = Slots({"probe": probe}, count=1, max_rank=64)
 
         def place(name: str, rank: int) -> LayerKey:
             width, key = widths[name], ("probe", name)
@@ -581,31 +543,29 @@ class DiffusionBackend:
 
         def merge_seconds(name: str, rank: int, inner: int) -> float:
             key = place(name, rank)
-            slots.activate({"probe": 1.0}, merged=[key])
 
             def merge_and_restore() -> None:
-                with slots.merged("probe", [key]):
+                with slots.call(["probe"], {"probe": 1.0}, merged=[key]):
                     pass
 
             return self._fastest_seconds(merge_and_restore, inner=inner)
 
-        # A pass through a peft layer with its branch on, less the same pass with it off.
+        # A pass through a layer with its branch on, less the same pass with it off.
         place("tiny", 4)
         tiny = probe["tiny"]
         one_row = torch.randn(1, widths["tiny"], device=device, dtype=dtype)
-        slots.activate({"probe": 1.0})
-        branch_on = self._fastest_seconds(lambda: tiny(one_row), inner=50)
-        slots.activate({})
+        with slots.call(["probe"], {"probe": 1.0}):
+            branch_on = self._fastest_seconds(lambda: tiny(one_row), inner=50)
         lora_pass_s = max(0.0, branch_on - self._fastest_seconds(lambda: tiny(one_row), inner=50))
         # The branch's own arithmetic on many rows.
         rank, width, rows = 16, widths["wide"], 1024
-        place("wide", rank)
-        wide: Any = probe["wide"]  # a peft lora.Linear once placed
+        key = place("wide", rank)
+        a, b = slots.delta_factors("probe", key)
         x = torch.randn(rows, width, device=device, dtype=dtype)
         y = torch.randn(rows, width, device=device, dtype=dtype)
 
         def branch() -> object:
-            return y + wide.lora_B["probe"](wide.lora_A["probe"](x)) * 0.5
+            return y + torch.nn.functional.linear(torch.nn.functional.linear(x, a) * 0.5, b)
 
         lora_mac_s = self._fastest_seconds(branch, inner=5) / (rows * rank * 2 * width)
         merge_layer_s = merge_seconds("tiny", 4, inner=20)

@@ -1,21 +1,25 @@
-"""The LoRA layers of one pipeline, driven directly: adapters live in slots and move by copying.
+"""The LoRA slots of one pipeline: fixed buffers, filled by one copy, run as one gathered pass.
 
-A slot is a peft adapter name that the engine owns for the life of the server. Putting an adapter
-into a slot copies its A and B matrices into the slot's modules in each layer it targets (a layer's
-small modules are allocated anew only where the rank changes) and sets that layer's alpha, so no
-adapter goes through diffusers' `load_lora_weights` while the server runs. The per-layer setup
-(rank, alpha, rsLoRA) comes with the weights (`LayerWeights`); the pipeline works it out when it
-parses the file, with diffusers' and peft's own configuration code.
+At start every Linear and Conv2d of the adaptable components gets room in one buffer for all
+slots, in the model's dtype on its device: per layer `A [slots+1, r_max, fan_in]` and
+`B [slots+1, fan_out, r_max]`, where row 0 is a slot of zeros for base-model images. The buffer
+is laid out slot-major (`SlotLayout`): everything one slot holds, every layer's A and B, is one
+contiguous row. So an adapter is packed once on the CPU into a row of that layout (`pack`: its
+matrices at their ranks, zeros elsewhere, each layer's scaling alpha / r folded into B), and
+putting it in a slot is one copy of that row, never a loop over layers. On a GPU the packed row is
+pinned and the copy runs on a side stream, ordered before the call that uses it.
 
-A base Linear or Conv2d is wrapped in peft's LoRA layer the first time any adapter targets it. While
-no adapter is active on it, the wrapper calls the base layer alone, so its output is bit-identical.
+A call sets which slot each image uses (`call`): forward hooks on the base layers add each
+image's branch, `scale x B @ A @ x`, in one pass per layer whatever the number of adapters: the
+rows' A and B gathered by a per-row slot index, two batched products, one add. The rank of that
+pass is the largest of the call's adapters on that layer (padding with zeros adds exact zeros). A
+call of one adapter indexes its slot directly, and merges it into the layers the cost model
+chooses (`W += scale x B @ A`, restored afterwards from a pristine copy, never by subtracting).
+Layers no adapter of the call targets run their base layer alone, bit-identical to a model that
+never held an adapter, and so does every layer outside a call.
 
-Per batch, `activate` touches only the layers of the batch's slots and those the previous batch
-left enabled: its cost does not grow with the number of resident adapters. peft's own
-`set_adapter` and `enable_adapters` walk every adapter of a layer (to set `requires_grad`), which
-is what made switching grow with residency, so layers are switched through `_switch` instead.
-
-Runs on the pipeline thread only; nothing here is thread-safe. Imports peft, never diffusers.
+Runs on the pipeline thread only, apart from `pack` (any thread: touches no buffer); nothing here
+is thread-safe. Imports torch, never diffusers or peft.
 """
 
 from __future__ import annotations
@@ -27,21 +31,17 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from peft import LoraConfig
-from peft.tuners.lora.layer import LoraLayer, dispatch_default
+import torch.nn.functional as F
 
 LayerKey = tuple[str, str]  # (pipeline component, module path inside it)
-# A peft LoRA layer (lora.Linear, lora.Conv2d, ...): an nn.Module mixing in LoraLayer, which peft
-# does not express as one type.
-PeftLayer = Any
 
 
 @dataclass(frozen=True)
 class LayerWeights:
     """One layer of an adapter: its two matrices and the setup peft would give them."""
 
-    down: torch.Tensor  # lora_A weight
-    up: torch.Tensor  # lora_B weight
+    down: torch.Tensor  # lora_A weight: (rank, fan_in) or, for a Conv2d, (rank, in, kh, kw)
+    up: torch.Tensor  # lora_B weight: (fan_out, rank) or (fan_out, rank, 1, 1)
     alpha: float
     rslora: bool
 
@@ -56,321 +56,363 @@ class LayerWeights:
 
 
 @dataclass(frozen=True)
-class Group:
-    """Images start..stop of a routed call (contiguous after sorting) use `slot`."""
+class LayerRoom:
+    """Where one layer's A and B live inside a slot's row."""
 
-    slot: str
-    start: int
-    stop: int
+    a_offset: int
+    b_offset: int
+    fan_in: int  # in_features, or in_channels x kernel elements
+    fan_out: int
+    kernel: tuple[int, int] | None  # a Conv2d's kernel size; None for a Linear
+
+
+@dataclass(frozen=True)
+class SlotLayout:
+    """The slot-major layout of the buffers (pure): per layer, A then B, at `max_rank`."""
+
+    max_rank: int
+    rooms: Mapping[LayerKey, LayerRoom]
+    row_elements: int
+
+    @classmethod
+    def plan(
+        cls, shapes: Mapping[LayerKey, tuple[int, int, tuple[int, int] | None]], max_rank: int
+    ) -> SlotLayout:
+        """`shapes`: per layer (in_features, out_features, kernel or None)."""
+        rooms: dict[LayerKey, LayerRoom] = {}
+        offset = 0
+        for key, (fan_in_channels, fan_out, kernel) in shapes.items():
+            fan_in = fan_in_channels * (kernel[0] * kernel[1] if kernel else 1)
+            rooms[key] = LayerRoom(offset, offset + max_rank * fan_in, fan_in, fan_out, kernel)
+            offset += max_rank * (fan_in + fan_out)
+        return cls(max_rank=max_rank, rooms=rooms, row_elements=offset)
+
+
+@dataclass
+class _Call:
+    """What the hooks read during one pipeline call."""
+
+    images: int
+    ranks: dict[LayerKey, int]  # per layer with a branch this call: the rank of its pass
+    single: int | None  # the slot index when every image uses one slot
+    scale: float  # that slot's scale
+    index: torch.Tensor | None  # per image: its slot index (0: the base model)
+    scales: torch.Tensor | None  # per image: its scale
+    by_repeats: dict[int, tuple[torch.Tensor, torch.Tensor]]
+
+    def rows(self, repeats: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The per-row index and scale when a layer sees the images `repeats` times (under
+        classifier-free guidance, [unconditional, conditional] halves)."""
+        cached = self.by_repeats.get(repeats)
+        if cached is None:
+            if self.index is None or self.scales is None:
+                raise RuntimeError("a call of one slot has no per-row index")
+            cached = (self.index.repeat(repeats), self.scales.repeat(repeats))
+            self.by_repeats[repeats] = cached
+        return cached
 
 
 class Slots:
-    """The LoRA layers of the components of one pipeline."""
+    """Fixed LoRA slot buffers for the Linear and Conv2d layers of one pipeline's components."""
 
-    def __init__(self, components: Mapping[str, torch.nn.Module]) -> None:
-        self._components = dict(components)
-        self._layers: dict[LayerKey, PeftLayer] = {}  # every wrapped layer
-        self._held: dict[str, dict[LayerKey, LayerWeights]] = {}  # slot -> what it holds
-        self._enabled: dict[LayerKey, list[str]] = {}  # layers peft runs a LoRA branch on
+    def __init__(
+        self, components: Mapping[str, torch.nn.Module], *, count: int, max_rank: int
+    ) -> None:
+        # Linear or Conv2d; Any: nn.Module's attributes type as Tensor | Module.
+        self._modules: dict[LayerKey, Any] = {}
+        shapes: dict[LayerKey, tuple[int, int, tuple[int, int] | None]] = {}
+        for component, model in components.items():
+            for path, module in model.named_modules():
+                if isinstance(module, torch.nn.Linear):
+                    shapes[(component, path)] = (module.in_features, module.out_features, None)
+                elif isinstance(module, torch.nn.Conv2d) and _plain_conv(module):
+                    kernel = (int(module.kernel_size[0]), int(module.kernel_size[1]))
+                    shapes[(component, path)] = (module.in_channels, module.out_channels, kernel)
+                else:
+                    continue
+                self._modules[(component, path)] = module
+        self.layout = SlotLayout.plan(shapes, max_rank)
+        self.count = count
+        first = next(iter(self._modules.values()), None)
+        weight: torch.Tensor = first.weight if first is not None else torch.empty(0)
+        self.device: torch.device = weight.device
+        self.dtype: torch.dtype = weight.dtype
+        self.pinned = self.device.type == "cuda"
+        # Row 0 stays zeros: the slot of base-model images in a mixed call.
+        self._rows = torch.zeros(
+            count + 1, self.layout.row_elements, device=self.device, dtype=self.dtype
+        )
+        self._a: dict[LayerKey, torch.Tensor] = {}
+        self._b: dict[LayerKey, torch.Tensor] = {}
+        r = max_rank
+        for key, room in self.layout.rooms.items():
+            a = self._rows[:, room.a_offset : room.a_offset + r * room.fan_in]
+            b = self._rows[:, room.b_offset : room.b_offset + room.fan_out * r]
+            self._a[key] = a.view(count + 1, r, room.fan_in)
+            self._b[key] = b.view(count + 1, room.fan_out, r)
+        self._index: dict[str, int] = {}  # slot name -> row
+        self._free = list(range(count, 0, -1))
+        self._held: dict[str, dict[LayerKey, int]] = {}  # slot name -> rank per targeted layer
+        self._hooked: set[LayerKey] = set()
         self._pristine: dict[LayerKey, torch.Tensor] = {}  # base weights, for restoring merges
+        self._call: _Call | None = None
+        self._stream = (
+            torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
+            if self.pinned
+            else None
+        )
 
-    # -- placing -------------------------------------------------------------------------------
+    @property
+    def row_bytes(self) -> int:
+        """What one slot, and one packed adapter on the CPU, takes."""
+        return self.layout.row_elements * self._rows.element_size()
 
-    def place(self, slot: str, layers: Mapping[LayerKey, LayerWeights]) -> None:
-        """Copy an adapter into `slot`, replacing whatever it held.
+    # -- packing (any thread) -------------------------------------------------------------------
 
-        On any failure the slot is emptied everywhere (the engine then treats it as free); other
-        slots and the base layers are untouched either way.
+    def pack(self, layers: Mapping[LayerKey, LayerWeights]) -> torch.Tensor:
+        """One slot row holding `layers` (zeros elsewhere), on the CPU, pinned for a GPU.
+
+        Raises ValueError for a layer this pipeline lacks, a rank above the slots' maximum, or
+        matrices whose shapes do not fit the layer; the caller refuses such an adapter.
         """
-        previous = self._held.pop(slot, {})
-        # What the last activation set for this slot was set for its previous occupant.
-        for key in previous:
-            if slot in self._enabled.get(key, ()):
-                del self._enabled[key]
-                _switch(self._layers[key], None)
+        row = torch.zeros(self.layout.row_elements, dtype=self.dtype)
+        r_max = self.layout.max_rank
+        for key, weights in layers.items():
+            room = self.layout.rooms.get(key)
+            if room is None:
+                raise ValueError(f"{key[0]}.{key[1]} is not a Linear or Conv2d of this model")
+            rank = weights.rank
+            if rank > r_max:
+                raise ValueError(
+                    f"{key[0]}.{key[1]} has rank {rank}, above the slots' --max-lora-rank {r_max}"
+                )
+            down = weights.down.reshape(rank, -1)
+            up = weights.up.reshape(weights.up.shape[0], -1)
+            if tuple(down.shape) != (rank, room.fan_in) or tuple(up.shape) != (
+                room.fan_out,
+                rank,
+            ):
+                raise ValueError(
+                    f"{key[0]}.{key[1]}: A {tuple(weights.down.shape)} and B "
+                    f"{tuple(weights.up.shape)} do not fit a layer of {room.fan_in} in and "
+                    f"{room.fan_out} out"
+                )
+            a = row[room.a_offset : room.a_offset + r_max * room.fan_in].view(r_max, room.fan_in)
+            b = row[room.b_offset : room.b_offset + room.fan_out * r_max].view(room.fan_out, r_max)
+            a[:rank] = down.to(self.dtype)
+            b[:, :rank] = (up.to(torch.float64) * weights.scaling).to(self.dtype)
+        return row.pin_memory() if self.pinned else row
+
+    def unpack(self, row: torch.Tensor, ranks: Mapping[LayerKey, int]) -> dict[LayerKey, Any]:
+        """Per layer of `ranks`, (A, B x scaling) as `pack` laid them out: for tests."""
+        r_max, out = self.layout.max_rank, {}
+        for key, rank in ranks.items():
+            room = self.layout.rooms[key]
+            a = row[room.a_offset : room.a_offset + r_max * room.fan_in].view(r_max, room.fan_in)
+            b = row[room.b_offset : room.b_offset + room.fan_out * r_max].view(room.fan_out, r_max)
+            out[key] = (a[:rank], b[:, :rank])
+        return out
+
+    # -- placing (pipeline thread) --------------------------------------------------------------
+
+    def place(
+        self,
+        slot: str,
+        layers: Mapping[LayerKey, LayerWeights],
+        packed: torch.Tensor | None = None,
+    ) -> None:
+        """Put an adapter (`layers`, packed by `pack`) into `slot`, replacing what it held.
+
+        One copy of the packed row. On any failure the slot is left empty; other slots and the
+        base layers are untouched either way.
+        """
+        index = self._index.get(slot)
+        if index is None:
+            if not self._free:
+                raise RuntimeError(f"all {self.count} slots are taken; {slot} has none")
+            index = self._free.pop()
+            self._index[slot] = index
+        self._held.pop(slot, None)
         try:
-            with torch.no_grad():
-                for key in previous.keys() - layers.keys():
-                    self._drop(key, slot)
-                for key, weights in layers.items():
-                    self._put(key, slot, weights)
+            row = self.pack(layers) if packed is None else packed
+            if self._stream is not None:
+                # A side stream, so the copy overlaps work already queued; the call waits for it.
+                self._stream.wait_stream(torch.cuda.current_stream(self.device))
+                with torch.cuda.stream(self._stream):
+                    self._rows[index].copy_(row, non_blocking=True)
+                torch.cuda.current_stream(self.device).wait_stream(self._stream)
+            else:
+                self._rows[index].copy_(row)
         except BaseException:
             self.clear(slot)
             raise
-        self._held[slot] = dict(layers)
+        self._held[slot] = {key: weights.rank for key, weights in layers.items()}
+        for key in layers.keys() - self._hooked:
+            self._hook(key)
 
     def clear(self, slot: str) -> None:
-        """Remove `slot` from every layer that has it."""
+        """Empty `slot`: its row becomes zeros and free again."""
         self._held.pop(slot, None)
-        for key, layer in self._layers.items():
-            if slot in layer.lora_A:
-                self._drop(key, slot)
+        index = self._index.pop(slot, None)
+        if index is not None:
+            self._rows[index].zero_()
+            self._free.append(index)
 
     def held(self) -> set[str]:
-        """Slots present in any layer, read from the layers themselves."""
-        return {slot for layer in self._layers.values() for slot in layer.lora_A}
+        return set(self._held)
 
-    def footprint(self, slot: str) -> Mapping[LayerKey, LayerWeights]:
+    def footprint(self, slot: str) -> Mapping[LayerKey, int]:
+        """The layers `slot`'s adapter targets, with its rank on each."""
         return self._held.get(slot, {})
 
-    def _put(self, key: LayerKey, slot: str, weights: LayerWeights) -> None:
-        layer = self._layers.get(key)
-        if layer is None:
-            layer = self._wrap(key, slot, weights)
-        elif slot not in layer.lora_A:
-            config = _config(weights)
-            layer.update_layer(slot, weights.rank, lora_alpha=config.lora_alpha, config=config)
-        elif layer.r[slot] != weights.rank:
-            # Only the two matrices change shape: fresh storage for the copy below, without the
-            # random initialisation new modules would get (a few hundred ms on a full-size UNet).
-            _resize(layer.lora_A[slot], weights.down.shape)
-            _resize(layer.lora_B[slot], weights.up.shape)
-        layer.lora_A[slot].weight.copy_(weights.down)
-        layer.lora_B[slot].weight.copy_(weights.up)
-        layer.r[slot] = weights.rank
-        layer.lora_alpha[slot] = weights.alpha
-        layer.use_rslora[slot] = weights.rslora
-        layer.scaling[slot] = weights.scaling
-        # update_layer re-activates the layer's previous active list; keep this layer as the
-        # last activation left it (a new slot is never active until activated).
-        _switch(layer, self._enabled.get(key))
+    # -- per call -------------------------------------------------------------------------------
 
-    def _wrap(self, key: LayerKey, slot: str, weights: LayerWeights) -> PeftLayer:
-        component, path = key
-        model = self._components[component]
-        parent_path, _, child = path.rpartition(".")
-        parent = model.get_submodule(parent_path) if parent_path else model
-        base = getattr(parent, child)
-        config = _config(weights)
-        wrapped = dispatch_default(
-            base, slot, config=config, r=weights.rank, lora_alpha=config.lora_alpha
-        )
-        if not isinstance(wrapped, LoraLayer):
-            raise TypeError(
-                f"peft has no LoRA layer for {component}.{path} ({type(base).__name__})"
-            )
-        setattr(parent, child, wrapped)
-        self._layers[key] = wrapped
-        return wrapped
-
-    def _drop(self, key: LayerKey, slot: str) -> None:
-        layer = self._layers[key]
-        active = self._enabled.get(key)
-        if active is not None and slot in active:
-            # peft's delete_adapter would otherwise activate whichever adapter sorts first.
-            del self._enabled[key]
-            _switch(layer, None)
-        layer.delete_adapter(slot)
-
-    # -- per batch -----------------------------------------------------------------------------
-
-    def activate(
+    @contextlib.contextmanager
+    def call(
         self,
+        per_image: Sequence[str | None],
         scales: Mapping[str, float],
         *,
-        routed: bool = False,
         merged: Collection[LayerKey] = (),
-    ) -> int:
-        """Set every layer for a call with exactly the slots in `scales`; return layers touched.
-
-        Plain: peft runs the branch of each slot on its layers. Routed: peft runs none (the
-        `routed` hooks add each image's own branch). Layers in `merged` run their base layer
-        alone: the merged weight already holds the delta. Touched: the batch's layers and those the
-        previous call left enabled, which are switched off; nothing else changes.
-        """
-        wanted: dict[LayerKey, list[str]] = {}
-        for slot, scale in scales.items():
-            held = self._held.get(slot)
-            if held is None:
-                raise RuntimeError(f"slot {slot} holds no adapter")
-            for key, weights in held.items():
-                self._layers[key].scaling[slot] = scale * weights.scaling
-                wanted.setdefault(key, []).append(slot)
-        enabled = {} if routed else {k: v for k, v in wanted.items() if k not in merged}
-        touched = wanted.keys() | self._enabled.keys()
-        for key in touched:
-            _switch(self._layers[key], enabled.get(key))
-        self._enabled = enabled
-        self._check(touched, scales)
-        return len(touched)
-
-    def _check(self, touched: Collection[LayerKey], scales: Mapping[str, float]) -> None:
-        """Read back what `activate` set (a wrong layer would silently change someone's image)."""
-        for key in touched:
-            layer = self._layers[key]
-            active = self._enabled.get(key)
-            ok = layer.disable_adapters == (active is None)
-            ok = ok and (active is None or list(layer.active_adapters) == active)
-            for slot, scale in scales.items():
-                weights = self._held[slot].get(key)
-                if weights is not None:
-                    expected = scale * weights.scaling
-                    ok = ok and abs(layer.scaling[slot] - expected) <= 1e-9 * max(
-                        1.0, abs(expected)
-                    )
-            if not ok:
-                raise RuntimeError(
-                    f"LoRA layer {key} did not take the state wanted: {dict(scales)}"
-                )
-
-    def routed_layers(self, groups: Sequence[Group]) -> dict[LayerKey, list[Group]]:
-        """Per layer that some slot of `groups` targets, the groups whose slot targets it."""
-        per_layer: dict[LayerKey, list[Group]] = {}
-        for group in groups:
-            for key in self._held[group.slot]:
-                per_layer.setdefault(key, []).append(group)
-        return per_layer
-
-    @contextlib.contextmanager
-    def routed(
-        self, groups: Sequence[Group], images: int, *, fused: Collection[LayerKey] = ()
     ) -> Iterator[None]:
-        """Add each image's own LoRA branch in every layer of the groups' slots, for one call.
+        """Run each image through its slot (None: the base model) for one pipeline call.
 
-        Images of one slot are contiguous (`groups`), so a layer takes each slot's rows as strided
-        views rather than gathering them. A layer sees the batch repeated k times (classifier-free
-        guidance runs [unconditional, conditional] halves), so rows are viewed as (k, images, ...).
-        Layers in `fused` (Linear ones only) run every image's branch in one pass instead of one
-        per slot (`costs.plan_fuse` says where that pays).
+        `merged` (a call of one slot only): layers whose base weight takes the slot's delta for
+        the call instead of running a branch; restored from pristine copies afterwards.
         """
-        per_layer = self.routed_layers(groups)
-        for key in fused:
-            base = self._layers[key].get_base_layer()
-            if not isinstance(base, torch.nn.Linear):
-                raise ValueError(f"only Linear layers fuse; {key} is a {type(base).__name__}")
-        handles = []
-        for key, mine in per_layer.items():
-            hook = _fused_hook(mine, images) if key in fused else _routing_hook(mine, images)
-            handles.append(self._layers[key].register_forward_hook(hook, with_kwargs=True))
+        kinds = {s for s in per_image if s is not None}
+        for slot in kinds:
+            if slot not in self._held:
+                raise RuntimeError(f"slot {slot} holds no adapter")
+        if merged and (len(kinds) != 1 or None in per_image):
+            raise ValueError("only a call of one adapter merges")
+        ranks: dict[LayerKey, int] = {}
+        for slot in kinds:
+            for key, rank in self._held[slot].items():
+                if key not in merged:
+                    ranks[key] = max(rank, ranks.get(key, 0))
+        single = len(kinds) == 1 and None not in per_image
+        if not kinds:
+            self._call = None
+        elif single:
+            (slot,) = kinds
+            self._call = _Call(
+                len(per_image), ranks, self._index[slot], scales[slot], None, None, {}
+            )
+        else:
+            index = [0 if s is None else self._index[s] for s in per_image]
+            scale = [0.0 if s is None else scales[s] for s in per_image]
+            self._call = _Call(
+                images=len(per_image),
+                ranks=ranks,
+                single=None,
+                scale=0.0,
+                index=torch.tensor(index, device=self.device),
+                scales=torch.tensor(scale, device=self.device, dtype=self.dtype),
+                by_repeats={},
+            )
         try:
-            yield
+            with self._merged(next(iter(kinds)) if merged else "", merged, scales):
+                yield
         finally:
-            for handle in handles:
-                handle.remove()
+            self._call = None
 
     @contextlib.contextmanager
-    def merged(self, slot: str, keys: Collection[LayerKey]) -> Iterator[None]:
-        """Add `slot`'s delta (at the scale `activate` set) to the base weights of `keys`.
+    def _merged(
+        self, slot: str, keys: Collection[LayerKey], scales: Mapping[str, float]
+    ) -> Iterator[None]:
+        """Add `slot`'s delta at its scale to the base weights of `keys` for the block.
 
         Afterwards every merged weight is copied back from its pristine copy, never recovered by
         subtracting: in half precision W + d - d is not W, and repeated calls would drift. The
         copy of a layer's base weight is taken the first time it is merged.
         """
-        merged: list[LayerKey] = []
+        done: list[LayerKey] = []
         try:
             with torch.no_grad():
                 for key in keys:
-                    layer = self._layers[key]
-                    weight = layer.get_base_layer().weight
+                    weight = self._modules[key].weight
                     if key not in self._pristine:
                         self._pristine[key] = weight.detach().clone()
-                    merged.append(key)
-                    weight.add_(layer.get_delta_weight(slot).to(weight.dtype))
+                    done.append(key)
+                    weight.add_(self.delta(slot, key, scales[slot]).to(weight.dtype))
             yield
         finally:
             with torch.no_grad():
-                for key in merged:
-                    self._layers[key].get_base_layer().weight.copy_(self._pristine[key])
+                for key in done:
+                    self._modules[key].weight.copy_(self._pristine[key])
+
+    def delta_factors(self, slot: str, key: LayerKey) -> tuple[torch.Tensor, torch.Tensor]:
+        """`slot`'s A and B (scaling folded in) on `key`, at its rank: views of the buffers."""
+        rank = self._held[slot][key]
+        index = self._index[slot]
+        return self._a[key][index, :rank], self._b[key][index, :, :rank]
+
+    def delta(self, slot: str, key: LayerKey, scale: float) -> torch.Tensor:
+        """`scale x B @ A` of `slot` on `key`, shaped as the layer's weight."""
+        a, b = self.delta_factors(slot, key)
+        return ((b @ a) * scale).view_as(self._modules[key].weight)
+
+    # -- the hooks ------------------------------------------------------------------------------
+
+    def _hook(self, key: LayerKey) -> None:
+        module = self._modules[key]
+        a_all, b_all = self._a[key], self._b[key]
+        conv = isinstance(module, torch.nn.Conv2d)
+
+        def hook(module: torch.nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> Any:
+            call = self._call
+            if call is None:
+                return None
+            rank = call.ranks.get(key)
+            if rank is None:
+                return None
+            x = args[0]
+            a, b = a_all[:, :rank], b_all[:, :, :rank]
+            if conv:
+                branch = _conv_branch(module, x, a, b, call, rank)
+            elif call.single is not None:
+                branch = F.linear(F.linear(x, a[call.single]) * call.scale, b[call.single])
+            else:
+                rows = int(x.shape[0])
+                index, scales = call.rows(_repeats(rows, call.images))
+                flat = x.reshape(rows, -1, x.shape[-1])
+                inner = torch.bmm(flat, a[index].transpose(1, 2)) * scales.view(-1, 1, 1)
+                branch = torch.bmm(inner, b[index].transpose(1, 2))
+            output += branch.view(output.shape).to(output.dtype)
+            return output
+
+        module.register_forward_hook(hook)
+        self._hooked.add(key)
 
 
-def _switch(layer: PeftLayer, active: list[str] | None) -> None:
-    """Enable `layer` with exactly `active`, or disable it (None): peft's two fields, set directly.
-
-    The setters peft offers walk every adapter of the layer; the forward reads only these two.
-    """
-    layer._disable_adapters = active is None
-    layer._active_adapter = list(active or [])
-
-
-def _resize(module: torch.nn.Module, shape: torch.Size) -> None:
-    """Give a LoRA Linear or Conv2d (A or B half) an uninitialised weight of `shape`."""
-    weight = module.get_parameter("weight")
-    module.weight = torch.nn.Parameter(
-        torch.empty(shape, dtype=weight.dtype, device=weight.device), requires_grad=False
-    )
-    if isinstance(module, torch.nn.Linear):
-        module.out_features, module.in_features = int(shape[0]), int(shape[1])
-    elif isinstance(module, torch.nn.Conv2d):
-        module.out_channels, module.in_channels = int(shape[0]), int(shape[1])
-
-
-def _config(weights: LayerWeights) -> LoraConfig:
-    """A config for allocating one layer's modules; the weights are copied in right after."""
-    alpha: Any = weights.alpha  # peft annotates int; diffusers passes kohya's float alphas too
-    return LoraConfig(
-        r=weights.rank,
-        lora_alpha=alpha,
-        use_rslora=weights.rslora,
-        lora_dropout=0.0,
-        init_lora_weights=False,
-    )
-
-
-def _repeats(x: torch.Tensor, images: int) -> int:
-    """How many times a layer's input repeats the batch (classifier-free guidance: twice)."""
+def _conv_branch(
+    module: Any, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, call: _Call, rank: int
+) -> torch.Tensor:
+    """A Conv2d layer's branch: A is a conv of the base layer's geometry, B a 1x1 conv. Mixed
+    calls run every image's A and B as one grouped convolution each (one group per image)."""
+    geometry = {"stride": module.stride, "padding": module.padding, "dilation": module.dilation}
+    kernel = module.kernel_size
+    if call.single is not None:
+        inner = F.conv2d(x, a[call.single].reshape(rank, -1, *kernel), **geometry) * call.scale
+        return F.conv2d(inner, b[call.single].reshape(-1, rank, 1, 1))
     rows = int(x.shape[0])
+    index, scales = call.rows(_repeats(rows, call.images))
+    weights_a = a[index].reshape(rows * rank, -1, *kernel)
+    inner = F.conv2d(x.reshape(1, -1, *x.shape[2:]), weights_a, groups=rows, **geometry)
+    inner = inner.view(rows, rank, *inner.shape[2:]) * scales.view(-1, 1, 1, 1)
+    weights_b = b[index].reshape(-1, rank, 1, 1)
+    out = F.conv2d(inner.reshape(1, rows * rank, *inner.shape[2:]), weights_b, groups=rows)
+    return out.view(rows, -1, *out.shape[2:])
+
+
+def _plain_conv(module: torch.nn.Conv2d) -> bool:
+    """A Conv2d a LoRA can target: one group, zero padding (diffusers' every one)."""
+    return module.groups == 1 and module.padding_mode == "zeros"
+
+
+def _repeats(rows: int, images: int) -> int:
+    """How many times a layer's input repeats the batch (classifier-free guidance: twice)."""
     if rows % images:
         raise RuntimeError(f"a LoRA layer saw {rows} rows for a batch of {images} images")
     return rows // images
-
-
-def _routing_hook(groups: list[Group], images: int) -> Any:
-    def hook(
-        module: PeftLayer, args: tuple[Any, ...], kwargs: dict[str, Any], output: torch.Tensor
-    ) -> torch.Tensor:
-        x = args[0] if args else next(iter(kwargs.values()))
-        repeats = _repeats(x, images)
-        inputs = x.reshape(repeats, images, *x.shape[1:])
-        outputs = output.view(repeats, images, *output.shape[1:])
-        for group in groups:
-            sub = inputs[:, group.start : group.stop].flatten(0, 1)
-            branch = module.lora_B[group.slot](module.lora_A[group.slot](sub))
-            branch = branch * module.scaling[group.slot]
-            outputs[:, group.start : group.stop] += branch.view(repeats, -1, *branch.shape[1:]).to(
-                output.dtype
-            )
-        return output
-
-    return hook
-
-
-def _fused_hook(groups: list[Group], images: int) -> Any:
-    """One pass for every image of a Linear layer: batched matrix products over the images.
-
-    Each image gets its slot's A and B (B times the slot's scaling), padded with zeros to the
-    largest rank of the groups; an image of the base model gets zeros. They are built on the
-    layer's first pass of the call and kept for the others.
-    """
-    per_image: list[tuple[torch.Tensor, torch.Tensor]] = []
-
-    def weights(module: PeftLayer) -> tuple[torch.Tensor, torch.Tensor]:
-        rank = max(int(module.r[g.slot]) for g in groups)
-        first = module.lora_A[groups[0].slot].weight
-        out_features = module.lora_B[groups[0].slot].weight.shape[0]
-        down = first.new_zeros(images, rank, first.shape[1])
-        up = first.new_zeros(images, out_features, rank)
-        for g in groups:
-            a = module.lora_A[g.slot].weight
-            b = module.lora_B[g.slot].weight * module.scaling[g.slot]
-            down[g.start : g.stop, : a.shape[0]] = a
-            up[g.start : g.stop, :, : b.shape[1]] = b
-        return down.transpose(1, 2), up.transpose(1, 2)
-
-    def hook(
-        module: PeftLayer, args: tuple[Any, ...], kwargs: dict[str, Any], output: torch.Tensor
-    ) -> torch.Tensor:
-        x = args[0] if args else next(iter(kwargs.values()))
-        repeats = _repeats(x, images)
-        if not per_image:
-            per_image.append(weights(module))
-        down, up = per_image[0]
-        # (repeats, images, tokens, in) -> (images, repeats x tokens, in): one copy
-        by_image = x.reshape(repeats, images, -1, x.shape[-1]).transpose(0, 1)
-        branch = torch.bmm(torch.bmm(by_image.reshape(images, -1, x.shape[-1]), down), up)
-        outputs = output.view(repeats, images, -1, output.shape[-1])
-        outputs += (
-            branch.view(images, repeats, -1, branch.shape[-1]).transpose(0, 1).to(output.dtype)
-        )
-        return output
-
-    return hook

@@ -70,6 +70,7 @@ class ParsedAdapter:
     rank: int
     weights_file: Path
     layers: Mapping[Any, Any]
+    packed: Any  # no slot row to copy: a simulated slot holds only a size
 
 
 @dataclass(frozen=True)
@@ -170,7 +171,12 @@ class SimulatedBackend:
             rank=rank,
             weights_file=weights,
             layers={_LAYER: SimulatedWeights(mb=mb, rank=rank)},
+            packed=None,
         )
+
+    def pack(self, layers: Mapping[Any, Any], *, name: str) -> None:
+        """A stack's slot row: nothing to pack in a simulation (its size is in `layers`)."""
+        return None
 
     # -- the pipeline (pipeline thread only) ----------------------------------------------------
 

@@ -123,7 +123,7 @@ def test_tiny_model_make_adapter_and_serve(tmp_path: Path) -> None:
             "--max-cpu-loras (2) must be at least --max-loras (4)",
         ),
         (["--lora", "nonsense"], "--lora takes NAME=PATH"),
-        (["--fuse", "sometimes"], "argument --fuse: invalid choice: 'sometimes'"),
+        (["--merge", "sometimes"], "argument --merge: invalid choice: 'sometimes'"),
     ],
 )
 def test_serve_refuses_bad_settings(tmp_path: Path, args: list[str], message: str) -> None:

@@ -155,7 +155,9 @@ def test_a_copied_adapter_draws_the_image_diffusers_draws(arch: str, tmp_path: P
             height=32,
             width=32,
         ).images[0]
-    assert np.array_equal(np.asarray(ours), np.asarray(theirs))
+    # Our slots fold alpha / r into B and sum in another order than peft: float rounding,
+    # never more than one 8-bit level.
+    assert np.abs(np.asarray(ours).astype(int) - np.asarray(theirs).astype(int)).max() <= 1
 
 
 def test_a_file_whose_alphas_tie_always_gets_the_same_setup(tmp_path: Path) -> None:

@@ -1,4 +1,9 @@
-"""LoRA slots on real peft layers: activation cost, and merges that always come back exactly."""
+"""The slot buffers: packing, one-copy fills, the gathered pass, and merges that come back exactly.
+
+Exactness is checked in float64 against each format's definition: a layer's output is its base
+output plus, per image, `scale x (alpha / r) x B @ A @ x` of that image's adapter (nothing for a
+base-model image), whatever the other images of the call use.
+"""
 
 from __future__ import annotations
 
@@ -8,12 +13,12 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from lora_inference.costs import FusePolicy
 from lora_inference.pipeline import DiffusionBackend, ImageJob, ParsedAdapter
-from lora_inference.slots import Group, LayerWeights, Slots
-from peft.tuners.lora import LoraLayer
+from lora_inference.slots import LayerWeights, Slots
 
 from tests.unit.inference.conftest import Assets
+
+R_MAX = 8
 
 
 @pytest.fixture
@@ -26,79 +31,167 @@ def parsed(backend: DiffusionBackend, assets: Assets) -> Iterator[list[ParsedAda
         backend.clear(slot)
 
 
-def enabled_layers(backend: DiffusionBackend) -> dict[str, list[str]]:
-    """Every LoRA layer of the pipeline that runs a branch, with its active slots."""
-    return {
-        f"{component}.{name}": list(module.active_adapters)
-        for component in backend.components
-        for name, module in getattr(backend.pipe, component).named_modules()
-        if isinstance(module, LoraLayer) and not module.disable_adapters
-    }
-
-
-def test_activation_touches_the_batch_and_the_previous_batch_whatever_is_resident(
-    backend: DiffusionBackend, parsed: list[ParsedAdapter]
-) -> None:
-    a, b, _ = parsed
-    backend.place("only", a)
-    backend.slots.activate({})
-    alone = backend.slots.activate({"only": 1.0})
-    backend.clear("only")
-
-    for i in range(12):  # twelve resident adapters, in three layouts
-        backend.place(f"many{i}", parsed[i % 3])
-    backend.slots.activate({})
-    assert backend.slots.activate({"many0": 1.0}) == alone == len(a.layers)
-    assert enabled_layers(backend) == {f"{c}.{m}": ["many0"] for c, m in a.layers}
-    # The next batch switches off what the previous one left on, and nothing else.
-    assert backend.slots.activate({"many1": 0.5}) == len(a.layers.keys() | b.layers.keys())
-    assert enabled_layers(backend) == {f"{c}.{m}": ["many1"] for c, m in b.layers}
-    # Routed: peft runs no branch; the routing hooks add each image's own.
-    backend.slots.activate({"many0": 1.0, "many1": 1.0}, routed=True)
-    assert enabled_layers(backend) == {}
-
-
-def test_an_evicted_slot_takes_the_newcomers_layers_only(
-    backend: DiffusionBackend, parsed: list[ParsedAdapter]
-) -> None:
-    a, b, _ = parsed
-    backend.place("s", b)  # UNet and text encoder
-    backend.slots.activate({"s": 1.0})
-    backend.place("s", a)  # UNet only: the text-encoder layers must lose the slot
-    holding = {
-        f"{component}.{name}"
-        for component in backend.components
-        for name, module in getattr(backend.pipe, component).named_modules()
-        if isinstance(module, LoraLayer) and "s" in module.lora_A
-    }
-    assert holding == {f"{c}.{m}" for c, m in a.layers}
-    assert enabled_layers(backend) == {}  # the text encoder is not left running the old branch
-
-
-def probe_layer(dtype: torch.dtype) -> tuple[Slots, Any, tuple[str, str]]:
-    """One Linear holding one slot; returns the slots, the (wrapped) layer and its key."""
+def probe(dtype: torch.dtype = torch.float64) -> tuple[Slots, torch.nn.ModuleDict]:
+    """A Linear and a 3x3 Conv2d (padding 1, stride 2) with room for three slots of rank 8."""
     torch.manual_seed(0)
-    probe = torch.nn.ModuleDict({"layer": torch.nn.Linear(64, 64, dtype=dtype)})
-    slots = Slots({"probe": probe})
-    key = ("probe", "layer")
-    down, up = torch.randn(8, 64, dtype=dtype), torch.randn(64, 8, dtype=dtype)
-    slots.place("s", {key: LayerWeights(down=down, up=up, alpha=8, rslora=False)})
-    return slots, probe["layer"], key
+    layers = torch.nn.ModuleDict(
+        {
+            "linear": torch.nn.Linear(16, 12, dtype=dtype),
+            "conv": torch.nn.Conv2d(6, 5, 3, stride=2, padding=1, dtype=dtype),
+        }
+    )
+    return Slots({"probe": layers}, count=3, max_rank=R_MAX), layers
+
+
+def random_weights(module: torch.nn.Module, rank: int, alpha: float) -> LayerWeights:
+    if isinstance(module, torch.nn.Conv2d):
+        down = torch.randn(rank, module.in_channels, 3, 3, dtype=torch.float64)
+        up = torch.randn(module.out_channels, rank, 1, 1, dtype=torch.float64)
+    else:
+        down = torch.randn(rank, module.in_features, dtype=torch.float64)
+        up = torch.randn(module.out_features, rank, dtype=torch.float64)
+    return LayerWeights(down=down, up=up, alpha=alpha, rslora=False)
+
+
+def by_definition(module: Any, x: torch.Tensor, weights: LayerWeights, scale: float) -> Any:
+    """One image's layer output from the format's definition: W x + scale (alpha/r) B A x."""
+    if isinstance(module, torch.nn.Conv2d):
+        inner = torch.nn.functional.conv2d(x, weights.down, stride=2, padding=1)
+        branch = torch.nn.functional.conv2d(inner, weights.up)
+    else:
+        branch = x @ weights.down.T @ weights.up.T
+    return module(x) + scale * weights.scaling * branch
+
+
+@pytest.mark.parametrize("repeats", [1, 2], ids=["unguided", "guided"])
+def test_a_gathered_call_gives_every_image_its_own_adapter_exactly(repeats: int) -> None:
+    """Ranks 2 and R_MAX (one below the maximum, one at it) and a base-model image in one call,
+    on a Linear (3-d and 2-d inputs) and a Conv2d; the rows repeat under guidance."""
+    slots, layers = probe()
+    adapters = {}
+    for slot, rank in (("a", 2), ("b", R_MAX)):
+        adapters[slot] = {
+            ("probe", name): random_weights(layers[name], rank, alpha=rank / 2)
+            for name in ("linear", "conv")
+        }
+        slots.place(slot, adapters[slot])
+    per_image = ["a", "b", None, "a"]
+    scales = {"a": 1.5, "b": -0.5}
+    inputs = {
+        "linear": [(repeats * 4, 7, 16), (repeats * 4, 16)],
+        "conv": [(repeats * 4, 6, 9, 9)],
+    }
+    for name, shapes in inputs.items():
+        module = layers[name]
+        for shape in shapes:
+            x = torch.randn(*shape, dtype=torch.float64)
+            with slots.call(per_image, scales):
+                got = module(x)
+            for row in range(shape[0]):
+                slot = per_image[row % 4]
+                one = x[row : row + 1]
+                want = (
+                    module(one)
+                    if slot is None
+                    else by_definition(module, one, adapters[slot][("probe", name)], scales[slot])
+                )
+                torch.testing.assert_close(got[row : row + 1], want, rtol=0, atol=1e-10)
+            assert torch.equal(got[2::4], module(x)[2::4])  # the base image, bit for bit
+
+
+def test_a_call_of_one_adapter_merged_or_not_matches_the_definition() -> None:
+    slots, layers = probe()
+    weights = {("probe", n): random_weights(layers[n], 4, alpha=8) for n in ("linear", "conv")}
+    slots.place("a", weights)
+    x = {"linear": torch.randn(3, 5, 16, dtype=torch.float64)}
+    x["conv"] = torch.randn(3, 6, 9, 9, dtype=torch.float64)
+    want = {n: by_definition(layers[n], x[n], weights[("probe", n)], 0.7) for n in x}
+    for merged in ([], list(weights)):
+        with slots.call(["a"] * 3, {"a": 0.7}, merged=merged):
+            for name in ("linear", "conv"):
+                torch.testing.assert_close(layers[name](x[name]), want[name], rtol=0, atol=1e-10)
+
+
+def test_the_packed_layout_round_trips_every_layer_and_a_refill_touches_no_other_slot(
+    backend: DiffusionBackend, parsed: list[ParsedAdapter]
+) -> None:
+    slots = backend.slots
+    a, b, k = parsed
+    for adapter in parsed:
+        rows = slots.unpack(adapter.packed, {key: w.rank for key, w in adapter.layers.items()})
+        for key, weights in adapter.layers.items():
+            down, up = rows[key]
+            assert torch.equal(down, weights.down.reshape(weights.rank, -1).to(slots.dtype))
+            scaled = weights.up.reshape(weights.up.shape[0], -1).double() * weights.scaling
+            assert torch.equal(up, scaled.to(slots.dtype))
+        # Everything else in the row is zero: a copy overwrites the previous occupant entirely.
+        assert adapter.packed.count_nonzero() == sum(
+            w.down.count_nonzero() + w.up.count_nonzero() for w in adapter.layers.values()
+        )
+    backend.place("kept", a)
+    backend.place("moving", b)
+    job = ImageJob(prompt="a red square", negative_prompt=None, seeds=(3,))
+    shape = {"width": 32, "height": 32, "steps": 2, "guidance_scale": 5.0}
+
+    def mixed() -> list[np.ndarray]:
+        outcome = backend.run_batch(
+            [job, job], ["kept", "moving"], {"kept": 1.0, "moving": 1.0}, **shape
+        )  # type: ignore[arg-type]
+        return [np.asarray(image) for image in outcome.images]
+
+    kept_before, moving_before = mixed()
+    backend.place("moving", k)  # refilled between calls
+    kept_after, moving_after = mixed()
+    assert np.array_equal(kept_before, kept_after)
+    assert not np.array_equal(moving_before, moving_after)
+    assert backend.slots.footprint("moving") == {key: w.rank for key, w in k.layers.items()}
+
+
+def test_a_rank_above_the_slots_or_a_shape_that_does_not_fit_is_refused_before_any_copy() -> None:
+    slots, layers = probe()
+    good = {("probe", "linear"): random_weights(layers["linear"], 4, alpha=4)}
+    slots.place("a", good)
+    x = torch.randn(2, 16, dtype=torch.float64)
+    with slots.call(["a", "a"], {"a": 1.0}):
+        before = layers["linear"](x)
+    too_big = {("probe", "linear"): random_weights(layers["linear"], R_MAX + 1, alpha=1)}
+    with pytest.raises(ValueError, match=rf"rank {R_MAX + 1}, above the slots' --max-lora-rank"):
+        slots.pack(too_big)
+    wrong = LayerWeights(torch.randn(4, 15), torch.randn(12, 4), alpha=4, rslora=False)
+    with pytest.raises(ValueError, match="do not fit a layer of 16 in and 12 out"):
+        slots.place("b", {("probe", "linear"): wrong})
+    assert slots.held() == {"a"}
+    with slots.call(["a", "a"], {"a": 1.0}):
+        assert torch.equal(layers["linear"](x), before)
+
+
+def test_slots_are_a_fixed_number_and_a_cleared_one_is_reused() -> None:
+    slots, layers = probe()
+    weights = {("probe", "linear"): random_weights(layers["linear"], 2, alpha=2)}
+    for slot in ("a", "b", "c"):
+        slots.place(slot, weights)
+    with pytest.raises(RuntimeError, match="all 3 slots are taken"):
+        slots.place("d", weights)
+    slots.clear("b")
+    slots.place("d", weights)
+    assert slots.held() == {"a", "c", "d"}
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["float16", "float32"])
 def test_merged_weights_come_back_bit_for_bit_where_subtracting_would_drift(
     dtype: torch.dtype,
 ) -> None:
-    slots, layer, key = probe_layer(dtype)
-    weight = layer.get_base_layer().weight
+    slots, layers = probe(dtype)
+    key = ("probe", "linear")
+    weights = random_weights(layers["linear"], 8, alpha=8)
+    slots.place("s", {key: LayerWeights(weights.down.to(dtype), weights.up.to(dtype), 8, False)})
+    weight = layers["linear"].weight
     before = weight.clone()
     subtracted = weight.clone()
     for scale in [1.0, 0.3, -2.0, 0.7] * 3:
-        slots.activate({"s": scale}, merged=[key])
-        with slots.merged("s", [key]):
+        with slots.call(["s"], {"s": scale}, merged=[key]):
             assert not torch.equal(weight, before)
-            delta = layer.get_delta_weight("s")
+            delta = slots.delta("s", key, scale).to(dtype)
         subtracted += delta
         subtracted -= delta
         assert torch.equal(weight, before)
@@ -106,92 +199,16 @@ def test_merged_weights_come_back_bit_for_bit_where_subtracting_would_drift(
         assert not torch.equal(subtracted, before)  # why restores copy instead
 
 
-def test_a_call_that_fails_inside_a_merge_still_restores() -> None:
-    slots, layer, key = probe_layer(torch.float32)
-    weight = layer.get_base_layer().weight
+def test_a_call_that_fails_inside_a_merge_still_restores_and_ends_the_call() -> None:
+    slots, layers = probe(torch.float32)
+    key = ("probe", "linear")
+    slots.place("s", {key: random_weights(layers["linear"], 4, alpha=4)})
+    weight = layers["linear"].weight
     before = weight.clone()
-    slots.activate({"s": 1.0}, merged=[key])
-    with pytest.raises(RuntimeError, match="generation failed"), slots.merged("s", [key]):
+    x = torch.randn(1, 16)
+    plain = layers["linear"](x)
+    failing = slots.call(["s"], {"s": 1.0}, merged=[key])
+    with pytest.raises(RuntimeError, match="generation failed"), failing:
         raise RuntimeError("generation failed")
     assert torch.equal(weight, before)
-
-
-@pytest.mark.parametrize("repeats", [1, 2], ids=["unguided", "guided"])
-def test_a_fused_pass_adds_each_images_branch_as_one_pass_per_adapter_does(repeats: int) -> None:
-    """Adapters of ranks 2, 4 and 8 over images [a a b base c], 3-d and 2-d inputs alike."""
-    torch.manual_seed(0)
-    dtype = torch.float64
-    probe = torch.nn.ModuleDict({"layer": torch.nn.Linear(16, 12, dtype=dtype)})
-    slots = Slots({"probe": probe})
-    key = ("probe", "layer")
-    for slot, rank in (("a", 2), ("b", 4), ("c", 8)):
-        down, up = torch.randn(rank, 16, dtype=dtype), torch.randn(12, rank, dtype=dtype)
-        slots.place(slot, {key: LayerWeights(down=down, up=up, alpha=rank / 2, rslora=False)})
-    groups = [Group("a", 0, 2), Group("b", 2, 3), Group("c", 4, 5)]
-    slots.activate({"a": 1.0, "b": -0.5, "c": 2.0}, routed=True)
-    layer = probe["layer"]
-    for shape in [(repeats * 5, 7, 16), (repeats * 5, 16)]:
-        x = torch.randn(*shape, dtype=dtype)
-        with slots.routed(groups, 5):
-            apart = layer(x)
-        with slots.routed(groups, 5, fused=[key]):
-            fused = layer(x)
-            again = layer(x)  # the per-image matrices are built once per call
-        base = layer(x)
-        torch.testing.assert_close(fused, apart, rtol=0, atol=1e-12)
-        torch.testing.assert_close(again, apart, rtol=0, atol=1e-12)
-        by_image = base.view(repeats, 5, -1)
-        changed = (apart.view(repeats, 5, -1) - by_image).abs().amax(dim=(0, 2))
-        assert changed[3] == 0 and bool((changed[[0, 1, 2, 4]] > 0).all())  # image 3: the base
-
-
-def test_a_mixed_call_fused_draws_the_images_it_draws_one_pass_per_adapter(
-    backend: DiffusionBackend, parsed: list[ParsedAdapter], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Three adapters (one with text-encoder layers, one kohya) and the base model in one call,
-    with every Linear layer fused (`--fuse auto` as the plan says) and none (`--fuse never`)."""
-    for slot, adapter in zip(("a", "b", "k"), parsed, strict=True):
-        backend.place(slot, adapter)
-    jobs = [ImageJob("a red square", None, (0,)) for _ in range(4)]  # one seed: only LoRA differs
-    slots = ["a", "b", None, "k"]
-    scales = {"a": 1.0, "b": 1.0, "k": 0.7}
-
-    def every_linear(groups: list[Group], call: object) -> list[tuple[str, str]]:
-        layers = backend.slots.routed_layers(groups)
-        return [(c, m) for c, m in layers if backend.shapes[c][m].kernel is None]
-
-    fused_layers: list[list[tuple[str, str]]] = []
-    routed = backend.slots.routed
-
-    def recording(groups: list[Group], images: int, *, fused: Any = ()) -> Any:
-        fused_layers.append(list(fused))
-        return routed(groups, images, fused=fused)
-
-    monkeypatch.setattr(backend, "fuse_plan", every_linear)
-    monkeypatch.setattr(backend.slots, "routed", recording)
-
-    def images(fuse: FusePolicy) -> list[np.ndarray]:
-        outcome = backend.run_batch(
-            jobs, slots, scales, width=32, height=32, steps=2, guidance_scale=5.0, fuse=fuse
-        )
-        assert outcome.path == "mixed"
-        return [np.asarray(image).astype(int) for image in outcome.images]
-
-    apart, fused = images("never"), images("auto")
-    assert fused_layers[0] == [] and len(fused_layers[1]) > 0
-    for one, other in zip(apart, fused, strict=True):
-        assert np.abs(one - other).max() <= 1  # batched float rounding at most
-    for i, j in [(0, 1), (0, 2), (0, 3), (1, 3)]:
-        assert np.abs(fused[i] - fused[j]).mean() > 1  # each image kept its own adapter
-
-
-def test_only_linear_layers_fuse() -> None:
-    probe = torch.nn.ModuleDict({"conv": torch.nn.Conv2d(4, 4, 3, padding=1)})
-    slots = Slots({"probe": probe})
-    key = ("probe", "conv")
-    down, up = torch.randn(2, 4, 3, 3), torch.randn(4, 2, 1, 1)
-    slots.place("a", {key: LayerWeights(down=down, up=up, alpha=2, rslora=False)})
-    routed = slots.routed([Group("a", 0, 1)], 2, fused=[key])
-    with pytest.raises(ValueError, match=r"only Linear layers fuse; .* is a Conv2d"), routed:
-        pass
-    assert not probe["conv"]._forward_hooks  # nothing left hooked
+    assert torch.equal(layers["linear"](x), plain)  # no branch outside a call
