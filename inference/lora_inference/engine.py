@@ -106,7 +106,7 @@ class Engine:
     # -- lifecycle ------------------------------------------------------------------------------
 
     async def start(self) -> None:
-        if "auto" in (self.config.merge, self.config.fuse):
+        if self.config.merge == "auto":
             await self._in_pipeline(self.backend.calibrate)
         self._worker = asyncio.create_task(self._run(), name="pipeline-worker")
         for static in self.config.static_loras:
@@ -220,9 +220,13 @@ class Engine:
         while True:
             await self.residency.collect()
             self._drop_gone()
+            # A request whose adapter must be read first waits for its read off the pipeline
+            # (the worker wakes when it is done); batches of ready requests run meanwhile.
+            self.residency.prefetch(self._to_read())
+            ready = [p for p in self._queue if self.residency.ready(p.record)]
             pinned = self.residency.gpu.pinned()
             plan = scheduling.plan_next_batch(
-                self._queue,
+                ready,
                 set(self.residency.gpu),
                 max_batch_images=self.config.max_batch_size,
                 max_skips=self.config.max_skips,
@@ -232,7 +236,7 @@ class Engine:
             if plan is None:
                 return
             hold = scheduling.fill_wait(
-                sum(self._queue[i].images for i in plan.members),
+                sum(ready[i].images for i in plan.members),
                 self.config.max_batch_size,
                 self.admission.arriving,
                 self.admission.mean_s,
@@ -248,16 +252,28 @@ class Engine:
                     continue
             hold_until = None
             if plan.skipped_head:
-                self._queue[0].skipped += 1
-            batch = [self._queue[i] for i in plan.members]
-            chosen = set(plan.members)
-            self._queue = [p for i, p in enumerate(self._queue) if i not in chosen]
+                ready[0].skipped += 1
+            batch = [ready[i] for i in plan.members]
+            chosen = {id(p) for p in batch}
+            self._queue = [p for p in self._queue if id(p) not in chosen]
             self.metrics.queue_depth.set(len(self._queue))
             self._running = batch
             try:
                 await self._run_batch(batch)
             finally:
                 self._running = []
+
+    def _to_read(self) -> list[AdapterRecord]:
+        """Adapters queued requests name whose files must be read first, oldest request first,
+        as many as the CPU tier holds beside the GPU tier's (so reading ahead never evicts what
+        a batch is about to use), and at least one, or a request could wait forever."""
+        room = max(1, self.config.max_cpu_loras - self.config.max_loras)
+        unread: dict[str, AdapterRecord] = {}
+        for pending in self._queue:
+            record = pending.record
+            if record is not None and not self.residency.ready(record) and len(unread) < room:
+                unread.setdefault(record.key, record)
+        return list(unread.values())
 
     def _drop_gone(self) -> None:
         kept = []
@@ -274,6 +290,10 @@ class Engine:
     async def _run_batch(self, batch: list[_Pending]) -> None:
         records = list({p.record.key: p.record for p in batch if p.record is not None}.values())
         try:
+            # First uses are read and packed before the pipeline lock is taken, and what the
+            # queue will need next is read while this batch runs: a batch of resident adapters
+            # never waits for another adapter's file.
+            await asyncio.gather(*(self.residency.prepare(r) for r in records))
             async with self._pipeline_lock:
                 needed = {r.key for r in records}
                 wanted = scheduling.adapters_wanted(self._queue)
@@ -331,7 +351,6 @@ class Engine:
             steps=shape.steps,
             guidance_scale=shape.guidance_scale,
             merge=self.config.merge,
-            fuse=self.config.fuse,
         )
 
     def _release(self, pending: _Pending) -> None:

@@ -84,6 +84,8 @@ class Residency:
         self._read = read
         self._compose = compose
         self._wake = wake  # the worker collects retired versions
+        # Versions being read into the CPU tier off the pipeline lock (`prepare`).
+        self._preparing: dict[str, asyncio.Task[None]] = {}
 
     # -- versions -------------------------------------------------------------------------------
 
@@ -202,6 +204,45 @@ class Residency:
         self.metrics.loads.labels("gpu", "ok").inc()
         self.metrics.load_seconds.labels("gpu").observe(time.perf_counter() - started)
         self.update_gauges()
+
+    async def prepare(self, record: AdapterRecord) -> None:
+        """Put `record`'s parse (its packed slot row included) on the CPU tier, reading it if it
+        is not there: without the pipeline lock, so the pipeline keeps generating meanwhile.
+        Concurrent calls for one version share one read."""
+        if record.key in self._parsed or record.key in self.gpu:
+            return
+        task = self._preparing.get(record.key)
+        if task is None:
+            task = asyncio.create_task(self._prepare(record), name=f"prepare-{record.name}")
+            self._preparing[record.key] = task
+            task.add_done_callback(lambda _: self._preparing.pop(record.key, None))
+        await asyncio.shield(task)
+
+    def ready(self, record: AdapterRecord | None) -> bool:
+        """Whether a batch could use `record` without reading a file (None: the base model)."""
+        return record is None or record.key in self._parsed or record.key in self.gpu
+
+    def prefetch(self, records: Collection[AdapterRecord]) -> None:
+        """Start preparing `records` (what queued requests will need) in the background; the
+        worker is woken when each is done. A read that fails here fails again, and is reported,
+        when a batch needs the adapter."""
+        for record in records:
+            if self.ready(record) or record.key in self._preparing:
+                continue
+            task = asyncio.create_task(self.prepare(record), name=f"prefetch-{record.name}")
+            task.add_done_callback(self._prefetched)
+
+    def _prefetched(self, task: asyncio.Task[None]) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            log.debug("reading an adapter ahead failed: %s", task.exception())
+        self._wake()
+
+    async def _prepare(self, record: AdapterRecord) -> None:
+        parsed = await self.parse(record)
+        # A version retired or collected while it was read is not cached: nobody will ask.
+        live = record.key in self._records and record.key not in self._retired
+        if live and record.key not in self._parsed:
+            self._cache_parsed(record.key, parsed)
 
     async def parse(self, record: AdapterRecord) -> ParsedAdapter:
         """`record`'s parsed weights: from the CPU tier, else read again (a stack: built again

@@ -136,3 +136,28 @@ async def test_a_stalled_read_of_one_name_does_not_hold_up_another(
         stalled_config_read.release()
     await slow
     assert {r.name for r in server.engine.registry.records()} == {"slow", "other"}
+
+
+async def test_a_first_use_is_read_while_batches_of_resident_adapters_run(
+    start_server: Any, assets: Assets, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`a` was dropped from the CPU tier, so its next request reads the file again; while that
+    read is stalled, a request for `b`, resident in the GPU slot, is answered."""
+    server = await start_server(max_loras=1, max_cpu_loras=1, max_batch_size=1)
+    await server.load("a", assets.adapter_a)
+    await server.load("b", assets.adapter_b)  # the CPU tier holds one parse: a's goes
+    await server.image(model="b")  # b takes the GPU slot
+    backend = server.engine.backend
+    stall = Stall(
+        backend.parse_adapter, lambda args: Path(args[0]).resolve() == assets.adapter_a.resolve()
+    )
+    monkeypatch.setattr(backend, "parse_adapter", stall)
+    first_use = asyncio.create_task(server.image(model="a"))
+    try:
+        await stall.wait_started()
+        await server.image(model="b")
+        assert not stall.finished.is_set(), "b waited for a's file to be read"
+    finally:
+        stall.release()
+    await first_use
+    assert server.engine.residency.tier_of(server.engine.registry.get("a")) == "gpu"
