@@ -131,21 +131,24 @@ def engine_figures(
     jobs = [ImageJob(prompt="a lighthouse", negative_prompt=None, seeds=(i,)) for i in range(4)]
     scales = dict.fromkeys(slots, 1.0)
 
+    def call(per_job: list[str | None], steps: int) -> None:
+        backend.run_batch(
+            jobs,
+            per_job,
+            scales,
+            width=mode.size,
+            height=mode.size,
+            steps=steps,
+            guidance_scale=5.0,
+        )
+        synchronize(backend)
+
     def call_seconds(per_job: list[str | None], steps: int) -> float:
         times = []
         for _ in range(samples + 1):  # the first warms up
             synchronize(backend)
             started = time.perf_counter()
-            backend.run_batch(
-                jobs,
-                per_job,
-                scales,
-                width=mode.size,
-                height=mode.size,
-                steps=steps,
-                guidance_scale=5.0,
-            )
-            synchronize(backend)
+            call(per_job, steps)
             times.append(time.perf_counter() - started)
         return statistics.median(times[1:])
 
@@ -166,16 +169,7 @@ def engine_figures(
         from torch.profiler import ProfilerActivity, profile
 
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            backend.run_batch(
-                jobs,
-                per_job,
-                scales,
-                width=mode.size,
-                height=mode.size,
-                steps=1,
-                guidance_scale=5.0,
-            )
-            synchronize(backend)
+            call(per_job, 1)
         return sum(1 for e in prof.events() if e.device_type.name == "CUDA")
 
     figures = EngineFigures(
