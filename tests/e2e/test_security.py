@@ -460,10 +460,10 @@ def test_the_backup_task_restores_adapters_without_downloading(
     # The block's relative paths, in a folder of the test's own: the chart, and the example with
     # this cluster's image and, on one node, a ReadWriteOnce claim (all its provisioner offers).
     (tmp_path / "charts").symlink_to(ROOT / "charts")
-    example = (ROOT / "examples" / "adapter-volume-restore.yaml").read_text()
+    example = (ROOT / "examples" / "volume-restore.yaml").read_text()
     example = example.replace("lora-operator/operator:0.1.0", h.image("operator"))
     (tmp_path / "examples").mkdir()
-    (tmp_path / "examples" / "adapter-volume-restore.yaml").write_text(
+    (tmp_path / "examples" / "volume-restore.yaml").write_text(
         example.replace("[ReadWriteMany]", "[ReadWriteOnce]")
     )
     values = tmp_path / "values.yaml"
