@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import itertools
 import logging
 import time
@@ -84,8 +85,10 @@ class Residency:
         self._read = read
         self._compose = compose
         self._wake = wake  # the worker collects retired versions
-        # Versions being read into the CPU tier off the pipeline lock (`prepare`).
+        # Versions being read into the CPU tier off the pipeline lock (`prepare`), and those whose
+        # read ahead failed: a batch takes them, reads again and reports the error.
         self._preparing: dict[str, asyncio.Task[None]] = {}
+        self._unreadable: set[str] = set()
 
     # -- versions -------------------------------------------------------------------------------
 
@@ -131,6 +134,7 @@ class Residency:
             self._parsed.pop(key, None)
             self._records.pop(key, None)
             self._retired.discard(key)
+            self._unreadable.discard(key)
         self.update_gauges()
 
     # -- where ----------------------------------------------------------------------------------
@@ -211,6 +215,7 @@ class Residency:
         Concurrent calls for one version share one read."""
         if record.key in self._parsed or record.key in self.gpu:
             return
+        self._unreadable.discard(record.key)
         task = self._preparing.get(record.key)
         if task is None:
             task = asyncio.create_task(self._prepare(record), name=f"prepare-{record.name}")
@@ -219,8 +224,12 @@ class Residency:
         await asyncio.shield(task)
 
     def ready(self, record: AdapterRecord | None) -> bool:
-        """Whether a batch could use `record` without reading a file (None: the base model)."""
-        return record is None or record.key in self._parsed or record.key in self.gpu
+        """Whether a batch may take `record` now: it needs no file read (None: the base model),
+        or reading it ahead failed, so the batch reads it again and answers with the error."""
+        if record is None:
+            return True
+        key = record.key
+        return key in self._parsed or key in self.gpu or key in self._unreadable
 
     def prefetch(self, records: Collection[AdapterRecord]) -> None:
         """Start preparing `records` (what queued requests will need) in the background; the
@@ -230,18 +239,21 @@ class Residency:
             if self.ready(record) or record.key in self._preparing:
                 continue
             task = asyncio.create_task(self.prepare(record), name=f"prefetch-{record.name}")
-            task.add_done_callback(self._prefetched)
+            task.add_done_callback(functools.partial(self._prefetched, record.key))
 
-    def _prefetched(self, task: asyncio.Task[None]) -> None:
+    def _prefetched(self, key: str, task: asyncio.Task[None]) -> None:
         if not task.cancelled() and task.exception() is not None:
             log.debug("reading an adapter ahead failed: %s", task.exception())
+            self._unreadable.add(key)
         self._wake()
 
     async def _prepare(self, record: AdapterRecord) -> None:
         parsed = await self.parse(record)
-        # A version retired or collected while it was read is not cached: nobody will ask.
-        live = record.key in self._records and record.key not in self._retired
-        if live and record.key not in self._parsed:
+        # Cached while a request holds the version or the registry names it (a swap that was
+        # undone names an old version again); one retired while it was read is not.
+        wanted = self._refs.get(record.key, 0) > 0 or self._registry.get(record.name) == record
+        if wanted and record.key not in self._retired and record.key not in self._parsed:
+            self._records.setdefault(record.key, record)
             self._cache_parsed(record.key, parsed)
 
     async def parse(self, record: AdapterRecord) -> ParsedAdapter:

@@ -161,3 +161,26 @@ async def test_a_first_use_is_read_while_batches_of_resident_adapters_run(
         stall.release()
     await first_use
     assert server.engine.residency.tier_of(server.engine.registry.get("a")) == "gpu"
+
+
+async def test_a_file_changed_since_its_load_is_reported_not_waited_for(
+    start_server: Any, assets: Assets, tmp_path: Path
+) -> None:
+    """The read ahead of `a` finds other bytes than were loaded: the request for it gets the
+    error (a 422 naming the change) instead of waiting for a read that can never succeed."""
+    import shutil
+
+    moved = tmp_path / "a"
+    shutil.copytree(assets.adapter_a, moved)
+    server = await start_server(
+        max_loras=1, max_cpu_loras=1, max_batch_size=1, allowed_roots=(assets.root, tmp_path)
+    )
+    await server.load("a", moved)
+    await server.load("b", assets.adapter_b)  # the CPU tier holds one parse: a's goes
+    weights = moved / "pytorch_lora_weights.safetensors"
+    shutil.copy(assets.adapter_b / "pytorch_lora_weights.safetensors", weights)
+    body = {"model": "a", "prompt": "a lighthouse", "size": "32x32", "num_inference_steps": 2}
+    async with asyncio.timeout(60):
+        status, answer = await server.post("/v1/images/generations", body, token=None)
+    assert status == 422 and "changed since it was loaded" in answer["error"]["message"]
+    await server.image()  # the worker goes on
