@@ -10,7 +10,7 @@ import os
 import sys
 from pathlib import Path
 
-from lora_devcluster import cluster, images, netpolicy, ns
+from lora_devcluster import cluster, images, netpolicy, ns, registry
 
 
 def _progress(message: str) -> None:
@@ -18,7 +18,7 @@ def _progress(message: str) -> None:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    c = cluster.up(args.dir, timeout=args.timeout, progress=_progress)
+    c = cluster.up(args.dir, timeout=args.timeout, progress=_progress, with_registry=args.registry)
     d = str(c.dir)
     flag = "" if c.dir == cluster.default_dir().resolve() else f" --dir {d}"
     print(
@@ -27,7 +27,13 @@ def cmd_up(args: argparse.Namespace) -> int:
         f"              cluster's network namespace; pods are 10.244.0.N, Services 10.0.0.N)\n"
         f"  use it:     lora-devcluster{flag} exec -- kubectl get pods -A\n"
         f"              lora-devcluster{flag} exec -- bash   # a shell with KUBECONFIG set\n"
-        f"  logs:       {c.layout.logs}/ (components), {c.layout.pod_logs}/ (containers)\n"
+        + (
+            f"  registry:   {registry.ADDRESS} (plain HTTP; make push REGISTRY="
+            f"{registry.ADDRESS}/lora-operator PLAIN_HTTP=1, inside exec)\n"
+            if args.registry
+            else ""
+        )
+        + f"  logs:       {c.layout.logs}/ (components), {c.layout.pod_logs}/ (containers)\n"
         f"  stop it:    lora-devcluster{flag} down"
     )
     problem = netpolicy.enforcement_problem()
@@ -81,6 +87,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = add("up", "start a cluster and wait until it is ready")
     p.add_argument("--timeout", type=float, default=300)
+    p.add_argument(
+        "--registry",
+        action="store_true",
+        help=f"also start an OCI registry at {registry.ADDRESS} that the node pulls from",
+    )
     p.set_defaults(func=cmd_up)
     p = add("exec", "run a command in the cluster's network namespace with KUBECONFIG set")
     p.add_argument("command", nargs=argparse.REMAINDER)

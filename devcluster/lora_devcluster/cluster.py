@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 
-from lora_devcluster import cgroups, images, ns, processes
+from lora_devcluster import cgroups, images, ns, processes, registry
 from lora_devcluster.layout import NAMESPACE_MARKER_ENV, Layout
 
 MARKER = ".lora-devcluster"
@@ -199,14 +199,21 @@ def up(
     timeout: float = 300,
     die_with_parent: bool = False,
     progress: Callable[[str], None] | None = None,
+    with_registry: bool = False,
 ) -> Cluster:
     """Start a cluster in `root` and wait until its node is Ready, with DNS, Services and the
     default StorageClass working. `node_images` are imported into the node (default: every
     image of this project, which must be built). `die_with_parent` ties the cluster to this
     process (pytest), so it cannot outlive a killed test run. A failed start tears down what
-    it started."""
+    it started. `with_registry` starts an OCI registry on the node at registry.ADDRESS, which
+    containerd pulls from (registry.py)."""
     binaries = binaries or bin_dir()
     check_host(binaries)
+    if with_registry and shutil.which(registry.BINARY) is None:
+        raise ClusterError(
+            f"--registry needs {registry.BINARY}: run `make install` "
+            f"(or apt-get install {registry.PACKAGE})"
+        )
     root = root.resolve()
     if find(root) is not None:
         raise ClusterError(
@@ -246,6 +253,8 @@ def up(
     ]
     for image in node_images:
         argv += ["--image", f"{image.ref}={image.archive}"]
+    if with_registry:
+        argv.append("--registry")
     env = dict(os.environ)
     env[NAMESPACE_MARKER_ENV] = str(root)
     env["PYTHONPATH"] = os.pathsep.join(
@@ -290,6 +299,7 @@ def joined(
     node_images: Sequence[images.Image] | None = None,
     die_with_parent: bool = False,
     progress: Callable[[str], None] | None = None,
+    with_registry: bool = False,
 ) -> Iterator[Cluster]:
     """Start a cluster in `root`, move this thread into its network namespace (so this process,
     the threads it starts later, kubectl and helm reach the API server and pod IPs), point
@@ -304,6 +314,7 @@ def joined(
             node_images=node_images,
             die_with_parent=die_with_parent,
             progress=progress,
+            with_registry=with_registry,
         )
         switch = ns.NetnsSwitch(c.netns)
         switch.enter()

@@ -22,7 +22,7 @@ from typing import Any
 
 import yaml
 
-from lora_devcluster import certs, cgroups, imagestore, processes
+from lora_devcluster import certs, cgroups, imagestore, processes, registry
 from lora_devcluster.controlplane import admin_ssl_context, wait_healthy
 from lora_devcluster.layout import (
     API_PORT,
@@ -59,9 +59,12 @@ def _toml_value(value: object) -> str:
     return json.dumps(str(value))
 
 
-def build_containerd_config(root: Path, state: str, socket: str, cni_conf_dir: Path) -> str:
+def build_containerd_config(
+    root: Path, state: str, socket: str, cni_conf_dir: Path, hosts_dir: Path | None = None
+) -> str:
     """containerd's config.toml (version 2): its own root, state and socket, the local pause
-    image, runc with cgroupfs, and the CNI bridge configuration in `cni_conf_dir`."""
+    image, runc with cgroupfs, the CNI bridge configuration in `cni_conf_dir`, and registry
+    hosts (`config_path`) in `hosts_dir`."""
     cri = 'plugins."io.containerd.grpc.v1.cri"'
     sections: list[tuple[str, dict[str, object]]] = [
         (
@@ -103,6 +106,9 @@ def build_containerd_config(root: Path, state: str, socket: str, cni_conf_dir: P
             {"bin_dir": CNI_BIN_DIR, "conf_dir": str(cni_conf_dir), "max_conf_num": 1},
         ),
     ]
+    if hosts_dir is not None:
+        # The local registry (lora-devcluster up --registry) over plain HTTP: registry.py.
+        sections.append((f"{cri}.registry", {"config_path": str(hosts_dir)}))
     lines = []
     for name, values in sections:
         if name:
@@ -355,7 +361,11 @@ def write_configs(layout: Layout, pki: certs.PKI, helper_image: str) -> None:
     layout.volumes.chmod(0o755)
     (layout.config / "containerd.toml").write_text(
         build_containerd_config(
-            Path(CONTAINERD_ROOT), CONTAINERD_STATE, CONTAINERD_SOCKET, layout.config / "cni"
+            Path(CONTAINERD_ROOT),
+            CONTAINERD_STATE,
+            CONTAINERD_SOCKET,
+            layout.config / "cni",
+            registry.write_hosts(layout),
         )
     )
     (layout.config / "cni" / "10-lora-devcluster.conflist").write_text(
@@ -396,6 +406,7 @@ async def start(
     images: Mapping[Path, str],
     helper_image: str,
     progress: Callable[[str], object] | None = None,
+    with_registry: bool = False,
 ) -> list[processes.Proc]:
     """Start containerd with `images` (archive -> ref) in its store, then the kubelet,
     kube-proxy, CoreDNS and the provisioner, each working before the next. Returns them in
@@ -449,6 +460,12 @@ async def start(
         )
         await wait_healthy(dns, "http://127.0.0.1:8181/ready", None, 60)
         await launch("local-path-provisioner", build_local_path_args(bin_dir, layout, helper_image))
+        if with_registry:
+            config = layout.config / "registry.yml"
+            storage = registry.storage_dir(layout)
+            config.write_text(yaml.safe_dump(registry.build_registry_config(storage)))
+            reg = await launch("registry", [registry.BINARY, "serve", str(config)])
+            await wait_healthy(reg, f"http://{registry.ADDRESS}/v2/", None, 60)
     except BaseException:
         await processes.stop_all(started)
         raise

@@ -59,8 +59,9 @@ def running_cluster() -> Iterator[harness.Harness]:
         raise
     root = Path(tempfile.mkdtemp(prefix="lora-devcluster-")) / "cluster"
     try:
+        # With the registry: tests push images and the chart to it and install from it.
         with cluster_mod.joined(
-            root, binaries=bins, node_images=node_images, die_with_parent=True
+            root, binaries=bins, node_images=node_images, die_with_parent=True, with_registry=True
         ) as c:
             yield harness.Harness(c)
     finally:

@@ -25,7 +25,13 @@ from lora_devcluster import controlplane, node, processes, sandbox
 from lora_devcluster.layout import Layout
 
 
-async def serve(root: Path, bin_dir: Path, images: dict[Path, str], helper_image: str) -> None:
+async def serve(
+    root: Path,
+    bin_dir: Path,
+    images: dict[Path, str],
+    helper_image: str,
+    with_registry: bool = False,
+) -> None:
     layout = Layout(root)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -39,7 +45,9 @@ async def serve(root: Path, bin_dir: Path, images: dict[Path, str], helper_image
     pki, started = await controlplane.start(bin_dir, layout)
     logging.info("control plane up in %.1f s", time.monotonic() - t0)
     try:
-        started += await node.start(bin_dir, layout, pki, images, helper_image, logging.info)
+        started += await node.start(
+            bin_dir, layout, pki, images, helper_image, logging.info, with_registry
+        )
         logging.info("node ready in %.1f s", time.monotonic() - t0)
         layout.ready.write_text(json.dumps({"seconds": round(time.monotonic() - t0, 1)}))
         waiter = asyncio.create_task(stop.wait())
@@ -78,6 +86,7 @@ def main() -> None:
     parser.add_argument("--bin-dir", type=Path, required=True)
     parser.add_argument("--image", action="append", default=[], help="REF=ARCHIVE")
     parser.add_argument("--helper-image", required=True)
+    parser.add_argument("--registry", action="store_true", help="start the OCI registry")
     args = parser.parse_args()
     logging.basicConfig(
         level=logging.INFO,
@@ -87,7 +96,7 @@ def main() -> None:
     if os.getpid() != 1:
         sys.exit("lora_devcluster.supervisor must run as PID 1 of its own namespaces (use `up`)")
     images = {Path(a): ref for ref, _, a in (i.partition("=") for i in args.image)}
-    asyncio.run(serve(args.dir, args.bin_dir, images, args.helper_image))
+    asyncio.run(serve(args.dir, args.bin_dir, images, args.helper_image, args.registry))
 
 
 if __name__ == "__main__":
