@@ -31,6 +31,13 @@ from lora_devcluster.harness import Harness
 
 Obj = dict[str, Any]
 
+# On the local cluster the tests name the `devcluster` fixture, so the session keeps the cluster
+# until they are done (it stops it after the last test that names it); on another cluster
+# (LORA_E2E_KUBECONFIG) they must not, or the suite's conftest would skip them.
+pytestmark = (
+    [] if os.environ.get("LORA_E2E_KUBECONFIG") else [pytest.mark.usefixtures("devcluster")]
+)
+
 RECORDER = "lookalike"
 INFERENCE_PODS = f"app.kubernetes.io/instance={RELEASE},app.kubernetes.io/component=inference"
 SOURCE_PORT = 8443
