@@ -63,6 +63,7 @@ class OperatorConfig:
     inference_namespaces: tuple[str, ...] | None = None
     inference_service_account: str | None = None
     inference_workloads: tuple[str, ...] | None = None
+    inference_legacy_service_accounts: tuple[str, ...] = ()
     # Where sources may be fetched from, and who may use the operator's cloud identity.
     source_hosts: tuple[str, ...] = ()
     ambient_namespaces: tuple[str, ...] = ("*",)
@@ -105,6 +106,7 @@ class OperatorConfig:
             workloads=None
             if self.inference_workloads is None
             else frozenset(self.inference_workloads),
+            legacy_service_accounts=frozenset(self.inference_legacy_service_accounts),
         )
 
     @property
@@ -166,6 +168,13 @@ def parse_args(argv: Sequence[str] | None = None) -> OperatorConfig:
     p.add_argument(
         "--inference-service-account",
         help="the ServiceAccount the release's inference pods run as (default: any)",
+    )
+    p.add_argument(
+        "--inference-legacy-service-account",
+        action="append",
+        default=[],
+        help="a ServiceAccount also accepted for pods owned by an --inference-workload (the "
+        "pods of an earlier version, during an upgrade); repeatable",
     )
     p.add_argument(
         "--inference-workload",
@@ -252,6 +261,7 @@ def parse_args(argv: Sequence[str] | None = None) -> OperatorConfig:
         inference_namespaces=tuple(a.inference_namespace) if a.inference_namespace else None,
         inference_service_account=a.inference_service_account or None,
         inference_workloads=tuple(a.inference_workload) if a.inference_workload else None,
+        inference_legacy_service_accounts=tuple(a.inference_legacy_service_account),
         source_hosts=tuple(h for h in a.source_host if h),
         ambient_namespaces=()
         if a.no_ambient_credentials

@@ -7,7 +7,10 @@ open, as an operator run by hand does; the chart sets all three):
 
 - its namespace is one of the release's (`--inference-namespace`);
 - it runs as the release's inference ServiceAccount (`--inference-service-account`): a pod can
-  use a ServiceAccount of its own namespace only;
+  use a ServiceAccount of its own namespace only. A pod owned by one of the release's workloads
+  may also run as a ServiceAccount named in `--inference-legacy-service-account` (the chart names
+  `default`, what its earlier versions ran inference pods as), so that the pods of the previous
+  version keep their adapters while a `helm upgrade` replaces them;
 - its controlling owner is one of the release's workloads (`--inference-workload`): a
   Deployment (through its ReplicaSet `<deployment>-<pod-template-hash>`), or a StatefulSet or
   Deployment naming it directly.
@@ -31,6 +34,8 @@ class Policy:
     namespaces: frozenset[str] | None = None
     service_account: str | None = None
     workloads: frozenset[str] | None = None
+    # Also accepted for pods owned by one of `workloads` (never alone: see the module docstring).
+    legacy_service_accounts: frozenset[str] = frozenset()
 
     @property
     def open(self) -> bool:
@@ -60,17 +65,22 @@ def refusal(pod: PodInfo, policy: Policy) -> str | None:
             f"namespace {pod.namespace} is not one of the release's inference namespaces "
             f"({', '.join(sorted(policy.namespaces)) or 'none'})"
         )
-    if policy.service_account is not None and pod.service_account != policy.service_account:
+    workload = workload_of(pod)
+    owned = policy.workloads is not None and workload in policy.workloads
+    legacy = owned and pod.service_account in policy.legacy_service_accounts
+    if (
+        policy.service_account is not None
+        and pod.service_account != policy.service_account
+        and not legacy
+    ):
         return (
             f"it runs as ServiceAccount {pod.service_account!r}, not the release's inference "
             f"ServiceAccount {policy.service_account!r}"
         )
-    if policy.workloads is not None:
-        workload = workload_of(pod)
-        if workload is None or workload not in policy.workloads:
-            owner = f"{pod.owner[0]} {pod.owner[1]}" if pod.owner else "no workload (a bare pod)"
-            return (
-                f"it is owned by {owner}, not by one of the release's inference workloads "
-                f"({', '.join(sorted(policy.workloads)) or 'none'})"
-            )
+    if policy.workloads is not None and not owned:
+        owner = f"{pod.owner[0]} {pod.owner[1]}" if pod.owner else "no workload (a bare pod)"
+        return (
+            f"it is owned by {owner}, not by one of the release's inference workloads "
+            f"({', '.join(sorted(policy.workloads)) or 'none'})"
+        )
     return None

@@ -267,6 +267,7 @@ def test_operator_defaults(helm: str) -> None:
         f"--inference-service-account={FULLNAME}-inference",
         f"--inference-namespace={NAMESPACE}",
         f"--inference-workload={FULLNAME}-inference",
+        "--inference-legacy-service-account=default",
         # No tenant borrows the operator's cloud identity unless the values say so.
         "--no-ambient-credentials",
         "--health-port=8080",

@@ -102,3 +102,23 @@ def test_the_policy_from_the_command_line() -> None:
         service_account="rel-inference",
         workloads=frozenset({"rel-inference", "sd15"}),
     )
+
+
+def test_a_legacy_service_account_passes_only_with_the_releases_owner() -> None:
+    """During an upgrade the previous version's pods (the namespace's default ServiceAccount)
+    keep their adapters; a bare pod or another workload's pod as `default` still does not."""
+    policy = trust.Policy(
+        namespaces=POLICY.namespaces,
+        service_account=POLICY.service_account,
+        workloads=POLICY.workloads,
+        legacy_service_accounts=frozenset({"default"}),
+    )
+    assert trust.refusal(pod(sa=None, owner=RS), policy) is None
+    assert trust.refusal(pod(sa=None), policy) is not None  # a bare pod as `default`
+    other = {**RS, "name": "lookalike-5f7c9"}
+    assert "ServiceAccount 'default'" in (trust.refusal(pod(sa=None, owner=other), policy) or "")
+    assert "ServiceAccount 'other'" in (trust.refusal(pod(sa="other", owner=RS), policy) or "")
+    c = __import__("lora_operator.config").config.parse_args(
+        ["--inference-workload=w", "--inference-legacy-service-account=default"]
+    )
+    assert c.trust_policy.legacy_service_accounts == frozenset({"default"})
