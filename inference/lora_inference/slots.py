@@ -3,11 +3,14 @@
 At start every Linear and Conv2d of the adaptable components gets room in one buffer for all
 slots, in the model's dtype on its device: per layer `A [slots+1, r_max, fan_in]` and
 `B [slots+1, fan_out, r_max]`, where row 0 is a slot of zeros for base-model images. The buffer
-is laid out slot-major (`SlotLayout`): everything one slot holds, every layer's A and B, is one
-contiguous row. So an adapter is packed once on the CPU into a row of that layout (`pack`: its
-matrices at their ranks, zeros elsewhere, each layer's scaling alpha / r folded into B), and
-putting it in a slot is one copy of that row, never a loop over layers. On a GPU the packed row is
-pinned and the copy runs on a side stream, ordered before the call that uses it.
+is laid out slot-major, then rank-major (`SlotLayout`): a slot's row is `r_max` planes, plane `i`
+holding row `i` of every layer's A and column `i` of every layer's B. So everything an adapter of
+rank r needs is the first r planes of a row, one contiguous range: it is packed once on the CPU
+into those planes (`pack`: each layer's scaling alpha / r folded into B, zeros where a layer's
+rank is lower), the CPU tier keeps only that, and putting it in a slot is one copy of it (and
+zeroing what a previous, larger occupant left beyond it), never a loop over layers. On a GPU the
+packed planes are pinned and the copy runs on a side stream, ordered before the call that uses
+them.
 
 A call sets which slot each image uses (`call`): forward hooks on the base layers add each
 image's branch, `scale x B @ A @ x`, in one pass per layer whatever the number of adapters: the
@@ -57,7 +60,7 @@ class LayerWeights:
 
 @dataclass(frozen=True)
 class LayerRoom:
-    """Where one layer's A and B live inside a slot's row."""
+    """Where one layer's A row and B column live inside each rank plane of a slot's row."""
 
     a_offset: int
     b_offset: int
@@ -68,11 +71,16 @@ class LayerRoom:
 
 @dataclass(frozen=True)
 class SlotLayout:
-    """The slot-major layout of the buffers (pure): per layer, A then B, at `max_rank`."""
+    """The layout of one slot's row (pure): `max_rank` planes of `plane_elements`, each holding
+    one rank's A row and B column of every layer."""
 
     max_rank: int
     rooms: Mapping[LayerKey, LayerRoom]
-    row_elements: int
+    plane_elements: int
+
+    @property
+    def row_elements(self) -> int:
+        return self.max_rank * self.plane_elements
 
     @classmethod
     def plan(
@@ -83,9 +91,9 @@ class SlotLayout:
         offset = 0
         for key, (fan_in_channels, fan_out, kernel) in shapes.items():
             fan_in = fan_in_channels * (kernel[0] * kernel[1] if kernel else 1)
-            rooms[key] = LayerRoom(offset, offset + max_rank * fan_in, fan_in, fan_out, kernel)
-            offset += max_rank * (fan_in + fan_out)
-        return cls(max_rank=max_rank, rooms=rooms, row_elements=offset)
+            rooms[key] = LayerRoom(offset, offset + fan_in, fan_in, fan_out, kernel)
+            offset += fan_in + fan_out
+        return cls(max_rank=max_rank, rooms=rooms, plane_elements=offset)
 
 
 @dataclass
@@ -142,14 +150,19 @@ class Slots:
         self._rows = torch.zeros(
             count + 1, self.layout.row_elements, device=self.device, dtype=self.dtype
         )
+        # Per layer, strided views of every slot's A [slots+1, r_max, fan_in] and
+        # B [slots+1, fan_out, r_max] inside the rows.
         self._a: dict[LayerKey, torch.Tensor] = {}
         self._b: dict[LayerKey, torch.Tensor] = {}
-        r = max_rank
+        row, plane = self.layout.row_elements, self.layout.plane_elements
         for key, room in self.layout.rooms.items():
-            a = self._rows[:, room.a_offset : room.a_offset + r * room.fan_in]
-            b = self._rows[:, room.b_offset : room.b_offset + room.fan_out * r]
-            self._a[key] = a.view(count + 1, r, room.fan_in)
-            self._b[key] = b.view(count + 1, room.fan_out, r)
+            self._a[key] = self._rows.as_strided(
+                (count + 1, max_rank, room.fan_in), (row, plane, 1), room.a_offset
+            )
+            self._b[key] = self._rows.as_strided(
+                (count + 1, room.fan_out, max_rank), (row, 1, plane), room.b_offset
+            )
+        self._planes = [0] * (count + 1)  # per row: the planes its occupant filled
         self._index: dict[str, int] = {}  # slot name -> row
         self._free = list(range(count, 0, -1))
         self._held: dict[str, dict[LayerKey, int]] = {}  # slot name -> rank per targeted layer
@@ -164,53 +177,56 @@ class Slots:
 
     @property
     def row_bytes(self) -> int:
-        """What one slot, and one packed adapter on the CPU, takes."""
+        """What one slot takes (an adapter packed at the slots' maximum rank takes as much)."""
         return self.layout.row_elements * self._rows.element_size()
 
     # -- packing (any thread) -------------------------------------------------------------------
 
     def pack(self, layers: Mapping[LayerKey, LayerWeights]) -> torch.Tensor:
-        """One slot row holding `layers` (zeros elsewhere), on the CPU, pinned for a GPU.
+        """The first r planes of a slot row holding `layers` (r: their largest rank), on the
+        CPU, pinned for a GPU.
 
         Raises ValueError for a layer this pipeline lacks, a rank above the slots' maximum, or
         matrices whose shapes do not fit the layer; the caller refuses such an adapter.
         """
-        row = torch.zeros(self.layout.row_elements, dtype=self.dtype)
-        r_max = self.layout.max_rank
+        r_max, plane = self.layout.max_rank, self.layout.plane_elements
+        rank = max((w.rank for w in layers.values()), default=0)
+        if rank > r_max:
+            raise ValueError(f"rank {rank} is above the slots' --max-lora-rank {r_max}")
+        planes = torch.zeros(rank, plane, dtype=self.dtype)
         for key, weights in layers.items():
             room = self.layout.rooms.get(key)
             if room is None:
                 raise ValueError(f"{key[0]}.{key[1]} is not a Linear or Conv2d of this model")
-            rank = weights.rank
-            if rank > r_max:
-                raise ValueError(
-                    f"{key[0]}.{key[1]} has rank {rank}, above the slots' --max-lora-rank {r_max}"
-                )
-            down = weights.down.reshape(rank, -1)
+            down = weights.down.reshape(weights.rank, -1)
             up = weights.up.reshape(weights.up.shape[0], -1)
-            if tuple(down.shape) != (rank, room.fan_in) or tuple(up.shape) != (
+            if tuple(down.shape) != (weights.rank, room.fan_in) or tuple(up.shape) != (
                 room.fan_out,
-                rank,
+                weights.rank,
             ):
                 raise ValueError(
                     f"{key[0]}.{key[1]}: A {tuple(weights.down.shape)} and B "
                     f"{tuple(weights.up.shape)} do not fit a layer of {room.fan_in} in and "
                     f"{room.fan_out} out"
                 )
-            a = row[room.a_offset : room.a_offset + r_max * room.fan_in].view(r_max, room.fan_in)
-            b = row[room.b_offset : room.b_offset + room.fan_out * r_max].view(room.fan_out, r_max)
-            a[:rank] = down.to(self.dtype)
-            b[:, :rank] = (up.to(torch.float64) * weights.scaling).to(self.dtype)
-        return row.pin_memory() if self.pinned else row
+            a = planes[: weights.rank, room.a_offset : room.a_offset + room.fan_in]
+            b = planes[: weights.rank, room.b_offset : room.b_offset + room.fan_out]
+            a.copy_(down)
+            b.copy_((up.to(torch.float64) * weights.scaling).T)
+        flat = planes.reshape(-1)
+        return flat.pin_memory() if self.pinned else flat
 
-    def unpack(self, row: torch.Tensor, ranks: Mapping[LayerKey, int]) -> dict[LayerKey, Any]:
+    def unpack(
+        self, packed: torch.Tensor, ranks: Mapping[LayerKey, int]
+    ) -> dict[LayerKey, tuple[torch.Tensor, torch.Tensor]]:
         """Per layer of `ranks`, (A, B x scaling) as `pack` laid them out: for tests."""
-        r_max, out = self.layout.max_rank, {}
+        planes = packed.view(-1, self.layout.plane_elements)
+        out = {}
         for key, rank in ranks.items():
             room = self.layout.rooms[key]
-            a = row[room.a_offset : room.a_offset + r_max * room.fan_in].view(r_max, room.fan_in)
-            b = row[room.b_offset : room.b_offset + room.fan_out * r_max].view(room.fan_out, r_max)
-            out[key] = (a[:rank], b[:, :rank])
+            a = planes[:rank, room.a_offset : room.a_offset + room.fan_in]
+            b = planes[:rank, room.b_offset : room.b_offset + room.fan_out].T
+            out[key] = (a, b)
         return out
 
     # -- placing (pipeline thread) --------------------------------------------------------------
@@ -234,15 +250,21 @@ class Slots:
             self._index[slot] = index
         self._held.pop(slot, None)
         try:
-            row = self.pack(layers) if packed is None else packed
+            planes = self.pack(layers) if packed is None else packed
+            filled = planes.numel()
+            left = self._planes[index] * self.layout.plane_elements
+            row = self._rows[index]
             if self._stream is not None:
                 # A side stream, so the copy overlaps work already queued; the call waits for it.
                 self._stream.wait_stream(torch.cuda.current_stream(self.device))
                 with torch.cuda.stream(self._stream):
-                    self._rows[index].copy_(row, non_blocking=True)
+                    row[:filled].copy_(planes, non_blocking=True)
+                    row[filled:left].zero_()  # what a larger occupant left beyond these planes
                 torch.cuda.current_stream(self.device).wait_stream(self._stream)
             else:
-                self._rows[index].copy_(row)
+                row[:filled].copy_(planes)
+                row[filled:left].zero_()
+            self._planes[index] = filled // self.layout.plane_elements
         except BaseException:
             self.clear(slot)
             raise
@@ -256,6 +278,7 @@ class Slots:
         index = self._index.pop(slot, None)
         if index is not None:
             self._rows[index].zero_()
+            self._planes[index] = 0
             self._free.append(index)
 
     def held(self) -> set[str]:

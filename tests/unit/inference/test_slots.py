@@ -155,7 +155,7 @@ def test_a_rank_above_the_slots_or_a_shape_that_does_not_fit_is_refused_before_a
     with slots.call(["a", "a"], {"a": 1.0}):
         before = layers["linear"](x)
     too_big = {("probe", "linear"): random_weights(layers["linear"], R_MAX + 1, alpha=1)}
-    with pytest.raises(ValueError, match=rf"rank {R_MAX + 1}, above the slots' --max-lora-rank"):
+    with pytest.raises(ValueError, match=rf"rank {R_MAX + 1} is above the slots' --max-lora-rank"):
         slots.pack(too_big)
     wrong = LayerWeights(torch.randn(4, 15), torch.randn(12, 4), alpha=4, rslora=False)
     with pytest.raises(ValueError, match="do not fit a layer of 16 in and 12 out"):
@@ -163,6 +163,24 @@ def test_a_rank_above_the_slots_or_a_shape_that_does_not_fit_is_refused_before_a
     assert slots.held() == {"a"}
     with slots.call(["a", "a"], {"a": 1.0}):
         assert torch.equal(layers["linear"](x), before)
+
+
+def test_an_adapter_packs_into_as_many_planes_as_its_rank_and_a_refill_clears_the_rest() -> None:
+    """A rank-2 adapter is 2 of the row's R_MAX planes on the CPU; copied into the slot a rank-8
+    adapter held, it leaves nothing of the old one's higher ranks behind."""
+    slots, layers = probe()
+    big = {("probe", n): random_weights(layers[n], R_MAX, alpha=4) for n in ("linear", "conv")}
+    small = {("probe", n): random_weights(layers[n], 2, alpha=1) for n in ("linear", "conv")}
+    packed = slots.pack(small)
+    assert packed.numel() == 2 * slots.layout.plane_elements
+    assert slots.pack(big).numel() == slots.layout.row_elements
+    slots.place("s", big)
+    slots.place("s", small, packed)
+    x = torch.randn(2, 16, dtype=torch.float64)
+    want = by_definition(layers["linear"], x, small[("probe", "linear")], 1.0)
+    with slots.call(["s", None], {"s": 1.0}):  # mixed: the gathered pass runs at rank R_MAX
+        got = layers["linear"](x)
+    torch.testing.assert_close(got[:1], want[:1], rtol=0, atol=1e-10)
 
 
 def test_slots_are_a_fixed_number_and_a_cleared_one_is_reused() -> None:
