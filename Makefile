@@ -99,4 +99,4 @@ docs: $(STAMP) binaries
 	PATH="$$PATH:$$($(PY) -m lora_devcluster.cli bin-dir 2>/dev/null)" $(PY) hack/gen-docs.py
 
 clean:
-	rm -rf $(VENV) demo-out .mypy_cache .ruff_cache .pytest_cache .import_linter_cache
+	rm -rf $(VENV) demo-out dist .mypy_cache .ruff_cache .pytest_cache .import_linter_cache
