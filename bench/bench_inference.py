@@ -326,7 +326,9 @@ def growth(
     adapter is not cached yet). Swap: copy a cached adapter into such a slot (every other miss).
     Activate: set up a call of one resident adapter, after another one.
     """
-    parsed = [backend.parse_adapter(p, name=p.name, max_rank=64) for p in adapters]
+    # Only as many as become resident: a full-width adapter's planes are a few hundred MB.
+    wanted = adapters[: max(3, *resident)]
+    parsed = [backend.parse_adapter(p, name=p.name, max_rank=64) for p in wanted]
     probe_cycle = parsed[: min(3, len(parsed))]  # different ranks where the mode has several
     rows = []
     loaded = 0
