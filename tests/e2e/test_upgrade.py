@@ -403,17 +403,16 @@ def test_helm_upgrade_from_the_last_release_under_traffic(
     assert traffic.failures == [], f"{len(traffic.failures)} failed, {traffic.ok} answered"
     assert traffic.ok > started
 
+    assert watch.left == [], f"{len(watch.left)} polls saw an adapter leave Ready"
+
     phase("after the upgrade: new pods, the same token, adapters Ready")
-    after = {p["metadata"]["name"] for p in h.pods(ns, "lora.dev/inference=true")}
-    assert before.isdisjoint(after), "every inference pod was replaced"
+
+    def replaced() -> bool | None:
+        after = {p["metadata"]["name"] for p in h.pods(ns, "lora.dev/inference=true")}
+        return before.isdisjoint(after) or None
+
+    h.wait_for("every inference pod of the previous release to be gone", replaced, timeout=120)
     kept = h.get(secret)
     assert base64.b64decode(kept["data"]["token"]) == token
     for name in names:
         assert release.adapter_status(h, ns, name)["phase"] == "Ready"
-    if watch.left:
-        # Known: the upgraded operator refuses the previous release's inference pods (they run
-        # as the namespace's default ServiceAccount, not the release's inference ServiceAccount
-        # the new chart creates), so the adapters report Pending until the new pods are Ready.
-        # Traffic is unaffected (asserted above). Remove this once the operator keeps serving
-        # the previous release's pods through an upgrade.
-        pytest.xfail(f"{len(watch.left)} polls saw an adapter leave Ready: {watch.left[:4]}")
