@@ -149,31 +149,41 @@ def crd_narrowings(old_crd: Schema, new_crd: Schema) -> list[str]:
 # ---- the previous release, from git
 
 
+# Every release's tag and the commit it names: a clone that carries no tags (CI's fresh clone of
+# main) finds the release here, and a tag that names another commit is a mistake to catch.
+RELEASES = {"v0.1.0": "5434a079cca4380b1666b57d4ae4beb757617384"}
+
+
 def previous_tag() -> str:
-    """The newest release tag (`vX.Y.Z`) of this checkout."""
-    proc = subprocess.run(
-        ["git", "tag", "--list", "v[0-9]*", "--sort=-v:refname"],
+    """The newest release (`vX.Y.Z`), as a git revision this checkout has: the commit its tag
+    names, which a clone without tags has too."""
+    newest = max(RELEASES, key=lambda t: tuple(int(p) for p in t.lstrip("v").split(".")))
+    commit = RELEASES[newest]
+    tagged = subprocess.run(
+        ["git", "rev-parse", "--verify", "--quiet", f"{newest}^{{commit}}"],
         cwd=ROOT,
         capture_output=True,
         text=True,
         check=False,
-    )
-    tags = proc.stdout.split()
-    if proc.returncode != 0 or not tags:
-        pytest.skip("this checkout has no release tag (git tag v*): a clone without tags")
-    return tags[0]
+    ).stdout.strip()
+    assert tagged in ("", commit), f"tag {newest} names {tagged}, RELEASES says {commit}"
+    return newest
 
 
 def git_show(tag: str, path: str) -> str:
     return subprocess.run(
-        ["git", "show", f"{tag}:{path}"], cwd=ROOT, capture_output=True, text=True, check=True
+        ["git", "show", f"{RELEASES[tag]}:{path}"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
     ).stdout
 
 
 def previous_chart(tag: str, into: Path) -> Path:
     """The chart as the tag has it, unpacked under `into`."""
     archive = subprocess.run(
-        ["git", "archive", "--format=tar", tag, "charts/lora-operator"],
+        ["git", "archive", "--format=tar", RELEASES[tag], "charts/lora-operator"],
         cwd=ROOT,
         capture_output=True,
         check=True,
