@@ -30,7 +30,10 @@ def _operator_on(
         pytest.skip("needs root and unshare to mount file systems")
     volume = tmp_path / "volume"
     volume.mkdir()
-    operator = shlex.join([sys.executable, "-m", "lora_operator", "--standalone"])
+    # The volume is checked before anything else; no pod is called, so no admin token is needed.
+    operator = shlex.join(
+        [sys.executable, "-m", "lora_operator", "--standalone", "--no-admin-token"]
+    )
     script = (
         f"set -e\nV={shlex.quote(str(volume))}\n{mount}\n"
         f"rc=0; {operator} --volume-root $V || rc=$?\n{unmount}\nexit $rc"
