@@ -290,9 +290,8 @@ class Engine:
     async def _run_batch(self, batch: list[_Pending]) -> None:
         records = list({p.record.key: p.record for p in batch if p.record is not None}.values())
         try:
-            # First uses are read and packed before the pipeline lock is taken, and what the
-            # queue will need next is read while this batch runs: a batch of resident adapters
-            # never waits for another adapter's file.
+            # The worker batches only ready requests (`_drain` reads the others ahead); a parse
+            # the CPU tier dropped since is read again here, still before the pipeline lock.
             await asyncio.gather(*(self.residency.prepare(r) for r in records))
             async with self._pipeline_lock:
                 needed = {r.key for r in records}
