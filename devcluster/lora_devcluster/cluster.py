@@ -10,7 +10,6 @@ Must not: know about pods; the supervisor and the node run inside the namespaces
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import dataclasses
 import json
 import os
@@ -51,7 +50,6 @@ HOST_PROGRAMS = {
     "conntrack": "conntrack",
 }
 CNI_PLUGINS = ("bridge", "host-local", "loopback", "portmap")
-_PR_SET_PDEATHSIG = 1
 
 
 class ClusterError(Exception):
@@ -131,11 +129,6 @@ def find(root: Path) -> Cluster | None:
     if not _is_ours(pid, root):
         return None
     return Cluster(root, pid, Path(state["bin_dir"]), state.get("images", {}))
-
-
-def _set_pdeathsig() -> None:
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 
 
 def check_host(binaries: Path) -> None:
@@ -269,7 +262,7 @@ def up(
             stderr=subprocess.STDOUT,
             env=env,
             start_new_session=not die_with_parent,
-            preexec_fn=_set_pdeathsig if die_with_parent else None,
+            preexec_fn=processes.die_with_parent if die_with_parent else None,
         )
     refs = {i.role: i.ref for i in node_images}
     state = {"unshare_pid": proc.pid, "bin_dir": str(binaries), "images": refs}

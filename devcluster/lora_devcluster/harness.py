@@ -24,6 +24,7 @@ from typing import Any, TypeVar
 import yaml
 
 from lora_devcluster import cluster as cluster_mod
+from lora_devcluster import processes
 
 Obj = dict[str, Any]
 T = TypeVar("T")
@@ -288,15 +289,11 @@ class Harness:
 
     def node_log_tail(self, lines: int = 40) -> str:
         """The last lines of the supervisor's and the kubelet's logs (for failure reports)."""
-        parts = []
-        for name in ("supervisor", "kubelet"):
-            path = self.cluster.layout.logs / f"{name}.log"
-            try:
-                text = path.read_text(errors="replace").splitlines()
-            except OSError as e:
-                text = [f"(cannot read {path}: {e})"]
-            parts.append(f"---- {name}\n" + "\n".join(text[-lines:]))
-        return "\n".join(parts)
+        logs = self.cluster.layout.logs
+        return "\n".join(
+            f"---- {name}\n" + processes.tail(logs / f"{name}.log", lines)
+            for name in ("supervisor", "kubelet")
+        )
 
     def restart_apiserver(self, timeout: float = 120) -> None:
         """Stop and start the API server (etcd keeps the data); returns once it is healthy."""

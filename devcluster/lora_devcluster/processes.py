@@ -1,19 +1,49 @@
-"""Child processes of the supervisor: start with a log file, stop with SIGTERM then SIGKILL.
+"""Child processes: start with a log file, stop with SIGTERM then SIGKILL, show a log's tail.
 
 Owns: spawning one process in its own session (so its children are signalled with it), and
-stopping it within a grace period.
-Must not: know what the process is (control plane, pod holder, container).
+stopping its process group within a grace period, on an event loop (the supervisor's `Proc`) or
+blocking (`stop_group`: the image builds' steps); tying a child's life to its parent's
+(`die_with_parent`); the last lines of a log for an error message (`tail`).
+Must not: know what the process is (control plane, pod holder, container, build step).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import os
 import signal
+import subprocess
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
+
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    """A `preexec_fn`: the child is SIGKILLed when the thread that started it exits, so a
+    killed parent leaves no child running on (Linux' PR_SET_PDEATHSIG)."""
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
+def signal_group(pid: int, sig: int) -> None:
+    """Send `sig` to the process group that `pid` leads; nothing when it is gone."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, sig)
+
+
+def stop_group(proc: subprocess.Popen[Any], grace: float = 10.0) -> int:
+    """Blocking: SIGTERM the process group `proc` leads (started with `start_new_session`),
+    wait up to `grace` seconds, then SIGKILL the group; its exit code."""
+    signal_group(proc.pid, signal.SIGTERM)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=max(grace, 0.0))
+    # SIGKILL the group even after the leader exited: a child it forked may linger.
+    signal_group(proc.pid, signal.SIGKILL)
+    return proc.wait()
 
 
 class Proc:
@@ -31,8 +61,7 @@ class Proc:
         return self.process.returncode is None
 
     def signal_group(self, sig: int) -> None:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.process.pid, sig)
+        signal_group(self.process.pid, sig)
 
     async def stop(self, grace: float) -> int:
         """SIGTERM the process group, wait up to `grace` seconds, then SIGKILL it."""
@@ -88,10 +117,13 @@ async def run_checked(argv: Sequence[str], env: Mapping[str, str] | None = None)
 
 
 def tail(path: Path, lines: int = 30) -> str:
+    """The last `lines` lines of the log at `path` (for an error message); never raises."""
     try:
         text = path.read_text(errors="replace")
     except FileNotFoundError:
         return f"(no log at {path})"
+    except OSError as e:
+        return f"(cannot read {path}: {e})"
     return "\n".join(text.splitlines()[-lines:])
 
 

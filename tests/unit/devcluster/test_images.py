@@ -5,11 +5,14 @@ tool does."""
 from __future__ import annotations
 
 import dataclasses
+import os
+import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
 from lora_devcluster import images
+from lora_devcluster.images import catalog
 
 from tests.support import ROOT
 
@@ -53,7 +56,7 @@ def test_keys_are_stable_for_an_unchanged_tree(tree: images.Tree) -> None:
         ("inference/lora_inference/cli.py", {"inference"}),
         ("operator/lora_operator/__init__.py", {"operator"}),
         ("router/lora_router/routing.py", {"operator"}),
-        ("devcluster/lora_devcluster/images.py", set()),  # a development tool, not in images
+        ("devcluster/lora_devcluster/images/plan.py", set()),  # a development tool, not in images
         ("pyproject.toml", {"operator", "inference"}),
         ("README.md", {"operator", "inference"}),
         ("hack/pause/pause.c", {"pause"}),
@@ -123,7 +126,7 @@ def test_the_base_key_is_in_the_images_built_on_it(
     tree: images.Tree, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     before = keys(tree)
-    monkeypatch.setattr(images, "BASE_PACKAGES", (*images.BASE_PACKAGES, "curl"))
+    monkeypatch.setattr(catalog, "BASE_PACKAGES", (*catalog.BASE_PACKAGES, "curl"))
     assert changed(before, keys(tree)) == {"base", "operator", "inference"}
 
 
@@ -318,14 +321,14 @@ def test_built_returns_the_records_when_the_archives_exist(tmp_path: Path) -> No
 
 
 def test_building_as_non_root_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(images.os, "geteuid", lambda: 1000)
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
     with pytest.raises(images.ImageError, match="needs root"):
         images.check_tools(["buildah"])
 
 
 def test_a_missing_tool_names_its_package(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(images.os, "geteuid", lambda: 0)
-    monkeypatch.setattr(images.shutil, "which", lambda tool: None)
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
+    monkeypatch.setattr(shutil, "which", lambda tool: None)
     with pytest.raises(images.ImageError, match=r"make install.*debootstrap"):
         images.check_tools(["debootstrap"])
 

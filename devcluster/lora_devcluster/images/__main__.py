@@ -1,0 +1,7 @@
+"""`python -m lora_devcluster.images` (what `make images` runs)."""
+
+import sys
+
+from lora_devcluster.images import cli
+
+sys.exit(cli.main())
