@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lora_volume import errors
+from lora_volume import errors, formats
 
 # Formats that execute code when loaded. They are refused by name, never opened.
 PICKLE_SUFFIXES = frozenset({".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle"})
@@ -43,15 +43,6 @@ _DTYPE_BYTES = {
     "U64": 8,
     "F64": 8,
 }
-
-# Substrings that mark the two halves of a low-rank pair in every naming scheme diffusers reads:
-# peft (lora_A/lora_B), kohya (lora_down/lora_up), old diffusers (lora.down/lora.up,
-# lora_linear_layer.down/up).
-_LORA_MARKERS = ("lora_A.", "lora_B.", "lora_down.", "lora_up.", "lora.down.", "lora.up.")
-# Keys that carry full weights or weight deltas: loading them would change the base model itself,
-# which an unload cannot undo.
-_BASE_MUTATING_SUFFIXES = (".diff", ".diff_b")
-_BASE_MUTATING_MARKERS = ("dora_scale", "lora_magnitude_vector")
 
 
 @dataclass(frozen=True)
@@ -149,25 +140,10 @@ def _parse_entry(name: str, key: str, entry: Any) -> TensorEntry:
     return TensorEntry(dtype=dtype, shape=tuple(shape), begin=offsets[0], end=offsets[1])
 
 
-def check_lora_keys(keys: list[str], *, name: str = "adapter") -> None:
-    """Refuse a state dict that is not purely a LoRA (pure).
-
-    Every tensor must be one half of a low-rank pair or its alpha. Full weights, bias or weight
-    deltas and DoRA magnitudes would change the base model itself, so they are refused too.
-    """
-    if not keys:
-        raise errors.InvalidAdapter(f"{name} holds no tensors")
-    for key in keys:
-        if key.endswith(_BASE_MUTATING_SUFFIXES) or any(m in key for m in _BASE_MUTATING_MARKERS):
-            raise errors.InvalidAdapter(
-                f"{name}: tensor {key!r} would modify the base model's own weights; only plain "
-                "LoRA pairs (lora_A/lora_B or lora_down/lora_up) are served"
-            )
-        if not (key.endswith(".alpha") or any(m in key for m in _LORA_MARKERS)):
-            raise errors.InvalidAdapter(
-                f"{name}: tensor {key!r} is not part of a LoRA; is this a full checkpoint "
-                "rather than an adapter?"
-            )
+def check_lora_keys(keys: list[str], *, name: str = "adapter") -> formats.Format:
+    """The adapter format of a state dict, or InvalidAdapter if it is not one that is served
+    (pure; `formats.classify` names each refused format and says what to do)."""
+    return formats.classify(keys, name=name)
 
 
 def find_weights_file(path: Path) -> Path:

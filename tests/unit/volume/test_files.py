@@ -92,9 +92,9 @@ def test_lora_keys_are_accepted(key: str) -> None:
     ("key", "message"),
     [
         pytest.param("model.diffusion_model.input.weight", "not part of a LoRA", id="full-weight"),
-        pytest.param("lora_unet_a.diff", "base model's own weights", id="weight-delta"),
-        pytest.param("lora_unet_a.diff_b", "base model's own weights", id="bias-delta"),
-        pytest.param("lora_unet_a.dora_scale", "base model's own weights", id="dora"),
+        pytest.param("lora_unet_a.diff", "full weight differences", id="weight-delta"),
+        pytest.param("lora_unet_a.diff_b", "full weight differences", id="bias-delta"),
+        pytest.param("lora_unet_a.dora_scale", "DoRA", id="dora"),
     ],
 )
 def test_non_lora_keys_are_refused(key: str, message: str) -> None:
