@@ -115,6 +115,18 @@ def parse_safetensors_header(
     return SafetensorsHeader(tensors=tensors, metadata=dict(metadata))
 
 
+def read_safetensors_header(path: Path, *, name: str = "file") -> SafetensorsHeader:
+    """Read the header of the safetensors file at `path` (not its tensors) and check it as
+    `parse_safetensors_header` does."""
+    size = path.stat().st_size
+    with path.open("rb") as f:
+        prefix = f.read(8)
+        if len(prefix) == 8:
+            (header_len,) = struct.unpack("<Q", prefix)
+            prefix += f.read(min(header_len, MAX_HEADER_BYTES))
+    return parse_safetensors_header(prefix, size, name=name)
+
+
 def _parse_entry(name: str, key: str, entry: Any) -> TensorEntry:
     if not isinstance(entry, dict):
         raise _corrupt(name, f"entry {key!r} is not an object")
