@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 import kopf
 
-from lora_operator import errors, staging, tokens
+from lora_operator import errors, tokens, volumecheck
 from lora_operator.config import OperatorConfig, parse_args
 from lora_operator.controller import Controller
 from lora_operator.handlers import build_registry
@@ -43,7 +43,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         return 2
     try:
-        staging.check_volume(config.volume_root)
+        volumecheck.check_volume(config.volume_root)
     except errors.VolumeUnsupported as e:
         print(f"lora-operator: {e.message}", file=sys.stderr)
         return 2

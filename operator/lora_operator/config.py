@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
 
-from lora_operator import consent, staging, tokens, trust
+from lora_operator import consent, limits, tokens, trust
 from lora_operator.model import DEFAULT_POD_VOLUME_ROOT
 
 # Decimal (SI) and binary (IEC) multiples, and Kubernetes' quantity suffixes (Ki, Mi, Gi...), so
@@ -75,8 +75,8 @@ class OperatorConfig:
     peering_priority: int | None = None  # None: the older replica wins (peering.start_priority)
     health_port: int = 8080
     metrics_port: int = 9090
-    max_concurrent_stagings: int = staging.DEFAULT_MAX_CONCURRENT
-    max_adapter_bytes: int = staging.DEFAULT_MAX_BYTES
+    max_concurrent_stagings: int = limits.DEFAULT_MAX_CONCURRENT
+    max_adapter_bytes: int = limits.DEFAULT_MAX_BYTES
     max_concurrent_loads: int = 16
     resync_s: float = 30.0
     load_timeout_s: float = 120.0
@@ -205,11 +205,11 @@ def parse_args(argv: Sequence[str] | None = None) -> OperatorConfig:
     )
     p.add_argument("--health-port", type=int, default=8080, help="liveness at /healthz")
     p.add_argument("--metrics-port", type=int, default=9090, help="Prometheus at /metrics")
-    p.add_argument("--max-concurrent-stagings", type=int, default=staging.DEFAULT_MAX_CONCURRENT)
+    p.add_argument("--max-concurrent-stagings", type=int, default=limits.DEFAULT_MAX_CONCURRENT)
     p.add_argument(
         "--max-adapter-bytes",
         type=_size_arg,
-        default=staging.DEFAULT_MAX_BYTES,
+        default=limits.DEFAULT_MAX_BYTES,
         metavar="SIZE",
         help="the largest adapter file, e.g. 2GiB or 500MB (default 2GiB)",
     )

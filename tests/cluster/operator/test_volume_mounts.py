@@ -1,4 +1,4 @@
-"""The operator refusing adapter volumes it cannot stage on, at start (`staging.check_volume`).
+"""The operator refusing adapter volumes it cannot stage on, at start (`volumecheck.check_volume`).
 
 The failing volumes are real file systems mounted in a private mount namespace (root): a
 read-only tmpfs, a volume whose `.tmp/` is another file system, and vfat (through fusefat, when

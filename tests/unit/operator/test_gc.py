@@ -6,7 +6,7 @@ import asyncio
 from pathlib import Path
 
 import pytest
-from lora_operator import gc, sources, staging
+from lora_operator import gc, sources, staging, volumefiles
 from lora_volume import layout
 
 from tests.support.loras import lora_bytes, sha
@@ -98,7 +98,7 @@ async def test_collect_on_a_real_volume(tmp_path: Path) -> None:
     assert not (tmp_path / "other" / "b").exists()
     assert layout.resolve_on_root(tmp_path / "ns", "a") == second.path
     assert list(layout.tmp_dir(tmp_path).iterdir()) == []
-    assert staging.scan_volume(tmp_path) == gc.VolumeSnapshot(
+    assert volumefiles.scan_volume(tmp_path) == gc.VolumeSnapshot(
         frozenset({gc.RevisionRef("ns", "a", second.sha256)}),
         frozenset({gc.RevisionRef("ns", "a", second.sha256)}),
         frozenset({second.sha256}),
@@ -111,7 +111,7 @@ async def test_restaging_after_collection_rebuilds(tmp_path: Path) -> None:
     await _stage(store, tmp_path, "ns", "a", data)
     await store.unpublish("ns", "a")
     await store.collect(set())
-    assert staging.scan_volume(tmp_path).objects == frozenset()
+    assert volumefiles.scan_volume(tmp_path).objects == frozenset()
     again = await _stage(store, tmp_path, "ns", "a", data)
     assert not again.reused and (again.path / layout.WEIGHTS_FILE).read_bytes() == data
 
@@ -144,9 +144,9 @@ async def test_collect_racing_stagings_never_breaks_a_current(tmp_path: Path) ->
     for name in ("a0", "a1", "a2"):
         found = layout.resolve_on_root(tmp_path / "ns", name)
         assert found is not None
-        digest = staging.current_revision(tmp_path, "ns", name)
+        digest = volumefiles.current_revision(tmp_path, "ns", name)
         assert digest is not None
         assert sha((found / layout.WEIGHTS_FILE).read_bytes()) == digest
-    snapshot = staging.scan_volume(tmp_path)
+    snapshot = volumefiles.scan_volume(tmp_path)
     assert snapshot.revisions == snapshot.current
     assert snapshot.objects == {r.sha256 for r in snapshot.current}

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 from aiohttp import web
-from lora_operator import errors, fetchers, sinks, sources, staging
+from lora_operator import errors, fetchers, sinks, sources, staging, volumefiles
 from lora_volume import files, layout
 
 from tests.support.loras import lora_bytes, not_lora_bytes, sha
@@ -60,7 +60,7 @@ async def test_stage_publishes_what_the_server_reads(origin: Origin, tmp_path: P
     assert os.readlink(layout.current_link(ns_root, "pixel")) == f"revisions/{sha(data)}"
     assert weights.stat().st_ino == layout.object_path(tmp_path, sha(data)).stat().st_ino
     assert tmp_entries(tmp_path) == []
-    assert staging.current_revision(tmp_path, NS, "pixel") == sha(data)
+    assert volumefiles.current_revision(tmp_path, NS, "pixel") == sha(data)
 
 
 async def test_404_is_permanent_and_publishes_nothing(origin: Origin, tmp_path: Path) -> None:
@@ -216,7 +216,7 @@ async def test_update_moves_current_and_keeps_the_old_revision(
     ns_root = layout.namespace_root(tmp_path, NS)
     assert layout.resolve_on_root(ns_root, "x") == second.path
     assert (first.path / layout.WEIGHTS_FILE).read_bytes() == old  # untouched under its pods
-    assert staging.current_revision(tmp_path, NS, "x") == sha(new)
+    assert volumefiles.current_revision(tmp_path, NS, "x") == sha(new)
 
 
 async def test_authorization_from_the_secret(origin: Origin, tmp_path: Path) -> None:

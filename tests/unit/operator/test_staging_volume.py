@@ -9,7 +9,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from lora_operator import errors, sinks, sources, staging
+from lora_operator import errors, sinks, sources, staging, volumefiles
 from lora_volume import files, layout, targeting
 
 from tests.support.loras import lora_bytes, sha
@@ -94,7 +94,7 @@ def test_a_killed_staging_leaves_only_a_temp_file(tmp_path: Path) -> None:
     assert proc.returncode == 9, proc.stderr.decode()
     assert visible(tmp_path) == ["_shared", "_shared/w.safetensors"]
     assert len(tmp_entries(tmp_path)) == 1
-    assert staging.clean_tmp(tmp_path) == 1
+    assert volumefiles.clean_tmp(tmp_path) == 1
     assert tmp_entries(tmp_path) == []
 
 
@@ -104,11 +104,11 @@ async def test_restart_after_a_kill_completes(tmp_path: Path) -> None:
     layout.tmp_dir(tmp_path).mkdir()
     (layout.tmp_dir(tmp_path) / "download-left.part").write_bytes(data[:10])
     (layout.tmp_dir(tmp_path) / "revision-left").mkdir()
-    assert staging.clean_tmp(tmp_path) == 2
+    assert volumefiles.clean_tmp(tmp_path) == 2
     staged = await staging.Store(tmp_path).stage(
         NS, "x", sources.VolumeSource(shared(tmp_path) / "w.safetensors")
     )
-    assert staging.current_revision(tmp_path, NS, "x") == staged.sha256
+    assert volumefiles.current_revision(tmp_path, NS, "x") == staged.sha256
 
 
 @pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
@@ -176,13 +176,13 @@ async def test_the_target_is_published_before_current_and_follows_the_spec(
     ns_root = layout.namespace_root(tmp_path, NS)
     gpu = targeting.Target("sd", targeting.parse_selector({"matchLabels": {"tier": "gpu"}}))
     seen_first: list[targeting.Target | None] = []
-    point_current = staging._point_current
+    point_current = volumefiles.point_current
 
     def checking(volume_root: Path, ns: Path, name: str, digest: str) -> None:
         seen_first.append(layout.read_target(ns, name))
         point_current(volume_root, ns, name, digest)
 
-    monkeypatch.setattr(staging, "_point_current", checking)
+    monkeypatch.setattr(volumefiles, "point_current", checking)
     store = make_store(tmp_path)
     await store.stage(NS, "x", source, target=gpu)
     assert seen_first == [gpu]
