@@ -21,8 +21,11 @@ Purely computational: no clock (the caller passes `now`), no I/O.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
+
+from lora_operator.model import AdapterInfo, AutoscaleSpec
+from lora_operator.planning import PodReport
 
 
 @dataclass(frozen=True)
@@ -79,3 +82,43 @@ def request_rate(before: Mapping[str, int], after: Mapping[str, int], seconds: f
         if previous is not None:
             total += count - previous if count >= previous else count
     return total / seconds
+
+
+def policy_of(spec: AutoscaleSpec) -> Policy:
+    """The policy an adapter's spec.autoscale asks for."""
+    return Policy(
+        min_replicas=spec.min_replicas,
+        max_replicas=spec.max_replicas,
+        target_rps=spec.target_rps,
+        narrow_after_s=spec.scale_down_delay_s,
+    )
+
+
+def replicas(info: AdapterInfo, scale: Scale | None) -> int:
+    """How many pods an adapter with spec.replicas or spec.autoscale should be on: its
+    spec.replicas, else the replicas chosen now (`scale`), else its minimum."""
+    if info.replicas is not None:
+        return info.replicas
+    if info.autoscale is None:
+        raise ValueError(f"adapter {info.name} has neither spec.replicas nor spec.autoscale")
+    if scale is not None:
+        return scale.replicas
+    return start(policy_of(info.autoscale)).replicas
+
+
+def hit_counts(adapter: str, reports: Iterable[tuple[str, PodReport]]) -> dict[str, int]:
+    """The pods' request counters for `adapter` (pod name, report), one per pod and served
+    name (`pod/served`): a rollout's canary alias counts with the adapter's name."""
+    return {
+        f"{pod}/{card.name}": card.hits
+        for pod, report in reports
+        for card in report.cards.values()
+        if card.adapter == adapter and card.hits is not None
+    }
+
+
+def restore(spec: AutoscaleSpec | None, recorded: object) -> Scale | None:
+    """An earlier process's choice (status.replicas) continues, clamped to the range."""
+    if spec is None or not isinstance(recorded, int):
+        return None
+    return Scale(clamp(recorded, policy_of(spec)))

@@ -41,6 +41,7 @@ from lora_volume import stacks, targeting
 from lora_operator import (
     autoscale,
     backoff,
+    canary,
     composition,
     consent,
     errors,
@@ -51,6 +52,7 @@ from lora_operator import (
     placement,
     planning,
     podstate,
+    resume,
     rollout,
     sinks,
     sources,
@@ -72,6 +74,7 @@ from lora_operator.model import (
 )
 from lora_operator.podclient import PodClient, PodError
 from lora_operator.podstate import PodEntry
+from lora_operator.resume import needs_staging
 
 log = logging.getLogger("lora_operator")
 
@@ -84,25 +87,6 @@ COALESCE_S = 0.1
 UNHEARD_FAILURES = 3  # a pod that failed this many reads in a row no longer holds status back
 # A burst of changes (a thousand adapters applied) becomes one placement every this often.
 PLACEMENT_COALESCE_S = 0.5
-
-
-def needs_staging(
-    info: AdapterInfo,
-    observed_generation: int | None,
-    volume_current: str | None,
-    composed: str | None = None,
-) -> bool:
-    """Whether the spec's source must be staged (again), or the volume already holds it (pure).
-
-    A composition (`spec.compose`) must be staged again whenever the revision its members make
-    now (`composed`; None: they make none, and the attempt says why) is not the current one.
-    """
-    staged = (
-        info.staged is not None
-        and observed_generation == info.generation
-        and volume_current == info.staged.sha256
-    )
-    return not staged or (bool(info.compose) and composed != volume_current)
 
 
 # -- what the controller talks to (injected) --------------------------------------------------
@@ -892,50 +876,18 @@ class Controller:
     ) -> tuple[dict[str, planning.Want], set[str]]:
         """What the pod should hold, and what it may keep as it is (adapters whose revision is
         not known yet, and deleted ones not unpublished yet)."""
-        wants: dict[str, planning.Want] = {}
-        keep: set[str] = set()
-        adapters = [
-            (rec.info, rec) if (rec := self.adapters.get(i.key)) is not None else (i, None)
-            for i in self._indexed(pod.namespace)
+        candidates = [
+            planning.Candidate(info, info.staged)
+            if (rec := self.adapters.get(info.key)) is None
+            else planning.Candidate(
+                rec.info, rec.staging_state.staged, rec.rollout, rec.unpublished
+            )
+            for info in self._indexed(pod.namespace)
         ]
         # Placement is read only where an adapter asks for it (it reads the whole namespace).
-        placed = self._placement(pod.namespace) if any(a.placed for a, _ in adapters) else None
-        for info, rec in adapters:
-            if info.deleting:
-                if rec is None or not rec.unpublished:
-                    keep.add(info.name)
-                continue
-            if not info.targets(pod, base_model):
-                continue
-            if info.placed:
-                if placed is None or info.name not in placed.adapters:
-                    # Not every pod has reported yet, or the adapter is newer than the
-                    # placement: nothing moves until it is placed.
-                    keep.add(info.name)
-                    continue
-                if pod.name not in placed.pods_of(info.name):
-                    continue
-            staged = rec.staging_state.staged if rec is not None else info.staged
-            if staged is None:
-                keep.add(info.name)
-                continue
-            r = rec.rollout if rec is not None else None
-            wants[info.name] = planning.Want(
-                name=info.name,
-                sha256=r.name_revision if r is not None else staged.sha256,
-                scale=info.scale,
-                pinned=info.pinned,
-            )
-            if r is not None and r.serves_canary_alias:
-                served = rollout.alias(info.name, r.canary)
-                wants[served] = planning.Want(
-                    name=served,
-                    sha256=r.canary,
-                    scale=info.scale,
-                    pinned=False,  # a second pinned slot per pod is more than a pin asks for
-                    adapter=info.name,
-                )
-        return wants, keep
+        chosen = self._placement(pod.namespace) if any(c.info.placed for c in candidates) else None
+        placed = chosen.adapters if chosen is not None else None
+        return planning.plan_wants(pod, base_model, candidates, placed)
 
     def _served(self, namespace: str, served: str) -> Entries | None:
         """The record and entries behind a name a pod serves: an adapter's own name, or the
@@ -956,7 +908,7 @@ class Controller:
         what the pod should hold and may keep (`_wants_for`), which a pass plans with."""
         pod = prec.info
         before, prec.report = prec.report, report
-        if before is None or _placement_inputs(before) != _placement_inputs(report):
+        if before is None or placement.inputs(before) != placement.inputs(report):
             self._stale_placements.add(pod.namespace)
         if not prec.heard:
             prec.heard = True
@@ -1141,31 +1093,13 @@ class Controller:
             for p in self._pods_in(namespace)
             if p.report is not None and p.info.reachable
         }
-        capacities = [
-            c
-            for name, (_, report) in sorted(reports.items())
-            if (c := placement.capacity(name, report)) is not None
+        infos = [
+            rec.info if (rec := self.adapters.get(i.key)) is not None else i
+            for i in self._indexed(namespace)
         ]
-        demands = []
-        # Adapters share a few (base model, selector) pairs: their candidates are worked out once.
-        candidates_of: dict[tuple[str, Any], tuple[str, ...]] = {}
-        for info in self._indexed(namespace):
-            rec = self.adapters.get(info.key)
-            info = rec.info if rec is not None else info
-            if info.deleting:
-                continue
-            key = (info.base_model, info.selector)
-            candidates = candidates_of.get(key)
-            if candidates is None:
-                candidates = candidates_of[key] = tuple(
-                    name
-                    for name, (pod, report) in sorted(reports.items())
-                    if info.targets(pod, report.base_model)
-                )
-            replicas = self._replicas(info, rec) if info.placed else None
-            demands.append(
-                placement.Demand(info.name, replicas, info.pinned, candidates, info.created)
-            )
+        capacities, demands = placement.plan_demands(
+            infos, reports, lambda info: self._replicas(info, self.adapters.get(info.key))
+        )
         new = placement.plan_placement(capacities, demands)
         self._placements[namespace] = new
         moved = [
@@ -1189,12 +1123,7 @@ class Controller:
 
     def _replicas(self, info: AdapterInfo, rec: AdapterRecord | None) -> int:
         """How many pods an adapter with spec.replicas or spec.autoscale should be on."""
-        if info.replicas is not None:
-            return info.replicas
-        assert info.autoscale is not None, "only adapters with placement fields are placed"
-        if rec is not None and rec.scale is not None:
-            return rec.scale.replicas
-        return autoscale.start(_policy(info.autoscale)).replicas
+        return autoscale.replicas(info, rec.scale if rec is not None else None)
 
     # -- autoscaling --------------------------------------------------------------------------
 
@@ -1217,18 +1146,19 @@ class Controller:
 
     def _autoscale(self, rec: AdapterRecord, spec: AutoscaleSpec, now: float) -> None:
         # One counter per pod and served name: a rollout's canary alias counts with the name.
-        counts = {
-            f"{p.info.name}/{card.name}": card.hits
-            for p in self._pods_in(rec.info.namespace)
-            if p.report is not None
-            for card in p.report.cards.values()
-            if card.adapter == rec.info.name and card.hits is not None
-        }
+        counts = autoscale.hit_counts(
+            rec.info.name,
+            (
+                (p.info.name, p.report)
+                for p in self._pods_in(rec.info.namespace)
+                if p.report is not None
+            ),
+        )
         previous, rec.hits_seen = rec.hits_seen, (counts, now)
         if previous is None:
             return  # a first reading: counters hold history, not a rate
         rate = autoscale.request_rate(previous[0], counts, now - previous[1])
-        policy = _policy(spec)
+        policy = autoscale.policy_of(spec)
         current = rec.scale or autoscale.start(policy)
         rec.scale = autoscale.plan_scale(current, rate, now, policy)
         if rec.scale.replicas == current.replicas:
@@ -1409,14 +1339,13 @@ class Controller:
         r = rec.rollout
         if r is None:
             return None
-        pods = [p.name for p, _ in targeted]
+        canary_ready, promoted = canary.readiness(r, targeted, rec.canary_pods)
         progress = rollout.advance(
             r,
             rec.info.rollout,
             time.time(),
-            canary_ready=bool(pods)
-            and all(rec.canary_pods.get(p, PodEntry()).serves(r.canary) for p in pods),
-            promoted_everywhere=bool(pods) and all(e.serves(r.canary) for _, e in targeted),
+            canary_ready=canary_ready,
+            promoted_everywhere=promoted,
             command=command,
         )
         if rec.rollout_wake is not None:
@@ -1493,27 +1422,7 @@ class Controller:
     def _rollout_status(
         self, rec: AdapterRecord, targeted: status_mod.Targeted
     ) -> dict[str, Any] | None:
-        r = rec.rollout
-        if r is None:
-            return None
-        refused = sorted(
-            (p.name, e.last_error or "")
-            for p, _ in targeted
-            if (e := rec.canary_pods.get(p.name)) is not None and e.permanent
-        )
-        return rollout.render(
-            r,
-            rec.info.rollout,
-            rec.info.name,
-            refused=f"{refused[0][0]}: {status_mod.cut_error(refused[0][1])}" if refused else None,
-            stable_ready=sum(1 for _, e in targeted if e.serves(r.stable)),
-            canary_ready=sum(
-                1
-                for p, e in targeted
-                if rec.canary_pods.get(p.name, PodEntry()).serves(r.canary) or e.serves(r.canary)
-            ),
-            pods=len(targeted),
-        )
+        return canary.render_status(rec.rollout, rec.info, targeted, rec.canary_pods)
 
     # -- Events -------------------------------------------------------------------------------
 
@@ -1552,19 +1461,18 @@ class Controller:
             if not self._all_reported():
                 self._spawn(self._retry_collect())  # a pod not heard from may use any revision
                 continue
-            in_use = {
-                gc.RevisionRef(p.info.namespace, name, sha)
-                for p in self.pods.values()
-                if p.report is not None
-                for name, sha in p.report.revisions()
-            }
-            # A rollout's stable revision stays while it may serve again (an abort), even
-            # where no pod holds it now.
-            in_use |= {
-                gc.RevisionRef(*rec.key, rec.rollout.stable)
-                for rec in self.adapters.values()
-                if rec.rollout is not None
-            }
+            in_use = gc.revisions_in_use(
+                (
+                    (p.info.namespace, p.report.revisions())
+                    for p in self.pods.values()
+                    if p.report is not None
+                ),
+                (
+                    (*rec.key, rec.rollout.stable)
+                    for rec in self.adapters.values()
+                    if rec.rollout is not None
+                ),
+            )
             plan, freed = await self.volume.collect(in_use)
             if plan:
                 self.metrics.collected_bytes.inc(freed)
@@ -1641,20 +1549,6 @@ async def _resolve(host: str) -> set[str]:
     return {str(i[4][0]) for i in infos}
 
 
-def _policy(spec: AutoscaleSpec) -> autoscale.Policy:
-    return autoscale.Policy(
-        min_replicas=spec.min_replicas,
-        max_replicas=spec.max_replicas,
-        target_rps=spec.target_rps,
-        narrow_after_s=spec.scale_down_delay_s,
-    )
-
-
-def _placement_inputs(report: planning.PodReport) -> tuple[Any, ...]:
-    """What of a pod's report placement reads: its base model and its capacity."""
-    return (report.base_model, placement.capacity("", report))
-
-
 def _cancel(task: asyncio.Task[None] | None) -> None:
     if task is not None:
         task.cancel()
@@ -1663,40 +1557,13 @@ def _cancel(task: asyncio.Task[None] | None) -> None:
 def _seed(info: AdapterInfo, body: Body) -> AdapterRecord:
     """A record for an adapter first seen: what its status says an earlier process (or another
     replica) staged and wrote, so nothing is staged twice and no status goes backwards."""
-    st = dict(body.get("status") or {})
-    staged = st.get("staged") or {}
-    state = status_mod.StagingState(
-        staged=info.staged,
-        path=staged.get("path"),
-        staged_at=staged.get("stagedAt"),
-        observed_generation=st.get("observedGeneration"),
-    )
-    # observedGeneration moves only on success or a permanent failure: a Staged=False
-    # condition of this generation is a permanent failure, not to be retried on resume.
-    conditions = list(st.get("conditions") or [])
-    failed = next((c for c in conditions if c.get("type") == "Staged"), None)
-    if (
-        failed is not None
-        and failed.get("status") == "False"
-        and state.observed_generation == info.generation
-    ):
-        state.permanent = True
-        state.error_reason, state.error_message = failed.get("reason"), failed.get("message")
-    phase = st.get("phase")
-    replicas = st.get("replicas")
+    resumed = resume.plan_resume(info, body.get("status"))
     return AdapterRecord(
         info=info,
-        rollout=rollout.restore(st.get("rollout")),
-        # An earlier process's choice within spec.autoscale continues (clamped to the range).
-        scale=autoscale.Scale(autoscale.clamp(replicas, _policy(info.autoscale)))
-        if info.autoscale is not None and isinstance(replicas, int)
-        else None,
-        staging_state=state,
-        written=st or None,
-        written_headline=(str(phase), None) if phase else None,
-        recorded_loads={
-            str(p["name"]): (p.get("revision"), p.get("loadedAt"), p.get("loadSeconds"))
-            for p in st.get("pods") or []
-            if isinstance(p, dict) and "name" in p
-        },
+        rollout=resumed.rollout,
+        scale=resumed.scale,
+        staging_state=resumed.staging,
+        written=resumed.written,
+        written_headline=resumed.written_headline,
+        recorded_loads=resumed.recorded_loads,
     )

@@ -9,7 +9,7 @@ revision never loses it.
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 
 
@@ -48,3 +48,14 @@ def plan_gc(snapshot: VolumeSnapshot, in_use: Collection[RevisionRef]) -> GcPlan
         revisions=tuple(drop),
         objects=tuple(sorted(o for o in snapshot.objects if o not in kept_content)),
     )
+
+
+def revisions_in_use(
+    held: Iterable[tuple[str, Iterable[tuple[str, str]]]],
+    stable: Iterable[tuple[str, str, str]],
+) -> set[RevisionRef]:
+    """The revisions collection must keep: what every pod holds (namespace, its (adapter,
+    revision) pairs), and each rollout's stable revision (namespace, name, revision), which may
+    serve again (an abort) even where no pod holds it now."""
+    in_use = {RevisionRef(ns, name, sha) for ns, pairs in held for name, sha in pairs}
+    return in_use | {RevisionRef(*ref) for ref in stable}

@@ -32,10 +32,11 @@ from __future__ import annotations
 import bisect
 import functools
 import hashlib
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
+from lora_operator.model import AdapterInfo, PodInfo
 from lora_operator.planning import PodReport
 
 VNODES_PER_SLOT = 2
@@ -262,3 +263,35 @@ def moves(before: Placement, after: Placement) -> int:
         old = set(before.pods_of(name))
         total += sum(1 for pod in placed.pods if pod not in old)
     return total
+
+
+def plan_demands(
+    adapters: Iterable[AdapterInfo],
+    reports: Mapping[str, tuple[PodInfo, PodReport]],
+    replicas: Callable[[AdapterInfo], int],
+) -> tuple[list[PodCapacity], list[Demand]]:
+    """What `plan_placement` places, from a namespace's adapters and its Ready pods' reports
+    (pod name -> (pod, report)): the pods' capacities and one demand per adapter not being
+    deleted. `replicas` says how many pods a placed adapter should be on."""
+    ordered = sorted(reports.items())
+    capacities = [c for name, (_, report) in ordered if (c := capacity(name, report)) is not None]
+    demands = []
+    # Adapters share a few (base model, selector) pairs: their candidates are worked out once.
+    candidates_of: dict[tuple[str, object], tuple[str, ...]] = {}
+    for info in adapters:
+        if info.deleting:
+            continue
+        key = (info.base_model, info.selector)
+        candidates = candidates_of.get(key)
+        if candidates is None:
+            candidates = candidates_of[key] = tuple(
+                name for name, (pod, report) in ordered if info.targets(pod, report.base_model)
+            )
+        wanted = replicas(info) if info.placed else None
+        demands.append(Demand(info.name, wanted, info.pinned, candidates, info.created))
+    return capacities, demands
+
+
+def inputs(report: PodReport) -> tuple[object, ...]:
+    """What of a pod's report placement reads: its base model and its capacity."""
+    return (report.base_model, capacity("", report))

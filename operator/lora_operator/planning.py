@@ -11,14 +11,15 @@ revision the alias is made of.
 from __future__ import annotations
 
 import re
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import PurePosixPath
-from typing import Any
+from typing import Any, Protocol
 
 from lora_volume import layout
 
 from lora_operator import rollout
+from lora_operator.model import AdapterInfo, PodInfo, StagedRef
 
 _REVISION_ROOT = re.compile(r"/([^/]+)/" + layout.REVISIONS + r"/([0-9a-f]{64})/?$")
 
@@ -188,3 +189,73 @@ def satisfied(want: Want, card: Card) -> bool:
 def load_path(adapter_root: PurePosixPath, want: Want) -> str:
     """The revision directory as the pod sees it, what its load call names."""
     return str(layout.revision_dir(adapter_root, want.adapter, want.sha256))
+
+
+class PlacedOn(Protocol):
+    """Where placement put an adapter (placement.Placed; planning cannot import placement)."""
+
+    @property
+    def pods(self) -> Collection[str]: ...
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """An adapter of the pod's namespace as the controller knows it: its spec, the revision it
+    staged (None: not yet), the rollout under way, and whether a deletion has unpublished it."""
+
+    info: AdapterInfo
+    staged: StagedRef | None
+    rollout: rollout.Rollout | None = None
+    unpublished: bool = False
+
+
+def plan_wants(
+    pod: PodInfo,
+    base_model: str | None,
+    candidates: Iterable[Candidate],
+    placed: Mapping[str, PlacedOn] | None,
+) -> tuple[dict[str, Want], set[str]]:
+    """What `pod` should hold, and what it may keep as it is (adapters whose revision is not
+    known yet, and deleted ones not unpublished yet).
+
+    `placed`: the pods each placed adapter (spec.replicas or spec.autoscale) is on; None while
+    there is no placement yet: a placed adapter then stays as it is.
+    """
+    wants: dict[str, Want] = {}
+    keep: set[str] = set()
+    for c in candidates:
+        info = c.info
+        if info.deleting:
+            if not c.unpublished:
+                keep.add(info.name)
+            continue
+        if not info.targets(pod, base_model):
+            continue
+        if info.placed:
+            if placed is None or info.name not in placed:
+                # Not every pod has reported yet, or the adapter is newer than the
+                # placement: nothing moves until it is placed.
+                keep.add(info.name)
+                continue
+            if pod.name not in placed[info.name].pods:
+                continue
+        if c.staged is None:
+            keep.add(info.name)
+            continue
+        r = c.rollout
+        wants[info.name] = Want(
+            name=info.name,
+            sha256=r.name_revision if r is not None else c.staged.sha256,
+            scale=info.scale,
+            pinned=info.pinned,
+        )
+        if r is not None and r.serves_canary_alias:
+            served = rollout.alias(info.name, r.canary)
+            wants[served] = Want(
+                name=served,
+                sha256=r.canary,
+                scale=info.scale,
+                pinned=False,  # a second pinned slot per pod is more than a pin asks for
+                adapter=info.name,
+            )
+    return wants, keep
