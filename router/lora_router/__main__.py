@@ -10,10 +10,11 @@ from collections.abc import Sequence
 
 from aiohttp import web
 
-from lora_router.app import STATE, Source, create_app, metrics_app
+from lora_router.app import create_app, metrics_app
 from lora_router.config import RouterConfig, parse_args
 from lora_router.metrics import Metrics
 from lora_router.sources import kube_sources
+from lora_router.state import STATE, Source
 
 log = logging.getLogger("lora_router")
 

@@ -9,9 +9,9 @@ import kopf
 
 from lora_router import fleet as fleet_mod
 from lora_router import kube
-from lora_router.app import ProxyState, Source
 from lora_router.config import RouterConfig
 from lora_router.fleet import Fleet
+from lora_router.state import ProxyState, Source
 
 GROUP_VERSION = "lora.dev/v1alpha1"
 

@@ -11,10 +11,11 @@ from typing import Any
 import pytest_asyncio
 from aiohttp import ClientSession, web
 from aiohttp.test_utils import TestServer
-from lora_router.app import STATE, ProxyState, create_app
+from lora_router.app import create_app
 from lora_router.config import RouterConfig
 from lora_router.fleet import AdapterPlacement, Endpoint, Fleet
 from lora_router.metrics import Metrics
+from lora_router.state import STATE, ProxyState
 
 ROUTER_CONFIG = RouterConfig(namespace="test", poll_interval_s=0.05, stale_after_s=1.0)
 

@@ -21,9 +21,11 @@ import pytest
 from aiohttp import ClientSession, web
 from aiohttp.test_utils import TestClient, TestServer, unused_port
 from lora_router.__main__ import serve
-from lora_router.app import BUFFERED_ANSWER_BYTES, STATE, ProxyState, create_app
+from lora_router.app import create_app
 from lora_router.fleet import AdapterPlacement, Endpoint, Fleet, Report, Split
+from lora_router.proxy import BUFFERED_ANSWER_BYTES
 from lora_router.routing import Residency
+from lora_router.state import STATE, ProxyState
 
 from tests.support.http import free_port
 from tests.unit.router.conftest import ROUTER_CONFIG, Router, StartRouter, listed

@@ -1,0 +1,276 @@
+"""Forwarding a request to an inference pod: the handler every path the router does not answer
+itself goes to.
+
+Each request's body is read (at most `max_body_bytes`: 413 beyond), its adapter taken from
+`model` (or `lora.name`), the pod chosen by `routing.route`, and the request sent there with its
+method, path, query, headers and body unchanged; the pod's status, headers and body come back
+unchanged, streamed. When the connection to the pod fails before its answer starts (refused,
+reset, the pod vanished from the endpoints), the request is sent once more to another pod; when
+that fails too, or no pod is Ready, the answer is a 503 in the servers' error shape. An answer
+that breaks off midway aborts the client's connection: the client sees an error, never a hang.
+Two headers say what happened: `x-lora-pod` (the pod that answered) and `x-lora-route` (why).
+Only generation is forwarded (`paths.forwarded`, an allowlist); every other path answers 404
+and is never sent to a pod: not load and unload, not a pod's /metrics or /v1/adapters.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import aiohttp
+from aiohttp import web
+
+from lora_router import bodies, paths, routing
+from lora_router.fleet import AdapterPlacement, Fleet, Split
+from lora_router.metrics import Metrics
+from lora_router.state import CONFIG, FLEET, METRICS, STATE, ProxyState
+
+log = logging.getLogger("lora_router")
+
+# Answers up to this size with a known length are read whole and sent in one write; longer
+# ones (large images) stream through.
+BUFFERED_ANSWER_BYTES = 256 * 1024
+
+
+def json_error(message: str, error_type: str, status: int, **headers: str) -> web.Response:
+    return web.json_response(
+        bodies.error_body(message, error_type, status), status=status, headers=headers
+    )
+
+
+async def _read_body(request: web.Request) -> bytes:
+    try:
+        return await request.read()
+    except web.HTTPRequestEntityTooLarge as e:
+        raise _Refused(
+            413,
+            "RequestTooLarge",
+            f"the request body is larger than the router accepts "
+            f"({request.app[CONFIG].max_body_bytes} bytes)",
+        ) from e
+
+
+class _Refused(Exception):
+    def __init__(self, status: int, error_type: str, message: str) -> None:
+        super().__init__(message)
+        self.status, self.error_type, self.message = status, error_type, message
+
+
+def _adapter_for(request: web.Request, body: bytes) -> str | None:
+    if request.method != "POST" or request.path not in bodies.ADAPTER_PATHS:
+        return None
+    adapter = bodies.adapter_of(body)
+    if adapter is not None and adapter in request.app[FLEET].base_models():
+        return None
+    return adapter
+
+
+async def proxy(request: web.Request) -> web.StreamResponse:
+    config, fleet, state = request.app[CONFIG], request.app[FLEET], request.app[STATE]
+    metrics = request.app[METRICS]
+    if not paths.forwarded(request.method, request.path):
+        # An allowlist: a pod's /metrics, /v1/adapters, load and unload never go through.
+        return json_error(
+            paths.refusal(request.method, request.path, config.service), "NotFoundError", 404
+        )
+    try:
+        body = await _read_body(request)
+    except _Refused as e:
+        return json_error(e.message, e.error_type, e.status)
+    adapter = _adapter_for(request, body)
+    placement = fleet.adapters.get(adapter) if adapter is not None else None
+    placed = placement.pods if placement is not None else None
+    revision = None
+    if adapter is not None and placement is not None and placement.split is not None:
+        adapter, placed, body, revision = _split(fleet, adapter, placement, placement.split, body)
+    elif adapter is not None and placement is None:
+        # A canary asked for by its alias (listed in /v1/models): the pods that hold it.
+        placement = fleet.rolling_out_as(adapter)
+        if placement is not None and placement.split is not None:
+            placed = fleet.canary_holders(placement, placement.split, time.monotonic())
+            revision = placement.split.canary[:12]
+    tried: list[str] = []
+    failures: list[str] = []
+    now = time.monotonic()
+    backends = fleet.backends(now)
+    if adapter is not None:
+        fleet.note_request(adapter)
+    affinity = routing.affinity_pays(fleet.working_set(), fleet.fewest_slots(now))
+    for attempt in range(2):
+        decision = routing.route(
+            adapter,
+            fleet.backends(time.monotonic()) if attempt else backends,
+            placed,
+            known=placement is not None,
+            load_factor=config.load_factor,
+            exclude=frozenset(tried),
+            affinity=affinity,
+        )
+        if decision is None:
+            break
+        if attempt:
+            metrics.retries.inc()
+        if decision.reason.affinity:
+            metrics.affinity_hits.inc()
+        tried.append(decision.pod)
+        try:
+            response = await _forward(request, state, decision, body)
+        except _Unanswered as e:
+            failures.append(f"{decision.pod}: {e}")
+            metrics.failures.labels(e.kind).inc()
+            continue
+        if revision is not None and placement is not None:
+            metrics.rollout_requests.labels(placement.name, revision, str(response.status)).inc()
+        return response
+    status, what = 503, "no inference pod is Ready"
+    if failures:
+        what = "the pods failed before answering (" + "; ".join(failures) + ")"
+    metrics.requests.labels("none", str(status)).inc()
+    if revision is not None and placement is not None:
+        metrics.rollout_requests.labels(placement.name, revision, str(status)).inc()
+    return json_error(f"{what}; retry later", "ServiceUnavailable", status, **{"Retry-After": "1"})
+
+
+def _split(
+    fleet: Fleet, adapter: str, placement: AdapterPlacement, split: Split, body: bytes
+) -> tuple[str, frozenset[str] | None, bytes, str]:
+    """Where a request for an adapter under a rollout goes: its canary (the alias, on the pods
+    that report holding it) for `split.weight` percent of them, else the stable revision under
+    the adapter's name. Returns the name to route by, the pods it may go to, the body to send
+    and the revision's sha256 prefix for the per-revision counts."""
+    count = fleet.split_counts.get(adapter, 0)
+    fleet.split_counts[adapter] = count + 1
+    if routing.to_canary(count, split.weight):
+        holders = fleet.canary_holders(placement, split, time.monotonic())
+        if holders:  # else no Ready pod serves the canary yet: the stable revision answers
+            body = bodies.with_adapter(body, adapter, split.alias)
+            return split.alias, holders, body, split.canary[:12]
+    return adapter, placement.pods, body, split.stable[:12]
+
+
+class _Unanswered(Exception):
+    """The request got no answer from the pod; sending it elsewhere is safe."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+async def _send(
+    state: ProxyState, pod: str, request: web.Request, body: bytes
+) -> aiohttp.ClientResponse:
+    endpoint = state.fleet.ready().get(pod)
+    if endpoint is None:
+        raise _Unanswered("gone", "no longer Ready")
+    url = f"http://{endpoint.address}{request.rel_url}"
+    call = asyncio.ensure_future(
+        state.http().request(
+            request.method,
+            url,
+            data=body if body else None,
+            headers=bodies.forwarded_headers(request.headers),
+            allow_redirects=False,
+        )
+    )
+    # One task per request: when the pod leaves the endpoints, `endpoints_changed` cancels the
+    # calls waiting on it (no second waiter per request).
+    waiting = state.calls.setdefault(pod, set())
+    waiting.add(call)
+    try:
+        await asyncio.wait((call,))
+    finally:
+        waiting.discard(call)
+        if not call.done():  # this request itself was cancelled (its client left)
+            call.cancel()
+    if call.cancelled():
+        raise _Unanswered("gone", "left the endpoints before answering")
+    try:
+        return call.result()
+    except aiohttp.ConnectionTimeoutError as e:
+        raise _Unanswered(
+            "connect", f"no connection within {state.config.connect_timeout_s} s"
+        ) from e
+    except aiohttp.ClientConnectorError as e:
+        raise _Unanswered("connect", str(e)) from e
+    except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as e:
+        raise _Unanswered("disconnect", str(e) or type(e).__name__) from e
+
+
+async def _forward(
+    request: web.Request, state: ProxyState, decision: routing.Decision, body: bytes
+) -> web.StreamResponse:
+    metrics, fleet = state.metrics, state.fleet
+    started = time.monotonic()
+    fleet.inflight[decision.pod] = fleet.inflight.get(decision.pod, 0) + 1
+    try:
+        try:
+            upstream = await _send(state, decision.pod, request, body)
+        except TimeoutError:
+            # The pod may still be working on it: never sent twice.
+            metrics.failures.labels("timeout").inc()
+            metrics.requests.labels(decision.reason, "504").inc()
+            return json_error(
+                f"pod {decision.pod} did not answer within {state.config.upstream_timeout_s:.0f} s",
+                "GatewayTimeout",
+                504,
+            )
+        async with upstream:
+            headers = bodies.forwarded_headers(upstream.headers)
+            headers["x-lora-pod"] = decision.pod
+            headers["x-lora-route"] = decision.reason.value
+            length = upstream.content_length
+            if length is not None and length <= BUFFERED_ANSWER_BYTES:
+                # Small, of known length (an image's JSON): read whole, then sent with its head
+                # in one write, the bytes untouched.
+                try:
+                    answer = await upstream.read()
+                except (aiohttp.ClientError, TimeoutError) as e:
+                    return await _broken(request, decision, upstream, headers, e, metrics)
+                metrics.requests.labels(decision.reason, str(upstream.status)).inc()
+                return web.Response(
+                    status=upstream.status, reason=upstream.reason, headers=headers, body=answer
+                )
+            response = web.StreamResponse(
+                status=upstream.status, reason=upstream.reason, headers=headers
+            )
+            if length is not None:
+                response.content_length = length
+            await response.prepare(request)
+            try:
+                async for chunk in upstream.content.iter_any():
+                    await response.write(chunk)
+            except (aiohttp.ClientError, TimeoutError) as e:
+                return await _broken(request, decision, upstream, headers, e, metrics, response)
+            await response.write_eof()
+            metrics.requests.labels(decision.reason, str(upstream.status)).inc()
+            return response
+    finally:
+        fleet.inflight[decision.pod] -= 1
+        metrics.upstream_seconds.observe(time.monotonic() - started)
+
+
+async def _broken(
+    request: web.Request,
+    decision: routing.Decision,
+    upstream: aiohttp.ClientResponse,
+    headers: dict[str, str],
+    error: BaseException,
+    metrics: Metrics,
+    response: web.StreamResponse | None = None,
+) -> web.StreamResponse:
+    """An answer that broke off midway: the client gets its head and then a closed connection,
+    an error it sees, never a hang."""
+    metrics.failures.labels("midstream").inc()
+    log.warning("action=proxy pod=%s result=broken error=%s", decision.pod, error)
+    if response is None:
+        response = web.StreamResponse(
+            status=upstream.status, reason=upstream.reason, headers=headers
+        )
+        if upstream.content_length is not None:
+            response.content_length = upstream.content_length
+        await response.prepare(request)
+    if request.transport is not None:
+        request.transport.close()
+    return response
