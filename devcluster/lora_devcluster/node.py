@@ -182,6 +182,12 @@ def build_kubelet_config(layout: Layout, pki: certs.PKI) -> Obj:
         # Images cannot be pulled again, so never collect them; evict only when truly full.
         "imageGCHighThresholdPercent": 100,
         "imageGCLowThresholdPercent": 99,
+        # The kubelet checks again, by pulling, that a pod may use an image it once pulled
+        # itself, and it keys that by image ID: once the node has pulled from its registry an
+        # image that is also imported here under its own name (same ID), a pod naming the
+        # imported name is sent to a registry that does not exist and stays in
+        # ImagePullBackOff. Every image on this node is the project's, for every pod.
+        "imagePullCredentialsVerificationPolicy": "NeverVerify",
         "evictionHard": {
             "memory.available": "100Mi",
             "nodefs.available": "1%",
