@@ -334,6 +334,9 @@ class Engine:
             if not pending.future.done():
                 pending.future.set_result(out)
         self.metrics.requests.labels("ok").inc(len(batch))
+        for pending in batch:
+            named = pending.record.name if pending.record is not None else self.config.model_id
+            self.metrics.model_requests.labels(named).inc()
 
     def _generate_batch(self, batch: list[_Pending]) -> BatchOutcome:
         """Pipeline thread: one pipeline call, each request through its adapter's slot."""

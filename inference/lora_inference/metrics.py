@@ -70,6 +70,15 @@ class Metrics:
         self.requests = Counter(
             "lora_generation_requests", "Generation requests by outcome", ["outcome"], registry=r
         )
+        # Per adapter, for the dashboards: one series per name the pod has answered for (its
+        # registered adapters and stacks, and the base model), so as many as it has registered.
+        self.model_requests = Counter(
+            "lora_model_requests",
+            "Generation requests answered, by the model they named: an adapter, a stack or the "
+            "base model",
+            ["model"],
+            registry=r,
+        )
         self.requests_waiting = Gauge(
             "vllm:num_requests_waiting",
             "Requests queued, not yet in a batch (vLLM's name; model_name: the served model)",

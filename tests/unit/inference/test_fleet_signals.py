@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
 from typing import Any
 
 from lora_inference.metrics import Metrics
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
+from tests.support.polling import until
 from tests.unit.inference.conftest import Assets, Server
 
 SLOW = {"num_inference_steps": 40, "seed": 1}  # a batch long enough to queue requests behind
@@ -43,17 +43,6 @@ async def adapters(server: Server) -> dict[str, Any]:
     status, body = await server.get("/v1/adapters")
     assert status == 200, body
     return body  # type: ignore[no-any-return]
-
-
-async def until(check: Callable[[], Any], *, timeout_s: float = 30.0) -> Any:
-    """Poll the async `check` until it returns something truthy."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        result = await check()
-        if result:
-            return result
-        await asyncio.sleep(0.005)
-    raise AssertionError("the server never reached the state the test waits for")
 
 
 async def test_models_report_capacity_and_hits_per_adapter(server: Server, assets: Assets) -> None:
@@ -91,9 +80,9 @@ async def test_queue_counts_waiting_and_running(start_server: Any) -> None:
     server = await start_server(max_batch_size=1)
     model = server.engine.config.model_id
     blocker = asyncio.create_task(server.image(**SLOW))
-    await until(lambda: _counts(server, (0, 1)))
+    await until("one running", lambda: _counts(server, (0, 1)), timeout=30)
     queued = [asyncio.create_task(server.image(seed=s)) for s in (2, 3)]
-    await until(lambda: _counts(server, (2, 1)))
+    await until("two waiting, one running", lambda: _counts(server, (2, 1)), timeout=30)
     families = await scrape(server)
     for name, expected in (("vllm:num_requests_waiting", 2), ("vllm:num_requests_running", 1)):
         assert [(s.labels, s.value) for s in families[name]] == [({"model_name": model}, expected)]
@@ -128,14 +117,14 @@ async def test_lora_requests_info_names_resident_and_awaited_adapters(
     )
 
     blocker = asyncio.create_task(server.image(**SLOW))
-    await until(lambda: _counts(server, (0, 1)))
+    await until("one running", lambda: _counts(server, (0, 1)), timeout=30)
     waiting = asyncio.create_task(server.image(model="c"))
 
     async def c_waits() -> Sample | None:
         sample = await lora_info(server)  # one series at every scrape, through every change
         return sample if sample.labels["waiting_lora_adapters"] == "c" else None
 
-    info = await until(c_waits)
+    info = await until("c waiting", c_waits, timeout=30)
     assert info.labels["running_lora_adapters"] == "a,b"  # c is not in a slot yet
     await asyncio.gather(blocker, waiting)
     await server.engine.idle()
@@ -165,3 +154,16 @@ def test_set_lora_info_replaces_its_one_series() -> None:
     metrics.set_lora_info(4, running=["a"], waiting=["c", "b"], at=102.0)
     labels = {"max_lora": "4", "running_lora_adapters": "a", "waiting_lora_adapters": "b,c"}
     assert series() == [(labels, 102.0)]
+
+
+async def test_requests_are_counted_by_the_model_they_named(server: Server, assets: Assets) -> None:
+    """`lora_model_requests_total`: the dashboards' requests per adapter, over /metrics."""
+    await server.load("a", assets.adapter_a)
+    await asyncio.gather(server.image(model="a"), server.image(model="a"), server.image())
+    await server.image(lora={"name": "a", "scale": 0.5})
+    counted = {
+        s.labels["model"]: s.value
+        for s in (await scrape(server))["lora_model_requests"]
+        if s.name == "lora_model_requests_total"
+    }
+    assert counted == {"a": 3.0, server.engine.config.model_id: 1.0}
