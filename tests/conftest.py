@@ -1,7 +1,8 @@
 """Settings and rules for every test: the kind of a test (unit, cluster, e2e) is the folder it
 is in, and becomes its marker (`pytest -m unit`); a unit test that needs the cluster is a
-collection error. The `phase` fixture (tests/support/phases.py) and the `origin` server
-(tests/support/origin.py) are for every suite.
+collection error. The `phase` fixture (tests/support/phases.py), the `origin` server
+(tests/support/origin.py) and the chart's `helm` and `crds` (tests/support/chart.py) are for
+every suite.
 Diffusers' and transformers' chatter stays out of test output."""
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from tests.support import kinds
 logging.getLogger("diffusers").setLevel(logging.ERROR)
 logging.getLogger("transformers").setLevel(logging.ERROR)
 
-pytest_plugins = ["tests.support.phases", "tests.support.origin"]
+pytest_plugins = ["tests.support.phases", "tests.support.origin", "tests.support.chart"]
 
 TESTS = Path(__file__).resolve().parent
 

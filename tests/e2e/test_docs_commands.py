@@ -32,7 +32,8 @@ from lora_devcluster.harness import Harness
 from lora_inference import cli as inference_cli
 from lora_operator import model
 
-from tests.e2e.test_chart import MONITORING_CRDS, ROOT, crds, helm, server_dry_run  # noqa: F401  (fixtures this module uses)
+from tests.support import ROOT
+from tests.support.chart import MONITORING_CRDS, server_dry_run
 
 DOCS = [
     ROOT / "README.md",
@@ -293,7 +294,7 @@ def _check_agreement(page: Page, block: Block) -> None:
 
 
 @pytest.fixture
-def lora_namespace(devcluster: Harness, crds: Harness) -> Iterator[str]:  # noqa: F811
+def lora_namespace(devcluster: Harness, crds: Harness) -> Iterator[str]:
     """The namespace the docs use (`lora`), with the chart's CRDs (the crds fixture) and the
     Prometheus Operator stand-ins; deleted after each block."""
     devcluster.kubectl("apply", "-f", str(MONITORING_CRDS))

@@ -7,7 +7,6 @@ for every dashboard query and every metric the alerts select."""
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import socket
@@ -15,7 +14,7 @@ import subprocess
 import urllib.parse
 import urllib.request
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 import pytest
 import yaml
@@ -23,15 +22,8 @@ from lora_demo import manifests, release
 from lora_demo.manifests import RELEASE, AdapterSource
 from lora_devcluster.harness import Harness
 
-from tests.e2e.test_chart import (  # noqa: F401  (helm: a fixture)
-    FULLNAME,
-    ROOT,
-    Obj,
-    _registered_metrics,
-    helm,
-    of_kind,
-    render,
-)
+from tests.support import ROOT
+from tests.support.chart import FULLNAME, Obj, of_kind, registered_metrics, render, unavailable
 from tests.support.phases import Phase
 
 OP, INF, RT = (f"{FULLNAME}-{c}" for c in ("operator", "inference", "router"))
@@ -56,27 +48,21 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _unavailable(message: str) -> NoReturn:
-    if os.environ.get("CI"):
-        pytest.fail(message, pytrace=False)
-    pytest.skip(message)
-
-
 @pytest.fixture(scope="session")
 def promtool() -> str:
     found = shutil.which("promtool")
     if not found:
-        _unavailable("no promtool: run `make install` (Debian's prometheus package)")
+        unavailable("no promtool: run `make install` (Debian's prometheus package)")
     return found
 
 
-def alert_rules(helm: str) -> list[Obj]:  # noqa: F811
+def alert_rules(helm: str) -> list[Obj]:
     [rule] = of_kind(render(helm, *RULES), "PrometheusRule")
     rules: list[Obj] = rule["spec"]["groups"][0]["rules"]
     return rules
 
 
-def dashboard(helm: str, *flags: str) -> dict[str, Any]:  # noqa: F811
+def dashboard(helm: str, *flags: str) -> dict[str, Any]:
     [cm] = of_kind(render(helm, *MONITORING, *DASHBOARD, *flags), "ConfigMap")
     board: dict[str, Any] = json.loads(cm["data"]["lora-operator.json"])
     return board
@@ -101,12 +87,12 @@ def _promtool(promtool: str, *args: str, cwd: Path) -> None:
 # ---- the dashboard ConfigMap
 
 
-def test_the_dashboard_is_off_by_default(helm: str) -> None:  # noqa: F811
+def test_the_dashboard_is_off_by_default(helm: str) -> None:
     assert of_kind(render(helm), "ConfigMap") == []
 
 
 def test_the_dashboard_configmap_carries_the_sidecar_label_and_the_release_jobs(
-    helm: str,  # noqa: F811
+    helm: str,
 ) -> None:
     docs = render(
         helm, *DASHBOARD, "--set", "metrics.grafanaDashboard.annotations.grafana_folder=LoRA"
@@ -124,7 +110,7 @@ def test_the_dashboard_configmap_carries_the_sidecar_label_and_the_release_jobs(
 
 
 def test_the_dashboard_covers_the_fleet_and_names_only_registered_metrics(
-    helm: str,  # noqa: F811
+    helm: str,
 ) -> None:
     board = dashboard(helm)
     rows = [p["title"] for p in board["panels"] if p["type"] == "row"]
@@ -134,7 +120,7 @@ def test_the_dashboard_covers_the_fleet_and_names_only_registered_metrics(
         "Staging",
         "Operator: loads and reconciles",
     ]
-    registered = _registered_metrics()
+    registered = registered_metrics()
     suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"), "gauge": ("",)}
     for title, query in dashboard_queries(board):
         for metric in METRIC.findall(query):
@@ -149,7 +135,7 @@ def test_the_dashboard_covers_the_fleet_and_names_only_registered_metrics(
 
 
 def test_every_alert_and_dashboard_expression_parses(
-    helm: str,  # noqa: F811
+    helm: str,
     promtool: str,
     tmp_path: Path,
 ) -> None:
@@ -167,7 +153,7 @@ def test_every_alert_and_dashboard_expression_parses(
     _promtool(promtool, "check", "rules", "rules.yaml", cwd=tmp_path)
 
 
-def test_every_alert_links_to_its_runbook(helm: str) -> None:  # noqa: F811
+def test_every_alert_links_to_its_runbook(helm: str) -> None:
     headings = set(re.findall(r"^## (\w+)$", (ROOT / "docs" / "runbooks.md").read_text(), re.M))
     for r in alert_rules(helm):
         assert r["annotations"]["runbook_url"] == f"docs/runbooks.md#{r['alert'].lower()}"
@@ -249,7 +235,7 @@ HEALTHY = [
 
 
 def test_alerts_fire_on_their_series_and_not_on_a_healthy_fleet(
-    helm: str,  # noqa: F811
+    helm: str,
     promtool: str,
     tmp_path: Path,
 ) -> None:
@@ -315,14 +301,14 @@ def _query(port: int, expr: str) -> list[Obj]:
 def test_a_real_prometheus_returns_series_for_every_dashboard_and_alert_query(
     devcluster: Harness,
     devcluster_namespace: str,
-    helm: str,  # noqa: F811
+    helm: str,
     tmp_path: Path,
     phase: Phase,
 ) -> None:
     h, ns = devcluster, devcluster_namespace
     prometheus = shutil.which("prometheus")
     if not prometheus:
-        _unavailable("no prometheus: run `make install` (Debian's prometheus package)")
+        unavailable("no prometheus: run `make install` (Debian's prometheus package)")
     sources = (AdapterSource("a", seed=1, folder=f"{ns}/sources"),)
     try:
         phase("install the chart, an adapter Ready, generation through the Service")

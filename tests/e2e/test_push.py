@@ -18,27 +18,15 @@ import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
-from typing import NoReturn
 
 import pytest
 import yaml
 from lora_devcluster import images
 
-from tests.e2e.test_chart import (  # noqa: F401  (crds, helm: fixtures)
-    CHART,
-    ROOT,
-    crds,
-    helm,
-    run_helm,
-)
+from tests.support import ROOT
+from tests.support.chart import CHART, run_helm, unavailable
 
 REPO = "lora-operator"
-
-
-def _unavailable(message: str) -> NoReturn:
-    if os.environ.get("CI"):
-        pytest.fail(message, pytrace=False)
-    pytest.skip(message)
 
 
 def _free_port() -> int:
@@ -51,10 +39,10 @@ def _free_port() -> int:
 def registry(tmp_path: Path) -> Iterator[str]:
     """A distribution registry on 127.0.0.1 with its storage in tmp_path; `host:port`."""
     if os.geteuid() != 0 or not shutil.which("buildah"):
-        _unavailable("needs root and buildah (make install)")
+        unavailable("needs root and buildah (make install)")
     binary = shutil.which("docker-registry")
     if not binary:
-        _unavailable("no docker-registry: run `make install` (Debian's docker-registry package)")
+        unavailable("no docker-registry: run `make install` (Debian's docker-registry package)")
     port = _free_port()
     config = tmp_path / "registry.yml"
     config.write_text(
@@ -114,7 +102,7 @@ def _get(url: str, accept: str = "application/json") -> dict[str, object]:
 
 def test_make_push_and_chart_push_to_a_registry(
     registry: str,
-    helm: str,  # noqa: F811
+    helm: str,
 ) -> None:
     dest = f"{registry}/{REPO}"
     out = _make("push", f"REGISTRY={dest}", "PLAIN_HTTP=1", "PUSH_IMAGES=operator")

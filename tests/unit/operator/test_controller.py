@@ -10,7 +10,7 @@ import asyncio
 import dataclasses
 import datetime
 import os
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +25,7 @@ from lora_operator.status import summarise
 from lora_volume import layout, targeting
 
 from tests.support.loras import lora_bytes
+from tests.support.polling import until
 
 SHA = "d" * 64
 NS = "ns"
@@ -176,14 +177,6 @@ def adapter(volume: Path, name: str, seed: int = 0, **spec: Any) -> dict[str, An
         "metadata": {"namespace": NS, "name": name, "uid": f"uid-{name}", "generation": 1},
         "spec": {"baseModel": "sd", "source": {"uri": str(src)}, **spec},
     }
-
-
-async def until(what: str, check: Callable[[], bool], timeout: float = 20) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not check():
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.01)
 
 
 class Rig:

@@ -10,32 +10,12 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 from aiohttp import web
-from lora_operator import errors, fetchers, sinks, sources, staging, volumefiles
+from lora_operator import errors, sinks, sources, staging, volumefiles
 from lora_volume import files, layout
 
 from tests.support.loras import lora_bytes, not_lora_bytes, sha
 from tests.support.origin import Origin
-
-FAST = fetchers.RetryPolicy(attempts=3, backoff_s=0.01, max_backoff_s=0.02)
-NS = "team-a"
-
-
-def make_store(root: Path, **kwargs: object) -> staging.Store:
-    return staging.Store(root, policy=FAST, **kwargs)  # type: ignore[arg-type]
-
-
-def visible(root: Path) -> list[str]:
-    """Everything a pod could see: the namespaces' trees (not .tmp/ nor .objects/)."""
-    return sorted(
-        str(p.relative_to(root))
-        for p in root.rglob("*")
-        if not p.relative_to(root).parts[0].startswith(".")
-    )
-
-
-def tmp_entries(root: Path) -> list[str]:
-    tmp = layout.tmp_dir(root)
-    return sorted(p.name for p in tmp.iterdir()) if tmp.exists() else []
+from tests.support.staging import NS, make_store, tmp_entries, visible
 
 
 async def test_stage_publishes_what_the_server_reads(origin: Origin, tmp_path: Path) -> None:

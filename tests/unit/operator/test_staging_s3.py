@@ -19,7 +19,7 @@ from lora_operator import errors, fetchers, sources, staging
 
 from tests.support.http import free_port
 from tests.support.loras import lora_bytes, sha
-from tests.unit.operator.test_staging_https import NS, tmp_entries, visible
+from tests.support.staging import NS, tmp_entries, visible
 
 BUCKET = "lora-bucket"
 FAST = fetchers.RetryPolicy(attempts=2, backoff_s=0.01)

@@ -13,7 +13,7 @@ from lora_operator import errors, sinks, sources, staging, volumefiles
 from lora_volume import files, layout, targeting
 
 from tests.support.loras import lora_bytes, sha
-from tests.unit.operator.test_staging_https import NS, make_store, tmp_entries, visible
+from tests.support.staging import NS, make_store, tmp_entries, visible
 
 
 def shared(volume: Path) -> Path:

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -16,6 +15,8 @@ from lora_router.config import RouterConfig
 from lora_router.fleet import AdapterPlacement, Endpoint, Fleet
 from lora_router.metrics import Metrics
 from lora_router.state import STATE, ProxyState
+
+from tests.support import polling
 
 ROUTER_CONFIG = RouterConfig(namespace="test", poll_interval_s=0.05, stale_after_s=1.0)
 
@@ -48,12 +49,8 @@ class Router:
         return float(self.metrics.registry.get_sample_value(name, labels) or 0.0)
 
     async def wait_until(self, what: str, check: Callable[[], bool]) -> None:
-        """Until `check()` holds, polling (a bounded number of times: a failure, not a hang)."""
-        for _ in range(1000):
-            if check():
-                return
-            await asyncio.sleep(0.02)
-        raise AssertionError(f"the router never saw {what}")
+        """Until `check()` holds (a failure after 20 s, not a hang)."""
+        await polling.until(f"the router to see {what}", check, interval=0.02)
 
     async def wait_reports(self, pods: set[str]) -> None:
         await self.wait_until(f"reports from {pods}", lambda: pods <= set(self.fleet.reports))

@@ -14,7 +14,8 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.e2e.test_chart import CHART, ROOT, container, helm, of_kind, run_helm  # noqa: F401
+from tests.support import ROOT
+from tests.support.chart import CHART, container, of_kind, run_helm
 
 EXAMPLES = ROOT / "examples" / "routing"
 DOC = ROOT / "docs" / "routing.md"
@@ -48,7 +49,7 @@ def _only(kind: str) -> Obj:
 
 
 @pytest.fixture(scope="module")
-def rendered(helm: str) -> list[Obj]:  # noqa: F811  (the helm fixture, imported above)
+def rendered(helm: str) -> list[Obj]:
     proc = run_helm(helm, "template", RELEASE, str(CHART), "-n", NAMESPACE, "-f", str(VALUES))
     assert proc.returncode == 0, proc.stderr
     return [d for d in yaml.safe_load_all(proc.stdout) if d]

@@ -1,0 +1,36 @@
+"""The one way the tests wait for something to happen: poll until a check holds, and fail (never
+hang) after a timeout, naming what was waited for.
+
+The check may be a plain or an async function; what it returned, once truthy, is the result.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import time
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+T = TypeVar("T")
+
+
+async def until(
+    what: str,
+    check: Callable[[], T | Awaitable[T]],
+    *,
+    timeout: float = 20.0,
+    interval: float = 0.01,
+) -> T:
+    """Poll `check` every `interval` seconds until it returns something truthy; that value.
+    AssertionError naming `what` after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        result = check()
+        if inspect.isawaitable(result):
+            result = await result
+        if result:
+            return result  # type: ignore[return-value]
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
+        await asyncio.sleep(interval)

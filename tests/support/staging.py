@@ -1,0 +1,33 @@
+"""What the staging tests share: a store that retries fast, the namespace they stage into, and
+what a staging left on the volume (what a pod could see; what is under `.tmp/`).
+
+Imports no torch (the operator's unit tests collect without it).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from lora_operator import fetchers, staging
+from lora_volume import layout
+
+FAST = fetchers.RetryPolicy(attempts=3, backoff_s=0.01, max_backoff_s=0.02)
+NS = "team-a"
+
+
+def make_store(root: Path, **kwargs: object) -> staging.Store:
+    return staging.Store(root, policy=FAST, **kwargs)  # type: ignore[arg-type]
+
+
+def visible(root: Path) -> list[str]:
+    """Everything a pod could see: the namespaces' trees (not .tmp/ nor .objects/)."""
+    return sorted(
+        str(p.relative_to(root))
+        for p in root.rglob("*")
+        if not p.relative_to(root).parts[0].startswith(".")
+    )
+
+
+def tmp_entries(root: Path) -> list[str]:
+    tmp = layout.tmp_dir(root)
+    return sorted(p.name for p in tmp.iterdir()) if tmp.exists() else []
