@@ -154,3 +154,16 @@ def test_set_lora_info_replaces_its_one_series() -> None:
     metrics.set_lora_info(4, running=["a"], waiting=["c", "b"], at=102.0)
     labels = {"max_lora": "4", "running_lora_adapters": "a", "waiting_lora_adapters": "b,c"}
     assert series() == [(labels, 102.0)]
+
+
+async def test_requests_are_counted_by_the_model_they_named(server: Server, assets: Assets) -> None:
+    """`lora_model_requests_total`: the dashboards' requests per adapter, over /metrics."""
+    await server.load("a", assets.adapter_a)
+    await asyncio.gather(server.image(model="a"), server.image(model="a"), server.image())
+    await server.image(lora={"name": "a", "scale": 0.5})
+    counted = {
+        s.labels["model"]: s.value
+        for s in (await scrape(server))["lora_model_requests"]
+        if s.name == "lora_model_requests_total"
+    }
+    assert counted == {"a": 3.0, server.engine.config.model_id: 1.0}
