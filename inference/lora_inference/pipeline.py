@@ -32,25 +32,17 @@ from typing import Any, Literal
 import safetensors.torch
 import torch
 from diffusers import DiffusionPipeline
-from diffusers.utils.peft_utils import get_peft_kwargs
-from diffusers.utils.state_dict_utils import (
-    convert_state_dict_to_diffusers,
-    convert_state_dict_to_peft,
-    convert_unet_state_dict_to_peft,
-)
 from lora_volume import files
-from peft import LoraConfig
-from peft.utils.other import get_pattern_key
 from PIL import Image
 
-from lora_inference import costs, errors
+from lora_inference import costs, errors, formats
 from lora_inference.adapters import validation
 from lora_inference.costs import MergePolicy
 from lora_inference.slots import LayerKey, LayerWeights, Slots
 
 log = logging.getLogger(__name__)
 
-_DENOISERS = ("unet", "transformer")
+_DENOISERS = formats.DENOISERS
 # Sampling defaults per family, as the model cards recommend; requests may override them.
 _SAMPLING_DEFAULTS = {
     "StableDiffusionPipeline": (30, 7.5),
@@ -59,8 +51,6 @@ _SAMPLING_DEFAULTS = {
     "FluxPipeline": (28, 3.5),
 }
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-# diffusers derives a text encoder's ranks from these modules only (_load_lora_into_text_encoder).
-_TEXT_ENCODER_RANK_MODULES = (".q_proj", ".k_proj", ".v_proj", ".out_proj", ".fc1", ".fc2")
 
 BatchPath = Literal["base", "adapter", "merged", "mixed"]
 
@@ -78,6 +68,8 @@ class ParsedAdapter:
     layers: Mapping[LayerKey, LayerWeights]
     # The same, packed into one slot row (`slots.Slots.pack`): entering a slot is one copy of it.
     packed: torch.Tensor
+    format: str = "lora"  # lora_volume.formats.Format.key of the file
+    trigger_words: tuple[str, ...] = ()  # what the file's metadata says to put in a prompt
 
 
 @dataclass(frozen=True)
@@ -187,8 +179,10 @@ class DiffusionBackend:
         # equally common ranks and alphas by the order it meets them: sorted, a file always
         # gets the same setup.
         tensors = dict(sorted(tensors.items()))
-        files.check_lora_keys(list(tensors), name=name)
+        fmt = files.check_lora_keys(list(tensors), name=name)
         _check_finite(tensors, name=name, why="holds NaN or Inf values")
+        # LyCORIS factors become exact pairs in float64, before any rounding to the model's dtype.
+        tensors = formats.lycoris_to_lora(tensors, fmt, name=name)
         # Weights take the model's dtype; scalars (alphas) keep theirs, as diffusers reads them.
         cast = {
             k: v.to(self.dtype)
@@ -197,13 +191,14 @@ class DiffusionBackend:
         }
         _check_finite(cast, name=name, why=f"overflows {str(self.dtype).removeprefix('torch.')}")
         tensors.update(cast)
-        parts, alphas = self._convert(tensors, name)
+        parts, alphas = formats.convert(self.pipe, tensors, fmt, name=name)
+        formats.fit_conv_pairs(parts, self.shapes)
         shapes = {c: {k: tuple(v.shape) for k, v in part.items()} for c, part in parts.items()}
         summary = validation.check_adapter_fits(shapes, self.shapes, max_rank=max_rank, name=name)
         metadata = files.lora_metadata(header, name=name)
         layers: dict[LayerKey, LayerWeights] = {}
         for component, part in parts.items():
-            layers.update(self._layer_weights(component, part, alphas, metadata, name))
+            layers.update(formats.layer_weights(self.pipe, component, part, alphas, metadata, name))
         return ParsedAdapter(
             sha256=hashlib.sha256(data).hexdigest(),
             size_bytes=len(data),
@@ -211,6 +206,8 @@ class DiffusionBackend:
             weights_file=weights,
             layers=layers,
             packed=self.pack(layers, name=name),
+            format=fmt.key,
+            trigger_words=files.trigger_words(header),
         )
 
     def pack(self, layers: Mapping[LayerKey, LayerWeights], *, name: str) -> torch.Tensor:
@@ -220,118 +217,6 @@ class DiffusionBackend:
             return self.slots.pack(layers)
         except ValueError as e:
             raise errors.IncompatibleAdapter(f"adapter {name!r}: {e}", param="lora_path") from e
-
-    def _convert(
-        self, tensors: dict[str, torch.Tensor], name: str
-    ) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, float]]:
-        """Convert keys the way diffusers does when loading: peft names grouped by component,
-        and the network alphas of kohya-style files."""
-        reader = type(self.pipe).lora_state_dict
-        kwargs: dict[str, Any] = {"return_lora_metadata": True}
-        if "return_alphas" in inspect.signature(reader).parameters:
-            kwargs["return_alphas"] = True  # Flux returns them only when asked
-        try:
-            converted = reader(dict(tensors), **kwargs)
-        except Exception as e:  # diffusers' converters raise ValueError, KeyError, ...
-            raise errors.IncompatibleAdapter(
-                f"adapter {name!r} is in a LoRA format {self.family} cannot read: {e}",
-                param="lora_path",
-            ) from e
-        # (state, alphas, metadata) for SD 1.5, SDXL and Flux; (state, metadata) for SD3.
-        state = converted[0]
-        alphas = converted[1] if len(converted) == 3 else None
-        by_component: dict[str, dict[str, torch.Tensor]] = {}
-        for key, tensor in state.items():
-            component, _, rest = key.partition(".")
-            if not rest:
-                raise errors.IncompatibleAdapter(
-                    f"adapter {name!r}: key {key!r} names no pipeline component", param="lora_path"
-                )
-            by_component.setdefault(component, {})[rest] = tensor
-        parts: dict[str, dict[str, torch.Tensor]] = {}
-        for component, part in by_component.items():
-            if component in _DENOISERS:
-                if not any("lora_A" in k for k in part):
-                    part = convert_unet_state_dict_to_peft(part)
-            else:
-                part = convert_state_dict_to_peft(convert_state_dict_to_diffusers(part))
-                # Recent transformers flatten CLIPTextModel; older files still say text_model.
-                model = getattr(self.pipe, component, None)
-                if model is not None and not hasattr(model, "text_model"):
-                    part = {k.removeprefix("text_model."): v for k, v in part.items()}
-            parts[component] = part
-        return parts, {k: float(v) for k, v in (alphas or {}).items()}
-
-    def _layer_weights(
-        self,
-        component: str,
-        part: dict[str, torch.Tensor],
-        alphas: Mapping[str, float],
-        metadata: Mapping[str, Any] | None,
-        name: str,
-    ) -> dict[LayerKey, LayerWeights]:
-        """Each layer's weights with the rank, alpha and rsLoRA a diffusers load would give it.
-
-        The LoraConfig comes from diffusers' own `get_peft_kwargs` (or the file's metadata), fed
-        as diffusers' loaders feed it, and each layer's alpha from peft's own pattern matching,
-        so quirks included the result is what `load_lora_weights` sets up (a test compares them
-        for every family and format).
-        """
-        own = None
-        if metadata is not None:
-            prefix = f"{component}."
-            own = {k.removeprefix(prefix): v for k, v in metadata.items() if k.startswith(prefix)}
-        if component in _DENOISERS:
-            ranks = {f"^{k}": v.shape[1] for k, v in part.items() if "lora_B" in k and v.ndim > 1}
-            network = {
-                k.removeprefix(f"{component}."): v
-                for k, v in alphas.items()
-                if k.startswith(f"{component}.")
-            }
-        else:
-            model = getattr(self.pipe, component)
-            ranks = {}
-            for module_name, _ in model.named_modules():
-                key = f"{module_name}.lora_B.weight"
-                if module_name.endswith(_TEXT_ENCODER_RANK_MODULES) and key in part:
-                    ranks[key] = part[key].shape[1]
-            network = {
-                k.removeprefix(f"{component}."): v
-                for k, v in alphas.items()
-                if k.split(".")[0] == component
-            }
-        try:
-            kwargs = own or get_peft_kwargs(
-                ranks, network or None, part, is_unet=component in _DENOISERS
-            )
-            config = LoraConfig(**kwargs)
-        except (TypeError, ValueError, IndexError) as e:
-            raise errors.IncompatibleAdapter(
-                f"adapter {name!r}: no LoRA configuration can be derived for {component}: {e}",
-                param="lora_path",
-            ) from e
-        rank_pattern = config.rank_pattern or {}
-        alpha_pattern = config.alpha_pattern or {}
-        layers: dict[LayerKey, LayerWeights] = {}
-        for key, down in part.items():
-            module, sep, _ = key.partition(".lora_A.")
-            if not sep:
-                continue
-            up = part[f"{module}.lora_B.weight"]
-            rank = rank_pattern.get(get_pattern_key(list(rank_pattern), module), config.r)
-            if rank != down.shape[0]:
-                raise errors.IncompatibleAdapter(
-                    f"adapter {name!r}: its configuration gives '{component}.{module}' rank "
-                    f"{rank}, but its weights have rank {down.shape[0]}",
-                    param="lora_path",
-                )
-            alpha = alpha_pattern.get(
-                get_pattern_key(list(alpha_pattern), module), config.lora_alpha
-            )
-            layers[(component, module)] = LayerWeights(
-                down=down, up=up, alpha=float(alpha), rslora=bool(config.use_rslora)
-            )
-        return layers
 
     # -- the pipeline (pipeline thread only) ----------------------------------------------------
 

@@ -231,6 +231,30 @@ def lora_metadata(header: SafetensorsHeader, *, name: str) -> dict[str, Any] | N
     return _json_object(raw, where=f"the {LORA_METADATA_KEY} header of adapter {name!r}")
 
 
+def trigger_words(header: SafetensorsHeader, *, most: int = 5) -> tuple[str, ...]:
+    """The words the file's metadata says to put in a prompt (pure), in order of importance.
+
+    `modelspec.trigger_phrase` (Stability's model spec; comma-separated) first, then the tags
+    kohya's trainer counted in its captions (`ss_tag_frequency`, {dataset: {tag: count}}), most
+    frequent first, up to `most` in all. Metadata is informational: a malformed entry gives no
+    words rather than refusing the file.
+    """
+    words: list[str] = []
+    phrase = header.metadata.get("modelspec.trigger_phrase", "")
+    words.extend(w.strip() for w in phrase.split(",") if w.strip())
+    counts: dict[str, int] = {}
+    try:
+        frequency = json.loads(header.metadata.get("ss_tag_frequency", "{}"))
+    except json.JSONDecodeError:
+        frequency = {}
+    for tags in frequency.values() if isinstance(frequency, dict) else ():
+        for tag, count in tags.items() if isinstance(tags, dict) else ():
+            if isinstance(tag, str) and tag.strip() and isinstance(count, int):
+                counts[tag.strip()] = counts.get(tag.strip(), 0) + count
+    words.extend(sorted(counts, key=lambda t: (-counts[t], t)))
+    return tuple(dict.fromkeys(words))[:most]
+
+
 def _json_object(text: str, *, where: str) -> dict[str, Any]:
     try:
         value = json.loads(text)

@@ -1,0 +1,332 @@
+"""Adapter files of every served format, turned into per-layer low-rank pairs (down, up, alpha).
+
+What `lora_volume.formats` names by tensor names, this module converts, on the CPU, touching no
+pipeline state (any thread):
+
+- LyCORIS formats become plain kohya pairs first, in float64, exactly (`lycoris_to_lora`):
+  LoCon's Tucker core folds into its down factor (a 1x1 conv followed by a k x k conv is one
+  k x k conv); LoHa's Hadamard product of two low-rank factors is exactly a rank r1 x r2 pair
+  (the row-wise Khatri-Rao product of the factors); LoKr's Kronecker product with a factored w2
+  is exactly a pair of rank min(a, c) x r (kron(W1, U V) = kron(W1, U) kron(I, V), or
+  kron(I, U) kron(W1, V)). Each pair carries the format's scale, alpha / dim, in its up
+  factor and is served at scaling 1 (`at_format_scale`), plain pairs of such files included.
+  A pair wider than its layer is stored at the layer's full rank instead (still exact).
+- Then diffusers' own converters rename the pairs per family (kohya, XLabs and ai-toolkit Flux,
+  SGM block names), and diffusers' and peft's configuration code works out each layer's rank,
+  alpha and rsLoRA, so the setup is what `load_lora_weights` gives (`convert`, `layer_weights`).
+  Every error those converters raise becomes IncompatibleAdapter (422), with the format named:
+  no file ends in a 500.
+
+Imports torch, diffusers and peft; owns no state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from diffusers.utils.peft_utils import get_peft_kwargs
+from diffusers.utils.state_dict_utils import (
+    convert_state_dict_to_diffusers,
+    convert_state_dict_to_peft,
+    convert_unet_state_dict_to_peft,
+)
+from lora_volume import formats
+from peft import LoraConfig
+from peft.utils.other import get_pattern_key
+
+from lora_inference import errors
+from lora_inference.adapters import validation
+from lora_inference.slots import LayerKey, LayerWeights
+
+DENOISERS = ("unet", "transformer")
+# diffusers derives a text encoder's ranks from these modules only (_load_lora_into_text_encoder).
+_TEXT_ENCODER_RANK_MODULES = (".q_proj", ".k_proj", ".v_proj", ".out_proj", ".fc1", ".fc2")
+_LYCORIS_SUFFIXES = (
+    ".lora_down.weight",
+    ".lora_up.weight",
+    ".lora_mid.weight",
+    ".alpha",
+    ".hada_w1_a",
+    ".hada_w1_b",
+    ".hada_w2_a",
+    ".hada_w2_b",
+    ".lokr_w1",
+    ".lokr_w1_a",
+    ".lokr_w1_b",
+    ".lokr_w2_a",
+    ".lokr_w2_b",
+)
+_KOHYA_PREFIXES = ("lora_unet_", "lora_te_", "lora_te1_", "lora_te2_", "lora_te3_")
+
+Tensors = dict[str, torch.Tensor]
+
+
+def _bad(name: str, fmt: formats.Format, why: str) -> errors.IncompatibleAdapter:
+    return errors.IncompatibleAdapter(f"adapter {name!r} ({fmt.label}): {why}", param="lora_path")
+
+
+# -- LyCORIS -> LoRA pairs (exact) ----------------------------------------------------------------
+
+
+def lycoris_to_lora(tensors: Tensors, fmt: formats.Format, *, name: str) -> Tensors:
+    """`tensors` with every LyCORIS module replaced by a kohya pair of the same delta (pure).
+
+    Plain pairs and other formats pass through untouched. The new pairs are float64.
+    """
+    if fmt not in (formats.LOCON, formats.LOHA, formats.LOKR):
+        return tensors
+    modules: dict[str, dict[str, torch.Tensor]] = {}
+    out: Tensors = {}
+    for key, tensor in tensors.items():
+        suffix = next((s for s in _LYCORIS_SUFFIXES if key.endswith(s)), None)
+        if suffix is None:
+            out[key] = tensor
+            continue
+        modules.setdefault(key.removesuffix(suffix), {})[suffix.lstrip(".")] = tensor
+    for module, parts in modules.items():
+        try:
+            pair = _module_pair(parts)
+        except KeyError as e:
+            raise _bad(name, fmt, f"module {module!r} lacks its tensor {e}") from e
+        except (RuntimeError, ValueError) as e:
+            raise _bad(name, fmt, f"module {module!r} is not a well-formed one: {e}") from e
+        if pair is None:
+            if "lora_down.weight" not in parts:  # an alpha without its pair: nothing to serve
+                continue
+            f64 = {k: v.to(torch.float64) for k, v in parts.items()}
+            rank = f64["lora_down.weight"].shape[0]
+            alpha = float(f64["alpha"]) if "alpha" in f64 else rank
+            pair = f64["lora_down.weight"], f64["lora_up.weight"], alpha / rank
+        down, up = _full_rank_if_narrower(*pair)
+        out[f"{module}.lora_down.weight"] = down
+        out[f"{module}.lora_up.weight"] = up
+    return out
+
+
+def at_format_scale(
+    layers: Mapping[LayerKey, LayerWeights], fmt: formats.Format
+) -> dict[LayerKey, LayerWeights]:
+    """`layers` of a file `lycoris_to_lora` converted, at scaling 1: its pairs carry the
+    format's scale already, and diffusers' alpha patterns, which can give a layer another
+    layer's alpha, must not apply it again. Other formats keep diffusers' setup."""
+    if fmt not in (formats.LOCON, formats.LOHA, formats.LOKR):
+        return dict(layers)
+    return {k: dataclasses.replace(w, alpha=float(w.rank), rslora=False) for k, w in layers.items()}
+
+
+def _module_pair(
+    parts: Mapping[str, torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor, float] | None:
+    """(down, up, scale) of one LyCORIS module, delta = scale x up @ down (flattened), or None
+    for a plain pair. The scale is the format's alpha / dim (1 without an alpha)."""
+    f64 = {k: v.to(torch.float64) for k, v in parts.items()}
+    alpha = float(f64["alpha"]) if "alpha" in f64 else None
+    if "lora_mid.weight" in f64:
+        down, mid = f64["lora_down.weight"], f64["lora_mid.weight"]
+        # a 1x1 down, then mid (r x r x kh x kw): one kh x kw conv from the input.
+        folded = torch.einsum("pqhw,qi->pihw", mid, down.reshape(down.shape[0], -1))
+        rank = down.shape[0]
+        return folded, f64["lora_up.weight"], (alpha if alpha is not None else rank) / rank
+    if "hada_w1_a" in f64:
+        u1, v1 = f64["hada_w1_a"], f64["hada_w1_b"].reshape(f64["hada_w1_b"].shape[0], -1)
+        u2, v2 = f64["hada_w2_a"], f64["hada_w2_b"].reshape(f64["hada_w2_b"].shape[0], -1)
+        # (U1 V1) * (U2 V2) = sum over (p, q) of (U1[:, p] * U2[:, q]) (V1[p] * V2[q]).
+        up = (u1[:, :, None] * u2[:, None, :]).reshape(u1.shape[0], -1)
+        down = (v1[:, None, :] * v2[None, :, :]).reshape(-1, v1.shape[1])
+        rank = v1.shape[0]
+        return down, up, (alpha if alpha is not None else rank) / rank
+    if "lokr_w2_a" in f64:
+        w1 = f64["lokr_w1"] if "lokr_w1" in f64 else f64["lokr_w1_a"] @ f64["lokr_w1_b"]
+        w2a, w2b = f64["lokr_w2_a"], f64["lokr_w2_b"].reshape(f64["lokr_w2_b"].shape[0], -1)
+        if w1.dim() != 2 or w2a.dim() != 2:
+            raise ValueError(f"LoKr factors must be matrices, got w1 {tuple(w1.shape)}")
+        a, c = w1.shape
+        if c <= a:  # kron(W1, U V) = kron(W1, U) @ kron(I_c, V): rank c x r
+            up, down = torch.kron(w1, w2a), torch.kron(torch.eye(c, dtype=w1.dtype), w2b)
+        else:  # = kron(I_a, U) @ kron(W1, V): rank a x r
+            up, down = torch.kron(torch.eye(a, dtype=w1.dtype), w2a), torch.kron(w1, w2b)
+        dim = w2b.shape[0]
+        return down, up, (alpha / dim if alpha is not None else 1.0)
+    if any(k.startswith(("hada_", "lokr_")) for k in f64):
+        raise ValueError(f"it holds {sorted(f64)}, not a complete set of factors")
+    return None
+
+
+def _full_rank_if_narrower(
+    down: torch.Tensor, up: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(down, scale x up) at rank min(k, fan_in, fan_out): a product wider than its layer is
+    stored as the layer's full delta and an identity, the same delta at a smaller rank."""
+    k = down.shape[0]
+    fan_in = down[0].numel()
+    up = up.reshape(up.shape[0], -1) * scale
+    if k <= min(fan_in, up.shape[0]):
+        return down, up
+    delta = up @ down.reshape(k, -1)
+    if fan_in <= up.shape[0]:
+        eye = torch.eye(fan_in, dtype=delta.dtype)
+        return eye.reshape(fan_in, *down.shape[1:]), delta
+    return delta.reshape(-1, *down.shape[1:]), torch.eye(up.shape[0], dtype=delta.dtype)
+
+
+# -- diffusers' conversion, per family -------------------------------------------------------------
+
+
+def convert(
+    pipe: Any, tensors: Tensors, fmt: formats.Format, *, name: str
+) -> tuple[dict[str, Tensors], dict[str, float]]:
+    """Convert keys the way diffusers does when loading: peft names grouped by component,
+    and the network alphas of kohya-style files. Every converter error is IncompatibleAdapter."""
+    family = type(pipe).__name__
+    if family == "StableDiffusion3Pipeline" and any(k.startswith(_KOHYA_PREFIXES) for k in tensors):
+        raise _bad(
+            name,
+            fmt,
+            "kohya-named files (lora_unet_*, lora_te*_*) are not served for SD 3 / 3.5: diffusers "
+            "has no converter for them. Use a diffusers/peft-format SD 3 LoRA (transformer.* "
+            "keys), as diffusers' and ai-toolkit's SD 3 trainers write",
+        )
+    try:
+        return _convert(pipe, tensors, name)
+    except errors.InferenceError:
+        raise
+    except Exception as e:  # diffusers' converters raise ValueError, KeyError, AssertionError...
+        raise _bad(name, fmt, f"{family} cannot read it: {type(e).__name__}: {e}") from e
+
+
+def _convert(pipe: Any, tensors: Tensors, name: str) -> tuple[dict[str, Tensors], dict[str, float]]:
+    reader = type(pipe).lora_state_dict
+    kwargs: dict[str, Any] = {"return_lora_metadata": True}
+    if "return_alphas" in inspect.signature(reader).parameters:
+        kwargs["return_alphas"] = True  # Flux returns them only when asked
+    converted = reader(dict(tensors), **kwargs)
+    # (state, alphas, metadata) for SD 1.5, SDXL and Flux; (state, metadata) for SD3.
+    state = converted[0]
+    alphas = converted[1] if len(converted) == 3 else None
+    components = set(getattr(pipe, "_lora_loadable_modules", ()))
+    by_component: dict[str, Tensors] = {}
+    for key, tensor in state.items():
+        component, _, rest = key.partition(".")
+        if not rest or component not in components:
+            raise errors.IncompatibleAdapter(
+                f"adapter {name!r}: key {key!r} names no component of {type(pipe).__name__} "
+                f"({', '.join(sorted(components))}); is it for another model family?",
+                param="lora_path",
+            )
+        by_component.setdefault(component, {})[rest] = tensor
+    parts: dict[str, Tensors] = {}
+    for component, part in by_component.items():
+        if component in DENOISERS:
+            if not any("lora_A" in k for k in part):
+                part = convert_unet_state_dict_to_peft(part)
+        else:
+            part = convert_state_dict_to_peft(convert_state_dict_to_diffusers(part))
+            # Recent transformers flatten CLIPTextModel; older files still say text_model.
+            model = getattr(pipe, component, None)
+            if model is not None and not hasattr(model, "text_model"):
+                part = {k.removeprefix("text_model."): v for k, v in part.items()}
+        parts[component] = part
+    return parts, {k: float(v) for k, v in (alphas or {}).items()}
+
+
+def fit_conv_pairs(parts: dict[str, Tensors], shapes: validation.ModelShapes) -> None:
+    """Give flattened pairs on Conv2d layers (LoHa's and LoKr's) the conv shapes peft uses:
+    down (r, in, kh, kw), up (out, r, 1, 1). In place; anything else is left for validation."""
+    for component, part in parts.items():
+        table = shapes.get(component, {})
+        for key in list(part):
+            module, sep, half = key.partition(".lora_")
+            shape = table.get(module)
+            if not sep or shape is None or shape.kernel is None or part[key].dim() != 2:
+                continue
+            tensor = part[key]
+            if half.startswith("A") and tensor.shape[1] == shape.in_features * _area(shape):
+                part[key] = tensor.reshape(tensor.shape[0], shape.in_features, *shape.kernel)
+            elif half.startswith("B"):
+                part[key] = tensor.reshape(*tensor.shape, 1, 1)
+
+
+def _area(shape: validation.LayerShape) -> int:
+    area = 1
+    for side in shape.kernel or ():
+        area *= side
+    return area
+
+
+def layer_weights(
+    pipe: Any,
+    component: str,
+    part: Tensors,
+    alphas: Mapping[str, float],
+    metadata: Mapping[str, Any] | None,
+    name: str,
+) -> dict[LayerKey, LayerWeights]:
+    """Each layer's weights with the rank, alpha and rsLoRA a diffusers load would give it.
+
+    The LoraConfig comes from diffusers' own `get_peft_kwargs` (or the file's metadata), fed
+    as diffusers' loaders feed it, and each layer's alpha from peft's own pattern matching,
+    so quirks included the result is what `load_lora_weights` sets up (a test compares them
+    for every family and format).
+    """
+    own = None
+    if metadata is not None:
+        prefix = f"{component}."
+        own = {k.removeprefix(prefix): v for k, v in metadata.items() if k.startswith(prefix)}
+    if component in DENOISERS:
+        ranks = {f"^{k}": v.shape[1] for k, v in part.items() if "lora_B" in k and v.ndim > 1}
+        network = {
+            k.removeprefix(f"{component}."): v
+            for k, v in alphas.items()
+            if k.startswith(f"{component}.")
+        }
+    else:
+        model = getattr(pipe, component)
+        ranks = {}
+        for module_name, _ in model.named_modules():
+            key = f"{module_name}.lora_B.weight"
+            if module_name.endswith(_TEXT_ENCODER_RANK_MODULES) and key in part:
+                ranks[key] = part[key].shape[1]
+        network = {
+            k.removeprefix(f"{component}."): v
+            for k, v in alphas.items()
+            if k.split(".")[0] == component
+        }
+    try:
+        kwargs = own or get_peft_kwargs(
+            ranks, network or None, part, is_unet=component in DENOISERS
+        )
+        config = LoraConfig(**kwargs)
+    except (TypeError, ValueError, IndexError, KeyError) as e:
+        raise errors.IncompatibleAdapter(
+            f"adapter {name!r}: no LoRA configuration can be derived for {component}: {e}",
+            param="lora_path",
+        ) from e
+    rank_pattern = config.rank_pattern or {}
+    alpha_pattern = config.alpha_pattern or {}
+    layers: dict[LayerKey, LayerWeights] = {}
+    for key, down in part.items():
+        module, sep, _ = key.partition(".lora_A.")
+        if not sep:
+            continue
+        up = part.get(f"{module}.lora_B.weight")
+        if up is None:
+            raise errors.IncompatibleAdapter(
+                f"adapter {name!r}: '{component}.{module}' has a down matrix and no up matrix",
+                param="lora_path",
+            )
+        rank = rank_pattern.get(get_pattern_key(list(rank_pattern), module), config.r)
+        if rank != down.shape[0]:
+            raise errors.IncompatibleAdapter(
+                f"adapter {name!r}: its configuration gives '{component}.{module}' rank "
+                f"{rank}, but its weights have rank {down.shape[0]}",
+                param="lora_path",
+            )
+        alpha = alpha_pattern.get(get_pattern_key(list(alpha_pattern), module), config.lora_alpha)
+        layers[(component, module)] = LayerWeights(
+            down=down, up=up, alpha=float(alpha), rslora=bool(config.use_rslora)
+        )
+    return layers

@@ -1,0 +1,451 @@
+"""Every served adapter format gives, on every layer, exactly the delta its format defines.
+
+Files are built here for each format on the tiny pipelines, named as their trainers name them
+(kohya names for LyCORIS on SD 1.5 and SDXL, kohya Flux names, XLabs names), with a reference
+delta per layer computed from the format's own definition in float64: LoCon's three convolutions,
+LoHa's Hadamard product, LoKr's Kronecker product. The server's slots must hold that delta to
+1e-10 (float64 pipelines), and an image drawn through them, in a batch mixed with a plain LoRA
+and the base model, must be within one 8-bit level of the reference delta merged into a fresh
+pipeline's weights. Refused formats and converter errors are 4xx errors that name the format.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from lora_inference import errors
+from lora_inference.pipeline import DiffusionBackend, ImageJob
+from lora_inference.slots import LayerKey
+from lora_inference.tools.random_adapters import build_random_lora, to_kohya
+from lora_inference.tools.tiny_models import build_tiny_pipeline
+from lora_volume import errors as volume_errors
+from safetensors.torch import save_file
+
+Tensors = dict[str, torch.Tensor]
+TARGET = 0.05  # each layer's delta, as a fraction of its weights' RMS: a trained adapter's size
+
+
+@dataclass
+class Made:
+    """An adapter file's tensors and, per layer, the delta its format defines at scale 1."""
+
+    tensors: Tensors
+    reference: dict[LayerKey, torch.Tensor]
+
+
+def _randn(g: torch.Generator, *shape: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=g)
+
+
+def _alpha_for(weight: torch.Tensor, delta_at_alpha_dim: torch.Tensor, dim: int) -> float:
+    """An alpha that makes the delta TARGET of the weights' RMS, rounded as a file stores it."""
+    ratio = TARGET * weight.double().pow(2).mean().sqrt() / delta_at_alpha_dim.pow(2).mean().sqrt()
+    return float(torch.tensor(dim * float(ratio), dtype=torch.float32))
+
+
+def loha(weight: torch.Tensor, g: torch.Generator, rank: int = 3) -> tuple[Tensors, torch.Tensor]:
+    out, fan_in = weight.shape[0], weight[0].numel()
+    t = {
+        f"hada_w{i}_{ab}": _randn(g, *s)
+        for i in (1, 2)
+        for ab, s in (("a", (out, rank)), ("b", (rank, fan_in)))
+    }
+    f = {k: v.double() for k, v in t.items()}
+    product = (f["hada_w1_a"] @ f["hada_w1_b"]) * (f["hada_w2_a"] @ f["hada_w2_b"])
+    alpha = _alpha_for(weight, product, rank)
+    t["alpha"] = torch.tensor(alpha)
+    return t, (alpha / rank * product).reshape(weight.shape)
+
+
+def lokr(
+    weight: torch.Tensor, g: torch.Generator, *, a: int, c: int, rank: int = 2, w1_rank: int = 0
+) -> tuple[Tensors, torch.Tensor]:
+    out, cin, kernel = weight.shape[0], weight.shape[1], tuple(weight.shape[2:])
+    b, d = out // a, cin // c
+    t: Tensors = {
+        "lokr_w2_a": _randn(g, b, rank),
+        "lokr_w2_b": _randn(g, rank, d * math.prod(kernel)),
+    }
+    if w1_rank:
+        t["lokr_w1_a"], t["lokr_w1_b"] = _randn(g, a, w1_rank), _randn(g, w1_rank, c)
+        w1 = t["lokr_w1_a"].double() @ t["lokr_w1_b"].double()
+    else:
+        t["lokr_w1"] = _randn(g, a, c)
+        w1 = t["lokr_w1"].double()
+    w2 = (t["lokr_w2_a"].double() @ t["lokr_w2_b"].double()).reshape(b, d, *kernel)
+    product = torch.kron(w1.reshape(a, c, *(1 for _ in kernel)), w2)
+    alpha = _alpha_for(weight, product, rank)
+    t["alpha"] = torch.tensor(alpha)
+    return t, alpha / rank * product
+
+
+def locon_tucker(
+    weight: torch.Tensor, g: torch.Generator, rank: int = 3
+) -> tuple[Tensors, torch.Tensor]:
+    out, cin, kh, kw = weight.shape
+    t = {
+        "lora_down.weight": _randn(g, rank, cin, 1, 1),
+        "lora_mid.weight": _randn(g, rank, rank, kh, kw),
+        "lora_up.weight": _randn(g, out, rank, 1, 1),
+    }
+    f = {k: v.double() for k, v in t.items()}
+    # up(mid(down(x))): three convolutions, composed.
+    product = torch.einsum(
+        "op,pqhw,qi->oihw",
+        f["lora_up.weight"][:, :, 0, 0],
+        f["lora_mid.weight"],
+        f["lora_down.weight"][:, :, 0, 0],
+    )
+    alpha = _alpha_for(weight, product, rank)
+    t["alpha"] = torch.tensor(alpha)
+    return t, alpha / rank * product
+
+
+def plain(weight: torch.Tensor, g: torch.Generator, rank: int = 4) -> tuple[Tensors, torch.Tensor]:
+    kernel = tuple(weight.shape[2:])
+    ones = (1,) * len(kernel)
+    t = {
+        "lora_down.weight": _randn(g, rank, weight.shape[1], *kernel),
+        "lora_up.weight": _randn(g, weight.shape[0], rank, *ones),
+    }
+    product = (
+        t["lora_up.weight"].double().reshape(weight.shape[0], rank)
+        @ t["lora_down.weight"].double().reshape(rank, -1)
+    ).reshape(weight.shape)
+    alpha = _alpha_for(weight, product, rank)
+    t["alpha"] = torch.tensor(alpha)
+    return t, alpha / rank * product
+
+
+Builder = Callable[[torch.Tensor, torch.Generator], tuple[Tensors, torch.Tensor]]
+_KOHYA = {"unet": "lora_unet_", "text_encoder": "lora_te1_", "text_encoder_2": "lora_te2_"}
+
+
+def kohya_file(pipe: Any, choose: Callable[[str, str, torch.nn.Module], Builder | None]) -> Made:
+    """A kohya-named file (SD 1.5, SDXL): each layer `choose` gives a builder for."""
+    g = torch.Generator().manual_seed(0)
+    made = Made({}, {})
+    for component in ("unet", "text_encoder", "text_encoder_2"):
+        model = getattr(pipe, component, None)
+        if model is None:
+            continue
+        for path, module in model.named_modules():
+            if not isinstance(module, torch.nn.Linear | torch.nn.Conv2d):
+                continue
+            build = choose(component, path, module)
+            if build is None:
+                continue
+            tensors, delta = build(module.weight.detach(), g)
+            # kohya names a text encoder's layers from text_model, however transformers nests it
+            named = (
+                path
+                if component == "unet" or path.startswith("text_model.")
+                else (f"text_model.{path}")
+            )
+            stem = _KOHYA[component] + named.replace(".", "_")
+            made.tensors.update({f"{stem}.{k}": v for k, v in tensors.items()})
+            made.reference[(component, path)] = delta
+    return made
+
+
+def _is_conv3(m: torch.nn.Module) -> bool:
+    return isinstance(m, torch.nn.Conv2d) and tuple(m.kernel_size) == (3, 3)
+
+
+def _attention(path: str) -> bool:
+    return path.endswith(("to_q", "to_v", "to_out.0", "q_proj", "out_proj"))
+
+
+def sd_locon(pipe: Any) -> Made:
+    """LoCon as LyCORIS writes it: Tucker on the 3x3 convolutions, plain pairs elsewhere."""
+
+    def choose(component: str, path: str, m: torch.nn.Module) -> Builder | None:
+        if component == "unet" and _is_conv3(m) and "resnets" in path:
+            return locon_tucker
+        if _attention(path) or path.endswith("conv_shortcut"):
+            return plain
+        return None
+
+    return kohya_file(pipe, choose)
+
+
+def sd_loha(pipe: Any) -> Made:
+    def choose(component: str, path: str, m: torch.nn.Module) -> Builder | None:
+        if _attention(path) or (_is_conv3(m) and "resnets" in path) or path.endswith("proj_in"):
+            return loha
+        return None
+
+    return kohya_file(pipe, choose)
+
+
+def sd_lokr(pipe: Any) -> Made:
+    """Both Kronecker orientations (c <= a and c > a), w1 full and factored, Linear and conv."""
+    count = iter(range(10**6))
+
+    def choose(component: str, path: str, m: torch.nn.Module) -> Builder | None:
+        if not (_attention(path) or (_is_conv3(m) and "resnets" in path)):
+            return None
+        i = next(count)
+        a, c = (4, 2) if i % 2 else (2, 4)
+        return lambda w, g: lokr(w, g, a=a, c=c, w1_rank=2 if i % 3 == 0 else 0)
+
+    return kohya_file(pipe, choose)
+
+
+_FLUX_KOHYA = {  # kohya's Flux names -> diffusers' layers (a fused qkv splits into three)
+    "lora_unet_double_blocks_0_img_attn_qkv": ("attn.to_q", "attn.to_k", "attn.to_v"),
+    "lora_unet_double_blocks_0_txt_attn_qkv": (
+        "attn.add_q_proj",
+        "attn.add_k_proj",
+        "attn.add_v_proj",
+    ),
+    "lora_unet_double_blocks_0_img_attn_proj": ("attn.to_out.0",),
+    "lora_unet_single_blocks_0_linear2": ("proj_out",),
+}
+
+
+def _flux_layers(pipe: Any, stem: str) -> list[tuple[str, torch.Tensor]]:
+    block = "single_transformer_blocks.0." if "single" in stem else "transformer_blocks.0."
+    return [
+        (block + p, pipe.transformer.get_submodule(block + p).weight.detach())
+        for p in _FLUX_KOHYA[stem]
+    ]
+
+
+def flux_lycoris(builder: Builder) -> Callable[[Any], Made]:
+    def make(pipe: Any) -> Made:
+        g = torch.Generator().manual_seed(0)
+        made = Made({}, {})
+        for stem in _FLUX_KOHYA:
+            layers = _flux_layers(pipe, stem)
+            fused = torch.cat([w for _, w in layers])
+            tensors, delta = builder(fused, g)
+            made.tensors.update({f"{stem}.{k}": v for k, v in tensors.items()})
+            for (path, _), part in zip(
+                layers, delta.split([w.shape[0] for _, w in layers]), strict=True
+            ):
+                made.reference[("transformer", path)] = part
+        return made
+
+    return make
+
+
+def flux_xlabs(pipe: Any) -> Made:
+    """XLabs' names; no alphas (scale 1)."""
+    g = torch.Generator().manual_seed(0)
+    made = Made({}, {})
+    names = {
+        "qkv_lora1": _FLUX_KOHYA["lora_unet_double_blocks_0_img_attn_qkv"],
+        "proj_lora1": ("attn.to_out.0",),
+        "qkv_lora2": _FLUX_KOHYA["lora_unet_double_blocks_0_txt_attn_qkv"],
+        "proj_lora2": ("attn.to_add_out",),
+    }
+    for name, paths in names.items():
+        weights = [
+            pipe.transformer.get_submodule(f"transformer_blocks.0.{p}").weight.detach()
+            for p in paths
+        ]
+        fused = torch.cat(weights)
+        down, up = _randn(g, 4, fused.shape[1]) * 0.2, _randn(g, fused.shape[0], 4) * 0.05
+        made.tensors[f"double_blocks.0.processor.{name}.down.weight"] = down
+        made.tensors[f"double_blocks.0.processor.{name}.up.weight"] = up
+        delta = up.double() @ down.double()
+        for p, part in zip(paths, delta.split([w.shape[0] for w in weights]), strict=True):
+            made.reference[("transformer", f"transformer_blocks.0.{p}")] = part
+    return made
+
+
+FORMATS: dict[str, tuple[str, Callable[[Any], Made], str]] = {
+    "sd15-locon": ("sd15", sd_locon, "locon"),
+    "sd15-loha": ("sd15", sd_loha, "loha"),
+    "sd15-lokr": ("sd15", sd_lokr, "lokr"),
+    "sdxl-loha": ("sdxl", sd_loha, "loha"),
+    "sdxl-lokr": ("sdxl", sd_lokr, "lokr"),
+    "flux-kohya-loha": ("flux", flux_lycoris(loha), "loha"),
+    "flux-kohya-lokr": ("flux", flux_lycoris(lambda w, g: lokr(w, g, a=4, c=2)), "lokr"),
+    "flux-xlabs": ("flux", flux_xlabs, "xlabs"),
+}
+
+
+def write(path: Path, tensors: Tensors, metadata: dict[str, str] | None = None) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path), metadata=metadata)
+    return path
+
+
+@pytest.fixture(scope="module")
+def float64_backends() -> dict[str, DiffusionBackend]:
+    built: dict[str, DiffusionBackend] = {}
+    for arch in ("sd15", "sdxl", "flux"):
+        pipe = build_tiny_pipeline(arch).to(torch.float64)
+        built[arch] = DiffusionBackend(pipe, device="cpu", dtype=torch.float64)
+    return built
+
+
+@pytest.mark.parametrize("case", list(FORMATS))
+def test_each_format_holds_exactly_the_delta_it_defines(
+    case: str, float64_backends: dict[str, DiffusionBackend], tmp_path: Path
+) -> None:
+    arch, make, key = FORMATS[case]
+    backend = float64_backends[arch]
+    made = make(backend.pipe)
+    parsed = backend.parse_adapter(
+        write(tmp_path / "a.safetensors", made.tensors), name=case, max_rank=64
+    )
+    assert parsed.format == key
+    backend.place("x", parsed)
+    try:
+        assert set(parsed.layers) == set(made.reference)
+        for layer, reference in made.reference.items():
+            served = backend.slots.delta("x", layer, 1.0)
+            worst = float((served - reference).abs().max())
+            assert worst < 1e-10, f"{layer}: {worst:.3g} off the format's definition"
+            assert float(reference.abs().max()) > 1e-3  # a delta that is there to see
+    finally:
+        backend.clear("x")
+
+
+def _merged_reference_image(
+    arch: str, made: Made, scale: float, job: ImageJob, shape: dict[str, Any]
+) -> np.ndarray:
+    """The format's definition merged into a fresh pipeline's weights, in float64, then drawn."""
+    pipe = build_tiny_pipeline(arch)
+    pipe.set_progress_bar_config(disable=True)
+    with torch.no_grad():
+        for (component, path), delta in made.reference.items():
+            weight = getattr(pipe, component).get_submodule(path).weight
+            weight.copy_((weight.double() + scale * delta).to(weight.dtype))
+    with torch.inference_mode():
+        image = pipe(
+            prompt=[job.prompt],
+            generator=[torch.Generator().manual_seed(job.seeds[0])],
+            num_inference_steps=shape["steps"],
+            guidance_scale=shape["guidance_scale"],
+            height=shape["height"],
+            width=shape["width"],
+        ).images[0]
+    return np.asarray(image).astype(int)
+
+
+@pytest.mark.parametrize("case", ["sd15-locon", "sd15-loha", "sdxl-lokr", "flux-kohya-lokr"])
+def test_a_mixed_batch_draws_each_format_as_its_merged_definition(
+    case: str, tmp_path: Path
+) -> None:
+    arch, make, _ = FORMATS[case]
+    pipe = build_tiny_pipeline(arch)
+    backend = DiffusionBackend(pipe, device="cpu", dtype=torch.float32)
+    made = make(pipe)
+    backend.place(
+        "x",
+        backend.parse_adapter(
+            write(tmp_path / "x.safetensors", made.tensors), name="x", max_rank=64
+        ),
+    )
+    plain_lora = (
+        to_kohya(build_random_lora(pipe, seed=5), rank=4)
+        if arch != "flux"
+        else (build_random_lora(pipe, seed=5))
+    )
+    backend.place(
+        "p",
+        backend.parse_adapter(write(tmp_path / "p.safetensors", plain_lora), name="p", max_rank=64),
+    )
+    size = backend.default_size
+    shape = {"width": size, "height": size, "steps": 4, "guidance_scale": 4.0}
+    jobs = {
+        s: ImageJob(prompt=f"a lighthouse {s}", negative_prompt=None, seeds=(3,))
+        for s in ("x", "p", None)
+    }
+    order = ["p", "x", None]
+    outcome = backend.run_batch([jobs[s] for s in order], order, {"x": 0.8, "p": 0.7}, **shape)  # type: ignore[arg-type]
+    assert outcome.path == "mixed"
+    ours = np.asarray(outcome.images[1]).astype(int)
+    theirs = _merged_reference_image(arch, made, 0.8, jobs["x"], shape)
+    assert int(np.abs(ours - theirs).max()) <= 1
+    base = np.asarray(outcome.images[2]).astype(int)
+    assert np.abs(ours - base).mean() > 0.5  # the adapter is there to be seen
+
+
+REFUSED = {
+    "dora": ("lora_unet_x.dora_scale", "DoRA"),
+    "oft": ("lora_unet_x.oft_blocks", "OFT"),
+    "glora": ("lora_unet_x.a1.weight", "GLoRA"),
+    "ia3": ("lora_unet_x.on_input", "(IA)3"),
+    "lokr-full-w2": ("lora_unet_x.lokr_w2", "LoKr with a full w2"),
+    "bias": ("unet.x.lora_B.bias", "LoRA with biases"),
+    "diff": ("lora_unet_x.diff", "full weight differences"),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSED))
+def test_a_refused_format_is_a_422_that_names_it(
+    case: str, float64_backends: dict[str, DiffusionBackend], tmp_path: Path
+) -> None:
+    tensor, label = REFUSED[case]
+    made = sd_loha(float64_backends["sd15"].pipe)
+    made.tensors[tensor] = torch.ones(4)
+    path = write(tmp_path / "r.safetensors", made.tensors)
+    with pytest.raises(volume_errors.InvalidAdapter) as raised:
+        float64_backends["sd15"].parse_adapter(path, name=case, max_rank=64)
+    served = errors.from_volume(raised.value)
+    assert served.status == 422 and label in served.message
+
+
+def _sd3_kohya(pipe: Any) -> Tensors:
+    return {
+        "lora_unet_joint_blocks_0_x_block_attn_qkv.lora_down.weight": torch.ones(2, 32),
+        "lora_unet_joint_blocks_0_x_block_attn_qkv.lora_up.weight": torch.ones(96, 2),
+        "lora_unet_joint_blocks_0_x_block_attn_qkv.alpha": torch.tensor(2.0),
+    }
+
+
+def _flux_unknown_block(pipe: Any) -> Tensors:
+    return {
+        "lora_unet_double_blocks_0_img_nonsense.lora_down.weight": torch.ones(2, 32),
+        "lora_unet_double_blocks_0_img_nonsense.lora_up.weight": torch.ones(32, 2),
+    }
+
+
+def _sdxl_bad_sgm_block(pipe: Any) -> Tensors:
+    return {
+        "lora_unet_input_blocks_99_1_proj_in.lora_down.weight": torch.ones(2, 32),
+        "lora_unet_input_blocks_99_1_proj_in.lora_up.weight": torch.ones(32, 2),
+    }
+
+
+def _loha_missing_factor(pipe: Any) -> Tensors:
+    return {"lora_unet_x.hada_w1_a": torch.ones(4, 2), "lora_unet_x.hada_w1_b": torch.ones(2, 4)}
+
+
+def _sd15_on_flux(pipe: Any) -> Tensors:
+    return to_kohya(build_random_lora(build_tiny_pipeline("sd15"), seed=1), rank=4)
+
+
+CONVERTER_ERRORS: dict[str, tuple[str, Callable[[Any], Tensors], str]] = {
+    "sd3-kohya": ("sd3", _sd3_kohya, "not served for SD 3"),
+    "flux-unknown-kohya-block": ("flux", _flux_unknown_block, "cannot read it"),
+    "sdxl-unknown-sgm-block": ("sdxl", _sdxl_bad_sgm_block, ""),
+    "loha-missing-factor": ("sd15", _loha_missing_factor, "LoHa): module 'lora_unet_x' lacks"),
+    "sd15-file-on-flux": ("flux", _sd15_on_flux, ""),
+}
+
+
+@pytest.mark.parametrize("case", list(CONVERTER_ERRORS))
+def test_files_the_converters_cannot_read_are_4xx_never_500(case: str, tmp_path: Path) -> None:
+    arch, make, words = CONVERTER_ERRORS[case]
+    pipe = build_tiny_pipeline(arch)
+    backend = DiffusionBackend(pipe, device="cpu", dtype=torch.float32)
+    path = write(tmp_path / "c.safetensors", make(pipe))
+    with pytest.raises(errors.DOMAIN_ERRORS) as raised:
+        backend.parse_adapter(path, name=case, max_rank=64)
+    error = raised.value
+    served = errors.from_volume(error) if isinstance(error, volume_errors.VolumeError) else error
+    assert 400 <= served.status < 500, served.message
+    assert words in served.message
