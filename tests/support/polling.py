@@ -30,7 +30,7 @@ async def until(
         if inspect.isawaitable(result):
             result = await result
         if result:
-            return result  # type: ignore[return-value]
+            return result
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
         await asyncio.sleep(interval)
