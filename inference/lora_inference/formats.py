@@ -307,6 +307,12 @@ def layer_weights(
         ) from e
     rank_pattern = config.rank_pattern or {}
     alpha_pattern = config.alpha_pattern or {}
+    for key in part:
+        if key.endswith(".lora_B.bias") and key.replace(".bias", ".weight") not in part:
+            raise errors.IncompatibleAdapter(
+                f"adapter {name!r}: '{component}.{key}' is a bias without its LoRA pair",
+                param="lora_path",
+            )
     layers: dict[LayerKey, LayerWeights] = {}
     for key, down in part.items():
         module, sep, _ = key.partition(".lora_A.")
@@ -327,6 +333,10 @@ def layer_weights(
             )
         alpha = alpha_pattern.get(get_pattern_key(list(alpha_pattern), module), config.lora_alpha)
         layers[(component, module)] = LayerWeights(
-            down=down, up=up, alpha=float(alpha), rslora=bool(config.use_rslora)
+            down=down,
+            up=up,
+            alpha=float(alpha),
+            rslora=bool(config.use_rslora),
+            bias=part.get(f"{module}.lora_B.bias"),
         )
     return layers

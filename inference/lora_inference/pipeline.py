@@ -193,7 +193,11 @@ class DiffusionBackend:
         tensors.update(cast)
         parts, alphas = formats.convert(self.pipe, tensors, fmt, name=name)
         formats.fit_conv_pairs(parts, self.shapes)
-        shapes = {c: {k: tuple(v.shape) for k, v in part.items()} for c, part in parts.items()}
+        # Biases are checked with their layer (`slots.Slots.pack`); the pairs here.
+        shapes = {
+            c: {k: tuple(v.shape) for k, v in part.items() if not k.endswith(".bias")}
+            for c, part in parts.items()
+        }
         summary = validation.check_adapter_fits(shapes, self.shapes, max_rank=max_rank, name=name)
         metadata = files.lora_metadata(header, name=name)
         layers: dict[LayerKey, LayerWeights] = {}

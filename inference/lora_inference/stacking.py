@@ -83,7 +83,9 @@ def _sum(parts: list[tuple[Member, LayerWeights]]) -> LayerWeights:
     down = torch.cat([w.down.to(dtype) for _, w in parts], dim=0)
     # The product runs in float32 and is rounded once, to the members' dtype.
     up = torch.cat([(w.up.float() * (m.scale * w.scaling)).to(dtype) for m, w in parts], dim=1)
-    return LayerWeights(down=down, up=up, alpha=float(down.shape[0]), rslora=False)
+    biases = [w.bias.float() * (m.scale * w.scaling) for m, w in parts if w.bias is not None]
+    bias = torch.stack(biases).sum(0).to(dtype) if biases else None
+    return LayerWeights(down=down, up=up, alpha=float(down.shape[0]), rslora=False, bias=bias)
 
 
 def _conflict(

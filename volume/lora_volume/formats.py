@@ -34,14 +34,16 @@ LOCON = Format("locon", "LyCORIS LoCon (Tucker)")
 LOHA = Format("loha", "LyCORIS LoHa")
 LOKR = Format("lokr", "LyCORIS LoKr")
 XLABS = Format("xlabs", "XLabs Flux LoRA")
-SERVED = (LORA, LOCON, LOHA, LOKR, XLABS)
+LORA_BIAS = Format("lora_bias", "LoRA with biases")
+SERVED = (LORA, LOCON, LOHA, LOKR, XLABS, LORA_BIAS)
 
 # A tensor name's role, by the part after its module path. Order matters: the first match wins.
 _ROLES: tuple[tuple[str, re.Pattern[str]], ...] = tuple(
     (role, re.compile(pattern))
     for role, pattern in (
         ("dora", r"(^|[._])(dora_scale|lora_magnitude_vector)([._]|$)"),
-        ("bias", r"\.lora_B\.bias$|\.lora_up\.bias$"),
+        ("bias", r"\.lora_B\.bias$"),
+        ("kohya_bias", r"\.lora_up\.bias$"),
         ("diff", r"\.diff(_b)?$"),
         ("oft", r"\.(oft_blocks|oft_diag|oft_r|oft_R|boft_R|boft_s|oft_s|rescale)(\.weight)?$"),
         ("glora", r"\.(a1|a2|b1|b2)\.weight$"),
@@ -73,10 +75,10 @@ _REFUSED = {
         "its per-column rescale of the base weight is not served yet; use the adapter without "
         "DoRA (retrain or re-export it as a plain LoRA)",
     ),
-    "bias": (
-        "LoRA with biases (lora_B.bias)",
-        "bias terms are not served yet and are never dropped silently; retrain without "
-        "lora_bias, or re-export the file without the bias tensors",
+    "kohya_bias": (
+        "kohya-named LoRA with biases (lora_up.bias)",
+        "biases are served in peft's naming only (lora_B.bias); save the adapter with peft, "
+        "or re-export it without the bias tensors",
     ),
     "diff": (
         "full weight differences (.diff / .diff_b, LyCORIS full or kohya --train_norm)",
@@ -115,7 +117,13 @@ _REFUSED = {
         "with a factored w2 (a smaller factor, or decompose_both), or extract a LoRA from it",
     ),
 }
-_SERVED_BY_ROLE = {"loha": LOHA, "lokr": LOKR, "locon_mid": LOCON, "xlabs": XLABS}
+_SERVED_BY_ROLE = {
+    "loha": LOHA,
+    "lokr": LOKR,
+    "locon_mid": LOCON,
+    "xlabs": XLABS,
+    "bias": LORA_BIAS,
+}
 
 
 def role(key: str) -> str | None:
@@ -149,7 +157,7 @@ def classify(keys: Iterable[str], *, name: str = "adapter") -> Format:
             "server knows (LoRA, LoCon, LoHa, LoKr, XLabs); is this a full checkpoint rather "
             "than an adapter?"
         )
-    for served in ("lokr", "loha", "locon_mid", "xlabs"):
+    for served in ("lokr", "loha", "locon_mid", "xlabs", "bias"):
         if served in roles:
             return _SERVED_BY_ROLE[served]
     return LORA

@@ -11,6 +11,8 @@ pipeline's weights. Refused formats and converter errors are 4xx errors that nam
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -38,6 +40,8 @@ class Made:
 
     tensors: Tensors
     reference: dict[LayerKey, torch.Tensor]
+    bias_reference: dict[LayerKey, torch.Tensor] = dataclasses.field(default_factory=dict)
+    metadata: dict[str, str] | None = None
 
 
 def _randn(g: torch.Generator, *shape: int) -> torch.Tensor:
@@ -262,6 +266,30 @@ def flux_xlabs(pipe: Any) -> Made:
     return made
 
 
+def peft_with_biases(pipe: Any) -> Made:
+    """peft's lora_bias: B carries a bias, scaled with it by alpha / r (here 2 / 4)."""
+    denoiser = "unet" if getattr(pipe, "unet", None) is not None else "transformer"
+    tensors = build_random_lora(pipe, seed=7, strength=0.2)
+    g = torch.Generator().manual_seed(8)
+    made = Made(tensors, {})
+    for key in list(tensors):
+        if not key.endswith("lora_B.weight"):
+            continue
+        module = key.removesuffix(".lora_B.weight")
+        bias = _randn(g, tensors[key].shape[0]) * 0.3
+        tensors[f"{module}.lora_B.bias"] = bias
+        down, up = tensors[f"{module}.lora_A.weight"].double(), tensors[key].double()
+        layer = (denoiser, module.removeprefix(f"{denoiser}."))
+        made.reference[layer] = 0.5 * up @ down
+        made.bias_reference[layer] = 0.5 * bias.double()
+    config = {"r": 4, "lora_alpha": 2, "lora_bias": True}
+    config["target_modules"] = sorted({k.split(".lora_")[0].split(".", 1)[1] for k in tensors})
+    made.metadata = {
+        "lora_adapter_metadata": json.dumps({f"{denoiser}.{k}": v for k, v in config.items()})
+    }
+    return made
+
+
 FORMATS: dict[str, tuple[str, Callable[[Any], Made], str]] = {
     "sd15-locon": ("sd15", sd_locon, "locon"),
     "sd15-loha": ("sd15", sd_loha, "loha"),
@@ -271,6 +299,8 @@ FORMATS: dict[str, tuple[str, Callable[[Any], Made], str]] = {
     "flux-kohya-loha": ("flux", flux_lycoris(loha), "loha"),
     "flux-kohya-lokr": ("flux", flux_lycoris(lambda w, g: lokr(w, g, a=4, c=2)), "lokr"),
     "flux-xlabs": ("flux", flux_xlabs, "xlabs"),
+    "sd15-peft-biases": ("sd15", peft_with_biases, "lora_bias"),
+    "flux-peft-biases": ("flux", peft_with_biases, "lora_bias"),
 }
 
 
@@ -297,7 +327,7 @@ def test_each_format_holds_exactly_the_delta_it_defines(
     backend = float64_backends[arch]
     made = make(backend.pipe)
     parsed = backend.parse_adapter(
-        write(tmp_path / "a.safetensors", made.tensors), name=case, max_rank=64
+        write(tmp_path / "a.safetensors", made.tensors, made.metadata), name=case, max_rank=64
     )
     assert parsed.format == key
     backend.place("x", parsed)
@@ -308,6 +338,9 @@ def test_each_format_holds_exactly_the_delta_it_defines(
             worst = float((served - reference).abs().max())
             assert worst < 1e-10, f"{layer}: {worst:.3g} off the format's definition"
             assert float(reference.abs().max()) > 1e-3  # a delta that is there to see
+        for layer, reference in made.bias_reference.items():
+            worst = float((backend.slots.bias_delta("x", layer, 1.0) - reference).abs().max())
+            assert worst < 1e-10, f"{layer}: its bias is {worst:.3g} off"
     finally:
         backend.clear("x")
 
@@ -322,6 +355,10 @@ def _merged_reference_image(
         for (component, path), delta in made.reference.items():
             weight = getattr(pipe, component).get_submodule(path).weight
             weight.copy_((weight.double() + scale * delta).to(weight.dtype))
+        for (component, path), bias in made.bias_reference.items():
+            module = getattr(pipe, component).get_submodule(path)
+            base = module.bias.double() if module.bias is not None else 0.0
+            module.bias = torch.nn.Parameter((base + scale * bias).to(module.weight.dtype))
     with torch.inference_mode():
         image = pipe(
             prompt=[job.prompt],
@@ -334,7 +371,17 @@ def _merged_reference_image(
     return np.asarray(image).astype(int)
 
 
-@pytest.mark.parametrize("case", ["sd15-locon", "sd15-loha", "sdxl-lokr", "flux-kohya-lokr"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "sd15-locon",
+        "sd15-loha",
+        "sdxl-lokr",
+        "flux-kohya-lokr",
+        "sd15-peft-biases",
+        "flux-peft-biases",
+    ],
+)
 def test_a_mixed_batch_draws_each_format_as_its_merged_definition(
     case: str, tmp_path: Path
 ) -> None:
@@ -345,7 +392,7 @@ def test_a_mixed_batch_draws_each_format_as_its_merged_definition(
     backend.place(
         "x",
         backend.parse_adapter(
-            write(tmp_path / "x.safetensors", made.tensors), name="x", max_rank=64
+            write(tmp_path / "x.safetensors", made.tensors, made.metadata), name="x", max_rank=64
         ),
     )
     plain_lora = (
@@ -371,6 +418,10 @@ def test_a_mixed_batch_draws_each_format_as_its_merged_definition(
     assert int(np.abs(ours - theirs).max()) <= 1
     base = np.asarray(outcome.images[2]).astype(int)
     assert np.abs(ours - base).mean() > 0.5  # the adapter is there to be seen
+    # Alone, merged where it can be (layers with a bias keep their branch): the same image.
+    alone = backend.run_batch([jobs["x"]], ["x"], {"x": 0.8}, merge="always", **shape)  # type: ignore[arg-type]
+    assert alone.path == "merged"
+    assert int(np.abs(np.asarray(alone.images[0]).astype(int) - theirs).max()) <= 1
 
 
 REFUSED = {
@@ -379,7 +430,7 @@ REFUSED = {
     "glora": ("lora_unet_x.a1.weight", "GLoRA"),
     "ia3": ("lora_unet_x.on_input", "(IA)3"),
     "lokr-full-w2": ("lora_unet_x.lokr_w2", "LoKr with a full w2"),
-    "bias": ("unet.x.lora_B.bias", "LoRA with biases"),
+    "kohya-bias": ("lora_unet_x.lora_up.bias", "kohya-named LoRA with biases"),
     "diff": ("lora_unet_x.diff", "full weight differences"),
 }
 

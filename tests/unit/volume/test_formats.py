@@ -26,6 +26,11 @@ SERVED = [
     ),
     pytest.param(["unet.a.processor.to_q_lora.down.weight"], "lora", id="attn-procs"),
     pytest.param(
+        ["unet.a.to_q.lora_A.weight", "unet.a.to_q.lora_B.weight", "unet.a.to_q.lora_B.bias"],
+        "lora_bias",
+        id="peft-lora-bias",
+    ),
+    pytest.param(
         [*PAIR, "lora_unet_b_conv.lora_mid.weight", "lora_unet_b_conv.alpha"],
         "locon",
         id="locon-tucker",
@@ -54,7 +59,7 @@ SERVED = [
 REFUSED = [
     pytest.param("lora_unet_a.dora_scale", "DoRA", id="dora-kohya"),
     pytest.param("unet.a.lora_magnitude_vector", "DoRA", id="dora-peft"),
-    pytest.param("unet.a.to_q.lora_B.bias", "LoRA with biases", id="bias"),
+    pytest.param("lora_unet_a_to_q.lora_up.bias", "kohya-named LoRA with biases", id="kohya-bias"),
     pytest.param("lora_unet_a.diff", "full weight differences", id="diff"),
     pytest.param("lora_unet_a_norm.diff_b", "full weight differences", id="diff-b"),
     pytest.param("lora_unet_a.oft_blocks", "OFT", id="oft-lycoris"),
