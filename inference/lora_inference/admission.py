@@ -145,6 +145,9 @@ def _new_record(
         version=next_version(),
         scale=scale,
         members=members,
+        format="stack" if members else parsed.format,
+        targets=tuple(sorted({component for component, _ in parsed.layers})),
+        trigger_words=parsed.trigger_words,
     )
 
 

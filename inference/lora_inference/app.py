@@ -169,6 +169,10 @@ async def list_models(request: web.Request) -> web.Response:
                 pinned=record.pinned,
                 sha256=record.sha256,
                 hits=engine.registry.stats(record.name).hits,
+                # What the playground shows beside each adapter.
+                format=record.format,
+                rank=record.rank,
+                trigger_words=list(record.trigger_words),
             )
             cards.append(card)
     # Beyond vLLM's list: the capacity the operator places adapters by.
@@ -213,6 +217,9 @@ async def list_adapters(request: web.Request) -> web.Response:
                 "size_bytes": record.size_bytes,
                 "sha256": record.sha256,
                 "rank": record.rank,
+                "format": record.format,
+                "targets": list(record.targets),
+                "trigger_words": list(record.trigger_words),
             }
         )
     occupancy = engine.occupancy()

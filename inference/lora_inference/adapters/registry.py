@@ -53,6 +53,11 @@ class AdapterRecord:
     scale: float = 1.0
     # A stack: the records it sums, each at its scale, in name order (empty for a file).
     members: tuple[tuple[AdapterRecord, float], ...] = ()
+    # What the file is (lora_volume.formats.Format.key), which components it changes, and the
+    # words its metadata says to prompt with: shown to users, never used to serve.
+    format: str = "lora"
+    targets: tuple[str, ...] = ()
+    trigger_words: tuple[str, ...] = ()
 
     @property
     def key(self) -> str:

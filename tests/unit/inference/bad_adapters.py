@@ -67,7 +67,12 @@ def write_bad_adapters(
     mutating = dict(base)
     mutating["unet.conv_in.diff"] = torch.zeros(3)
     bad.append(
-        BadAdapter("mutates-base", _save_dir(root / "mutates-base", mutating), 422, "own weights")
+        BadAdapter(
+            "mutates-base",
+            _save_dir(root / "mutates-base", mutating),
+            422,
+            "full weight differences",
+        )
     )
 
     for label, value in (("nan", float("nan")), ("inf", float("inf"))):
