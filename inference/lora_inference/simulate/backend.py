@@ -71,6 +71,8 @@ class ParsedAdapter:
     weights_file: Path
     layers: Mapping[Any, Any]
     packed: Any  # no slot row to copy: a simulated slot holds only a size
+    format: str = "lora"
+    trigger_words: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -142,12 +144,14 @@ class SimulatedBackend:
         data = weights.read_bytes()
         header = files.parse_safetensors_header(data, len(data), name=weights.name)
         keys = sorted(header.tensors)
-        files.check_lora_keys(keys, name=name)
+        fmt = files.check_lora_keys(keys, name=name)
         rank = max(
             (
-                t.shape[0]
+                # LoHa is served at r1 x r2 (lora_inference.formats); a pair at its rank.
+                t.shape[0] ** (2 if k.endswith("hada_w1_b") else 1)
                 for k, t in header.tensors.items()
-                if ("lora_A" in k or "lora_down" in k) and t.shape
+                if ("lora_A" in k or "lora_down" in k or k.endswith(("hada_w1_b", "lokr_w2_b")))
+                and t.shape
             ),
             default=0,
         )
@@ -172,6 +176,8 @@ class SimulatedBackend:
             weights_file=weights,
             layers={_LAYER: SimulatedWeights(mb=mb, rank=rank)},
             packed=None,
+            format=fmt.key,
+            trigger_words=files.trigger_words(header),
         )
 
     def pack(self, layers: Mapping[Any, Any], *, name: str) -> None:
