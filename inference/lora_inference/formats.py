@@ -233,6 +233,19 @@ def _convert(pipe: Any, tensors: Tensors, name: str) -> tuple[dict[str, Tensors]
     return parts, {k: float(v) for k, v in (alphas or {}).items()}
 
 
+def _magnitude(part: Tensors, module: str) -> torch.Tensor | None:
+    for key in (f"{module}.lora_magnitude_vector", f"{module}.lora_magnitude_vector.weight"):
+        if key in part:
+            return part[key].reshape(-1)
+    return None
+
+
+def is_pair_key(key: str) -> bool:
+    """Whether a converted key is half of a pair (what `validation` checks), not a bias or a
+    DoRA magnitude (checked with their layer when packed)."""
+    return not key.endswith((".bias", ".lora_magnitude_vector", ".lora_magnitude_vector.weight"))
+
+
 def fit_conv_pairs(parts: dict[str, Tensors], shapes: validation.ModelShapes) -> None:
     """Give flattened pairs on Conv2d layers (LoHa's and LoKr's) the conv shapes peft uses:
     down (r, in, kh, kw), up (out, r, 1, 1). In place; anything else is left for validation."""
@@ -308,10 +321,12 @@ def layer_weights(
     rank_pattern = config.rank_pattern or {}
     alpha_pattern = config.alpha_pattern or {}
     for key in part:
-        if key.endswith(".lora_B.bias") and key.replace(".bias", ".weight") not in part:
+        module, sep, _ = key.rpartition(".lora_B.bias")
+        if not sep:
+            module, sep, _ = key.rpartition(".lora_magnitude_vector")
+        if sep and f"{module}.lora_A.weight" not in part:
             raise errors.IncompatibleAdapter(
-                f"adapter {name!r}: '{component}.{key}' is a bias without its LoRA pair",
-                param="lora_path",
+                f"adapter {name!r}: '{component}.{key}' has no LoRA pair", param="lora_path"
             )
     layers: dict[LayerKey, LayerWeights] = {}
     for key, down in part.items():
@@ -338,5 +353,6 @@ def layer_weights(
             alpha=float(alpha),
             rslora=bool(config.use_rslora),
             bias=part.get(f"{module}.lora_B.bias"),
+            magnitude=_magnitude(part, module),
         )
     return layers

@@ -193,9 +193,9 @@ class DiffusionBackend:
         tensors.update(cast)
         parts, alphas = formats.convert(self.pipe, tensors, fmt, name=name)
         formats.fit_conv_pairs(parts, self.shapes)
-        # Biases are checked with their layer (`slots.Slots.pack`); the pairs here.
+        # Biases and DoRA magnitudes are checked with their layer (`slots.Slots.pack`).
         shapes = {
-            c: {k: tuple(v.shape) for k, v in part.items() if not k.endswith(".bias")}
+            c: {k: tuple(v.shape) for k, v in part.items() if formats.is_pair_key(k)}
             for c, part in parts.items()
         }
         summary = validation.check_adapter_fits(shapes, self.shapes, max_rank=max_rank, name=name)

@@ -18,11 +18,10 @@ rows' A and B gathered by a per-row slot index, two batched products, one add. T
 pass is the largest of the call's adapters on that layer (padding with zeros adds exact zeros). A
 call of one adapter indexes its slot directly, and merges it into the layers the cost model
 chooses (`W += scale x B @ A`, restored afterwards from a pristine copy, never by subtracting).
-Biases an adapter trained on its B (peft's lora_bias) live in a second, small buffer of one row
-per slot (every layer's fan_out), added by the same hooks per image at its scale; such layers
-always run as a branch, since the base layer may have no bias to merge into. Layers no adapter
-of the call targets run their base layer alone, bit-identical to a model that never held an
-adapter, and so does every layer outside a call.
+Biases an adapter trained on its B (peft's lora_bias) and DoRA's magnitudes are added by the
+same hooks, per image at its scale (`output_terms`); such layers always run as a branch. Layers
+no adapter of the call targets run their base layer alone, bit-identical to a model that never
+held an adapter, and so does every layer outside a call.
 
 Runs on the pipeline thread only, apart from `pack` (any thread: touches no buffer); nothing here
 is thread-safe. Imports torch, never diffusers or peft.
@@ -39,6 +38,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from lora_inference import output_terms
+
 LayerKey = tuple[str, str]  # (pipeline component, module path inside it)
 
 
@@ -52,6 +53,8 @@ class LayerWeights:
     rslora: bool
     # lora_B's bias (fan_out,), when the adapter trained one (peft's lora_bias): scaled like B.
     bias: torch.Tensor | None = None
+    # DoRA's magnitude per output row (peft's lora_magnitude_vector), when it is one.
+    magnitude: torch.Tensor | None = None
 
     @property
     def rank(self) -> int:
@@ -115,7 +118,7 @@ class _Call:
     index: torch.Tensor | None  # per image: its slot index (0: the base model)
     scales: torch.Tensor | None  # per image: its scale
     by_repeats: dict[int, tuple[torch.Tensor, torch.Tensor]]
-    biased: frozenset[LayerKey] = frozenset()  # layers where some image's adapter has a bias
+    terms: frozenset[LayerKey] = frozenset()  # layers where an image's adapter has output terms
 
     def rows(self, repeats: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The per-row index and scale when a layer sees the images `repeats` times (under
@@ -159,11 +162,15 @@ class Slots:
         self._rows = torch.zeros(
             count + 1, self.layout.row_elements, device=self.device, dtype=self.dtype
         )
-        # Biases (rare: peft's lora_bias) beside the planes, one row per slot, row 0 zeros.
-        self._bias_rows = torch.zeros(
-            count + 1, self.layout.bias_elements, device=self.device, dtype=self.dtype
+        # Biases and DoRA (rare) beside the planes: see output_terms.
+        self._terms = output_terms.OutputTerms(
+            {k: (room.bias_offset, room.fan_out) for k, room in self.layout.rooms.items()},
+            self._modules,
+            count=count,
+            device=self.device,
+            dtype=self.dtype,
         )
-        self._biased: dict[str, frozenset[LayerKey]] = {}  # slot name -> layers with a bias
+        self._with_terms: dict[str, frozenset[LayerKey]] = {}  # slot name -> layers with terms
         # Per layer, strided views of every slot's A [slots+1, r_max, fan_in] and
         # B [slots+1, fan_out, r_max] inside the rows.
         self._a: dict[LayerKey, torch.Tensor] = {}
@@ -223,11 +230,7 @@ class Slots:
                     f"{tuple(weights.up.shape)} do not fit a layer of {room.fan_in} in and "
                     f"{room.fan_out} out"
                 )
-            if weights.bias is not None and tuple(weights.bias.shape) != (room.fan_out,):
-                raise ValueError(
-                    f"{key[0]}.{key[1]}: bias {tuple(weights.bias.shape)} does not fit a layer "
-                    f"of {room.fan_out} out"
-                )
+            self._terms.check(key, weights)
             a = planes[: weights.rank, room.a_offset : room.a_offset + room.fan_in]
             b = planes[: weights.rank, room.b_offset : room.b_offset + room.fan_out]
             a.copy_(down)
@@ -284,44 +287,23 @@ class Slots:
                 row[:filled].copy_(planes)
                 row[filled:left].zero_()
             self._planes[index] = filled // self.layout.plane_elements
-            biased = self._place_biases(index, layers)
+            with_terms = self._terms.place(index, layers)
         except BaseException:
             self.clear(slot)
             raise
-        self._biased[slot] = biased
+        self._with_terms[slot] = with_terms
         self._held[slot] = {key: weights.rank for key, weights in layers.items()}
         for key in layers.keys() - self._hooked:
             self._hook(key)
 
-    def _place_biases(
-        self, index: int, layers: Mapping[LayerKey, LayerWeights]
-    ) -> frozenset[LayerKey]:
-        """Write the biases of `layers` (scaling folded in) into row `index`; zeros elsewhere."""
-        row = self._bias_rows[index]
-        row.zero_()
-        biased = []
-        for key, weights in layers.items():
-            if weights.bias is None:
-                continue
-            room = self.layout.rooms[key]
-            if tuple(weights.bias.shape) != (room.fan_out,):
-                raise ValueError(
-                    f"{key[0]}.{key[1]}: bias {tuple(weights.bias.shape)} does not fit a layer "
-                    f"of {room.fan_out} out"
-                )
-            scaled = weights.bias.to(torch.float64) * weights.scaling
-            row[room.bias_offset : room.bias_offset + room.fan_out].copy_(scaled)
-            biased.append(key)
-        return frozenset(biased)
-
     def clear(self, slot: str) -> None:
         """Empty `slot`: its row becomes zeros and free again."""
         self._held.pop(slot, None)
-        self._biased.pop(slot, None)
+        self._with_terms.pop(slot, None)
         index = self._index.pop(slot, None)
         if index is not None:
             self._rows[index].zero_()
-            self._bias_rows[index].zero_()
+            self._terms.clear(index)
             self._planes[index] = 0
             self._free.append(index)
 
@@ -353,9 +335,9 @@ class Slots:
                 raise RuntimeError(f"slot {slot} holds no adapter")
         if merged and (len(kinds) != 1 or None in per_image):
             raise ValueError("only a call of one adapter merges")
-        biased = frozenset().union(*(self._biased.get(slot, frozenset()) for slot in kinds))
-        # A layer with a bias keeps its branch: base layers may have no bias to merge it into.
-        merged = [key for key in merged if key not in biased]
+        terms = frozenset().union(*(self._with_terms.get(slot, frozenset()) for slot in kinds))
+        # A layer with output terms keeps its branch (output_terms says why).
+        merged = [key for key in merged if key not in terms]
         ranks: dict[LayerKey, int] = {}
         for slot in kinds:
             for key, rank in self._held[slot].items():
@@ -367,7 +349,7 @@ class Slots:
         elif single:
             (slot,) = kinds
             self._call = _Call(
-                len(per_image), ranks, self._index[slot], scales[slot], None, None, {}, biased
+                len(per_image), ranks, self._index[slot], scales[slot], None, None, {}, terms
             )
         else:
             index = [0 if s is None else self._index[s] for s in per_image]
@@ -380,7 +362,7 @@ class Slots:
                 index=torch.tensor(index, device=self.device),
                 scales=torch.tensor(scale, device=self.device, dtype=self.dtype),
                 by_repeats={},
-                biased=biased,
+                terms=terms,
             )
         try:
             with self._merged(next(iter(kinds)) if merged else "", merged, scales):
@@ -426,17 +408,17 @@ class Slots:
 
     def bias_delta(self, slot: str, key: LayerKey, scale: float) -> torch.Tensor:
         """What `slot` adds to `key`'s output besides `delta` (its bias), at `scale`."""
-        room = self.layout.rooms[key]
-        row = self._bias_rows[self._index[slot]]
-        return row[room.bias_offset : room.bias_offset + room.fan_out] * scale
+        return self._terms.bias_delta(self._index[slot], key, scale)
+
+    def gain(self, slot: str, key: LayerKey, scale: float) -> torch.Tensor:
+        """DoRA's per-row gain of `slot` on `key` at `scale` (ones without DoRA)."""
+        return self._terms.gain(self._index[slot], key, scale)
 
     # -- the hooks ------------------------------------------------------------------------------
 
     def _hook(self, key: LayerKey) -> None:
         module = self._modules[key]
         a_all, b_all = self._a[key], self._b[key]
-        room = self.layout.rooms[key]
-        bias_all = self._bias_rows[:, room.bias_offset : room.bias_offset + room.fan_out]
         conv = isinstance(module, torch.nn.Conv2d)
 
         def hook(module: torch.nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> Any:
@@ -458,9 +440,15 @@ class Slots:
                 flat = x.reshape(rows, -1, x.shape[-1])
                 inner = torch.bmm(flat, a[index].transpose(1, 2)) * scales.view(-1, 1, 1)
                 branch = torch.bmm(inner, b[index].transpose(1, 2))
-            output += branch.view(output.shape).to(output.dtype)
-            if key in call.biased:
-                output += _bias_branch(bias_all, call, output, conv).to(output.dtype)
+            branch = branch.view(output.shape).to(output.dtype)
+            if key in call.terms:
+                if call.single is not None:
+                    index = torch.tensor([call.single])
+                    scales = torch.tensor([call.scale], dtype=torch.float64)
+                else:
+                    index, scales = call.rows(_repeats(int(output.shape[0]), call.images))
+                return self._terms.apply(key, output, branch, index, scales, conv=conv)
+            output += branch
             return output
 
         module.register_forward_hook(hook)
@@ -485,22 +473,6 @@ def _conv_branch(
     weights_b = b[index].reshape(-1, rank, 1, 1)
     out = F.conv2d(inner.reshape(1, rows * rank, *inner.shape[2:]), weights_b, groups=rows)
     return out.view(rows, -1, *out.shape[2:])
-
-
-def _bias_branch(
-    bias_all: torch.Tensor, call: _Call, output: torch.Tensor, conv: bool
-) -> torch.Tensor:
-    """Each image's bias at its scale, shaped to broadcast over `output` (rows first; a
-    Linear's features last, a Conv2d's channels second)."""
-    if call.single is not None:
-        bias = bias_all[call.single] * call.scale
-        return bias.view(-1, 1, 1) if conv else bias
-    rows = int(output.shape[0])
-    index, scales = call.rows(_repeats(rows, call.images))
-    bias = bias_all[index] * scales.view(-1, 1)
-    if conv:
-        return bias.view(rows, -1, 1, 1)
-    return bias.view(rows, *(1 for _ in output.shape[1:-1]), -1)
 
 
 def _plain_conv(module: torch.nn.Conv2d) -> bool:

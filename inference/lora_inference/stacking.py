@@ -79,6 +79,13 @@ def _stackable(parts: list[tuple[Member, LayerWeights]]) -> bool:
 
 
 def _sum(parts: list[tuple[Member, LayerWeights]]) -> LayerWeights:
+    if any(w.magnitude is not None for _, w in parts):
+        names = ", ".join(m.name for m, w in parts if w.magnitude is not None)
+        raise errors.IncompatibleAdapter(
+            f"{names}: a DoRA adapter cannot be stacked (its rescale of the weights is not a sum "
+            "of deltas); use it alone",
+            param="lora",
+        )
     dtype = parts[0][1].up.dtype
     down = torch.cat([w.down.to(dtype) for _, w in parts], dim=0)
     # The product runs in float32 and is rounded once, to the members' dtype.

@@ -35,13 +35,15 @@ LOHA = Format("loha", "LyCORIS LoHa")
 LOKR = Format("lokr", "LyCORIS LoKr")
 XLABS = Format("xlabs", "XLabs Flux LoRA")
 LORA_BIAS = Format("lora_bias", "LoRA with biases")
-SERVED = (LORA, LOCON, LOHA, LOKR, XLABS, LORA_BIAS)
+DORA = Format("dora", "DoRA (peft)")
+SERVED = (LORA, LOCON, LOHA, LOKR, XLABS, LORA_BIAS, DORA)
 
 # A tensor name's role, by the part after its module path. Order matters: the first match wins.
 _ROLES: tuple[tuple[str, re.Pattern[str]], ...] = tuple(
     (role, re.compile(pattern))
     for role, pattern in (
-        ("dora", r"(^|[._])(dora_scale|lora_magnitude_vector)([._]|$)"),
+        ("dora", r"\.lora_magnitude_vector(\.weight)?$"),
+        ("dora_scale", r"(^|[._])dora_scale([._]|$)"),
         ("bias", r"\.lora_B\.bias$"),
         ("kohya_bias", r"\.lora_up\.bias$"),
         ("diff", r"\.diff(_b)?$"),
@@ -70,10 +72,10 @@ _ROLES: tuple[tuple[str, re.Pattern[str]], ...] = tuple(
 
 # Refused by name: what each one is, and what to do instead.
 _REFUSED = {
-    "dora": (
-        "DoRA (dora_scale / lora_magnitude_vector)",
-        "its per-column rescale of the base weight is not served yet; use the adapter without "
-        "DoRA (retrain or re-export it as a plain LoRA)",
+    "dora_scale": (
+        "kohya / LyCORIS DoRA (dora_scale)",
+        "DoRA is served in peft's form only (lora_magnitude_vector, saved by peft and diffusers); "
+        "re-export it with peft, or use the adapter as a plain LoRA",
     ),
     "kohya_bias": (
         "kohya-named LoRA with biases (lora_up.bias)",
@@ -123,6 +125,7 @@ _SERVED_BY_ROLE = {
     "locon_mid": LOCON,
     "xlabs": XLABS,
     "bias": LORA_BIAS,
+    "dora": DORA,
 }
 
 
@@ -157,7 +160,7 @@ def classify(keys: Iterable[str], *, name: str = "adapter") -> Format:
             "server knows (LoRA, LoCon, LoHa, LoKr, XLabs); is this a full checkpoint rather "
             "than an adapter?"
         )
-    for served in ("lokr", "loha", "locon_mid", "xlabs", "bias"):
+    for served in ("dora", "lokr", "loha", "locon_mid", "xlabs", "bias"):
         if served in roles:
             return _SERVED_BY_ROLE[served]
     return LORA

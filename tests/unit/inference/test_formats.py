@@ -500,3 +500,137 @@ def test_files_the_converters_cannot_read_are_4xx_never_500(case: str, tmp_path:
     served = errors.from_volume(error) if isinstance(error, volume_errors.VolumeError) else error
     assert 400 <= served.status < 500, served.message
     assert words in served.message
+
+
+# -- DoRA (peft's form) --------------------------------------------------------------------------
+
+
+def peft_dora(pipe: Any) -> tuple[Tensors, dict[str, str]]:
+    """A DoRA file as peft and diffusers save it: pairs, and a magnitude per output row (for a
+    conv, peft's (1, out, 1, 1)), near the rows' norms so the rescale is that of a trained one."""
+    denoiser = "unet" if getattr(pipe, "unet", None) is not None else "transformer"
+    model = getattr(pipe, denoiser)
+    tensors = build_random_lora(pipe, seed=9, strength=0.3)
+    if denoiser == "unet":
+        conv = model.get_submodule("down_blocks.0.resnets.0.conv1")
+        g = torch.Generator().manual_seed(10)
+        tensors["unet.down_blocks.0.resnets.0.conv1.lora_A.weight"] = (
+            _randn(g, 4, conv.in_channels, 3, 3) * 0.2
+        )
+        tensors["unet.down_blocks.0.resnets.0.conv1.lora_B.weight"] = (
+            _randn(g, conv.out_channels, 4, 1, 1) * 0.2
+        )
+    g = torch.Generator().manual_seed(11)
+    for key in [k for k in tensors if k.endswith("lora_A.weight")]:
+        module = key.removesuffix(".lora_A.weight")
+        weight = model.get_submodule(module.split(".", 1)[1]).weight.detach().double()
+        up = tensors[f"{module}.lora_B.weight"].double()
+        delta = up.reshape(up.shape[0], -1) @ tensors[key].double().reshape(up.shape[1], -1)
+        norms = (weight.reshape(weight.shape[0], -1) + 0.5 * delta).norm(dim=1)
+        magnitude = (norms * (1 + 0.5 * (2 * torch.rand(norms.shape, generator=g) - 1))).float()
+        shape = (1, -1, 1, 1) if weight.dim() == 4 else (-1,)
+        tensors[f"{module}.lora_magnitude_vector"] = magnitude.reshape(shape)
+    config = {"r": 4, "lora_alpha": 2, "use_dora": True}
+    config["target_modules"] = sorted({k.split(".lora_")[0].split(".", 1)[1] for k in tensors})
+    metadata = {
+        "lora_adapter_metadata": json.dumps({f"{denoiser}.{k}": v for k, v in config.items()})
+    }
+    return tensors, metadata
+
+
+def _dora_by_definition(
+    module: Any, x: torch.Tensor, tensors: Tensors, stem: str, scale: float
+) -> torch.Tensor:
+    """peft's DoRA: W' = m / |W + s c B A|_row (W + s c B A), then the layer with W'."""
+    weight = module.weight.double()
+    up = tensors[f"{stem}.lora_B.weight"].double()
+    down = tensors[f"{stem}.lora_A.weight"].double()
+    adapted = weight.reshape(weight.shape[0], -1) + scale * 0.5 * (
+        up.reshape(up.shape[0], -1) @ down.reshape(down.shape[0], -1)
+    )
+    magnitude = tensors[f"{stem}.lora_magnitude_vector"].double().reshape(-1, 1)
+    rescaled = (magnitude / adapted.norm(dim=1, keepdim=True) * adapted).reshape(weight.shape)
+    bias = None if module.bias is None else module.bias.double()
+    if isinstance(module, torch.nn.Conv2d):
+        return torch.nn.functional.conv2d(
+            x, rescaled, bias, module.stride, module.padding, module.dilation
+        )
+    return torch.nn.functional.linear(x, rescaled, bias)
+
+
+@pytest.mark.parametrize("arch", ["sd15", "flux"])
+def test_dora_layers_give_exactly_peft_s_definition_alone_and_beside_the_base_model(
+    arch: str, float64_backends: dict[str, DiffusionBackend], tmp_path: Path
+) -> None:
+    backend = float64_backends[arch]
+    tensors, metadata = peft_dora(backend.pipe)
+    parsed = backend.parse_adapter(
+        write(tmp_path / "d.safetensors", tensors, metadata), name="d", max_rank=64
+    )
+    assert parsed.format == "dora"
+    denoiser = "unet" if arch == "sd15" else "transformer"
+    backend.place("d", parsed)
+    g = torch.Generator().manual_seed(0)
+    try:
+        for component, path in parsed.layers:
+            module = getattr(backend.pipe, component).get_submodule(path)
+            conv = isinstance(module, torch.nn.Conv2d)
+            x = (
+                _randn(g, 2, module.in_channels, 6, 6)
+                if conv
+                else _randn(g, 2, 3, module.in_features)
+            )
+            x = x.double()
+            stem = f"{denoiser}.{path}"
+            with torch.no_grad():
+                base = module(x)
+                for per_image, scale in ((["d", "d"], 0.7), (["d", None], -0.4)):
+                    with backend.slots.call(per_image, {"d": scale}):
+                        served = module(x)
+                    wanted = _dora_by_definition(module, x, tensors, stem, scale)
+                    worst = float((served[0] - wanted[0]).abs().max())
+                    assert worst < 1e-10, f"{path} at {scale}: {worst:.3g} off"
+                    if per_image[1] is None:  # the base model's image: untouched, bit for bit
+                        assert torch.equal(served[1], base[1])
+                    assert float((wanted[0] - base[0]).abs().max()) > 1e-3
+    finally:
+        backend.clear("d")
+
+
+@pytest.mark.parametrize("arch", ["sd15", "flux"])
+def test_a_dora_adapter_in_a_mixed_batch_draws_what_diffusers_draws(
+    arch: str, tmp_path: Path
+) -> None:
+    pipe = build_tiny_pipeline(arch)
+    tensors, metadata = peft_dora(pipe)
+    directory = tmp_path / "dora"
+    write(directory / "pytorch_lora_weights.safetensors", tensors, metadata)
+    backend = DiffusionBackend(pipe, device="cpu", dtype=torch.float32)
+    backend.place("d", backend.parse_adapter(directory, name="d", max_rank=64))
+    plain_lora = build_random_lora(pipe, seed=5)
+    backend.place(
+        "p",
+        backend.parse_adapter(write(tmp_path / "p.safetensors", plain_lora), name="p", max_rank=64),
+    )
+    size = backend.default_size
+    shape = {"width": size, "height": size, "steps": 4, "guidance_scale": 4.0}
+    job = ImageJob(prompt="a lighthouse", negative_prompt=None, seeds=(3,))
+    order = ["p", "d", None]
+    outcome = backend.run_batch([job] * 3, order, {"d": 0.8, "p": 0.7}, **shape)  # type: ignore[arg-type]
+    ours = np.asarray(outcome.images[1]).astype(int)
+
+    oracle = build_tiny_pipeline(arch)
+    oracle.set_progress_bar_config(disable=True)
+    oracle.load_lora_weights(str(directory), adapter_name="oracle")
+    oracle.set_adapters(["oracle"], [0.8])
+    with torch.inference_mode():
+        theirs = oracle(
+            prompt=[job.prompt],
+            generator=[torch.Generator().manual_seed(3)],
+            num_inference_steps=4,
+            guidance_scale=4.0,
+            height=size,
+            width=size,
+        ).images[0]
+    assert int(np.abs(ours - np.asarray(theirs).astype(int)).max()) <= 1
+    assert np.abs(ours - np.asarray(outcome.images[2]).astype(int)).mean() > 0.5

@@ -94,7 +94,7 @@ def test_lora_keys_are_accepted(key: str) -> None:
         pytest.param("model.diffusion_model.input.weight", "not part of a LoRA", id="full-weight"),
         pytest.param("lora_unet_a.diff", "full weight differences", id="weight-delta"),
         pytest.param("lora_unet_a.diff_b", "full weight differences", id="bias-delta"),
-        pytest.param("lora_unet_a.dora_scale", "DoRA", id="dora"),
+        pytest.param("lora_unet_a.dora_scale", r"DoRA \(dora_scale\)", id="dora"),
     ],
 )
 def test_non_lora_keys_are_refused(key: str, message: str) -> None:

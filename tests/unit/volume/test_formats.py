@@ -31,6 +31,15 @@ SERVED = [
         id="peft-lora-bias",
     ),
     pytest.param(
+        [
+            "unet.a.to_q.lora_A.weight",
+            "unet.a.to_q.lora_B.weight",
+            "unet.a.to_q.lora_magnitude_vector",
+        ],
+        "dora",
+        id="peft-dora",
+    ),
+    pytest.param(
         [*PAIR, "lora_unet_b_conv.lora_mid.weight", "lora_unet_b_conv.alpha"],
         "locon",
         id="locon-tucker",
@@ -57,8 +66,7 @@ SERVED = [
 ]
 
 REFUSED = [
-    pytest.param("lora_unet_a.dora_scale", "DoRA", id="dora-kohya"),
-    pytest.param("unet.a.lora_magnitude_vector", "DoRA", id="dora-peft"),
+    pytest.param("lora_unet_a.dora_scale", "kohya / LyCORIS DoRA", id="dora-kohya"),
     pytest.param("lora_unet_a_to_q.lora_up.bias", "kohya-named LoRA with biases", id="kohya-bias"),
     pytest.param("lora_unet_a.diff", "full weight differences", id="diff"),
     pytest.param("lora_unet_a_norm.diff_b", "full weight differences", id="diff-b"),
