@@ -1,7 +1,8 @@
 """The README's first steps as a platform team takes them: `make images` leaves the images tagged
 in buildah's storage, `make push` copies them to a registry and `make chart-push` the packaged
 chart, as an OCI artifact the chart installs from. The registry is a real one (Debian's
-`docker-registry`: the distribution registry), on this machine's loopback over plain HTTP.
+`docker-registry`: the distribution registry), on this machine's loopback over plain HTTP, and
+the local cluster's own (`lora-devcluster up --registry`), which its node pulls from.
 
 Only the operator image is pushed here (`PUSH_IMAGES=operator`): the inference image takes the
 same path, and gzipping its 5 GB would cost minutes of the suite."""
@@ -22,6 +23,8 @@ from pathlib import Path
 import pytest
 import yaml
 from lora_devcluster import images
+from lora_devcluster import registry as registry_mod
+from lora_devcluster.harness import Harness
 
 from tests.support import ROOT
 from tests.support.chart import CHART, run_helm, unavailable
@@ -147,3 +150,58 @@ def test_make_push_and_chart_push_to_a_registry(
     local = run_helm(helm, "template", "lora-operator", str(CHART), "-n", "lora", *values)
     assert from_registry.returncode == 0, from_registry.stderr
     assert from_registry.stdout == local.stdout
+
+
+def test_the_chart_and_its_image_install_from_the_local_clusters_registry(
+    crds: Harness,
+    devcluster_namespace: str,
+    helm: str,
+    tmp_path: Path,
+) -> None:
+    """`lora-devcluster up --registry` (the session's cluster has it): the chart installs from
+    its registry and the node pulls the operator image from there, as a GPU cluster does; the
+    image imported under its own name stays usable afterwards (same image ID, two names)."""
+    h, ns = crds, devcluster_namespace
+    dest = f"{registry_mod.ADDRESS}/{REPO}"
+    _make("push", f"REGISTRY={dest}", "PLAIN_HTTP=1", "PUSH_IMAGES=operator")
+    _make("chart-push", f"REGISTRY={dest}", "PLAIN_HTTP=1")
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    operator: dict[str, object] = {
+        "watchNamespaces": [ns],
+        "image": {"repository": f"{dest}/operator", "pullPolicy": "IfNotPresent"},
+    }
+    values = {
+        "crds": {"enabled": False},  # the session's CRD (the crds fixture)
+        "adapterVolume": {"accessModes": ["ReadWriteOnce"]},
+        "operator": operator,
+        "inference": {"enabled": False},
+    }
+    (tmp_path / "values.yaml").write_text(yaml.safe_dump(values))
+    argv = ["helm", "install", "lora-operator", f"oci://{dest}/lora-operator"]
+    argv += ["--version", chart["version"], "--plain-http", "-n", ns]
+    argv += ["-f", str(tmp_path / "values.yaml"), "--wait", "--timeout", "5m"]
+    try:
+        h.run(argv)
+        (pod,) = h.pods(ns, "app.kubernetes.io/component=operator")
+        (status,) = pod["status"]["containerStatuses"]
+        # Pulled: the image's digest is the registry's, under the registry's name.
+        assert status["imageID"].startswith(f"{dest}/operator@sha256:"), status
+        assert status["ready"], status
+        assert h.get_or_none(f"/api/v1/namespaces/{ns}/secrets/lora-operator-admin-token")
+    finally:
+        h.run(["helm", "uninstall", "lora-operator", "-n", ns, "--ignore-not-found"], check=False)
+    # The kubelet keeps a record of what it pulled by image ID; a release naming the imported
+    # image (same ID, as every other release of the suite does) must still start without a
+    # registry behind that name: its hook Job and operator run.
+    del operator["image"]
+    (tmp_path / "values.yaml").write_text(yaml.safe_dump(values))
+    local = ["helm", "install", "lora-operator", str(CHART), "-n", ns]
+    local += ["-f", str(tmp_path / "values.yaml"), "--wait", "--timeout", "2m"]
+    try:
+        h.run(local)
+        (pod,) = h.pods(ns, "app.kubernetes.io/component=operator")
+        (status,) = pod["status"]["containerStatuses"]
+        assert status["image"].endswith("lora-operator/operator:" + chart["appVersion"]), status
+        assert status["ready"], status
+    finally:
+        h.run(["helm", "uninstall", "lora-operator", "-n", ns, "--ignore-not-found"], check=False)
