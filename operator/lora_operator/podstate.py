@@ -18,7 +18,7 @@ that changes it, one event at a time:
                                          Failed at the bound), retried with the same backoff
 
 Only `Reported` makes an entry Loaded: what the pod says is the only evidence that it serves an
-adapter. The worker of a pod (controller.py) feeds the events and acts; this module decides.
+adapter. The worker of a pod (controller/workers.py) feeds the events and acts; this module decides.
 """
 
 from __future__ import annotations

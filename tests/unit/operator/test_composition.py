@@ -179,10 +179,10 @@ async def test_a_composition_follows_its_members_revisions_and_degrades_without_
         assert rig.pods.held["p1"]["duo"].revision == _staged(rig, "duo")
         # It comes back: staged again at once (not after the failed attempt's backoff) from
         # the same revisions, Ready again.
-        waiting = c.adapters[(NS, "duo")].staging_task
+        waiting = c.adapters[(NS, "duo")].staging.task
         assert waiting is not None and not waiting.done()
         c.adapter_changed(adapter(rig.volume, "b"))
-        assert c.adapters[(NS, "duo")].staging_task is not waiting
+        assert c.adapters[(NS, "duo")].staging.task is not waiting
         await until("duo Ready again", lambda: rig.api.phases("duo")[-1] == "Ready")
 
 
@@ -205,5 +205,5 @@ def _reasons(rig: Rig, name: str) -> list[str]:
 
 def _staged(rig: Rig, name: str) -> str | None:
     rec = rig.controller.adapters.get((NS, name))
-    staged = rec.staging_state.staged if rec is not None else None
+    staged = rec.staging.state.staged if rec is not None else None
     return staged.sha256 if staged is not None else None

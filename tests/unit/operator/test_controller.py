@@ -456,16 +456,16 @@ async def test_a_permanent_failure_of_the_current_generation_survives_a_restart(
     )
     c.adapter_changed(b)
     rec = c.adapters[("ns", "a")]
-    assert (rec.staging_state.permanent, rec.staging_state.error_reason) == (
+    assert (rec.staging.state.permanent, rec.staging.state.error_reason) == (
         True,
         "ChecksumMismatch",
     )
-    assert rec.staging_task is None  # not staged again
+    assert rec.staging.task is None  # not staged again
     info = adapter_info(b)
-    assert summarise(info, rec.staging_state, []).phase == "Failed"
+    assert summarise(info, rec.staging.state, []).phase == "Failed"
     # Generation 1's revision is still on the volume: resuming does not download again.
-    assert not needs_staging(info, rec.staging_state.observed_generation, volume_current=SHA)
-    assert rec.written_headline == ("Failed", None)
+    assert not needs_staging(info, rec.staging.state.observed_generation, volume_current=SHA)
+    assert rec.status.headline == ("Failed", None)
 
 
 async def test_a_staged_generation_is_seeded_as_staged(tmp_path: Path) -> None:
@@ -473,7 +473,7 @@ async def test_a_staged_generation_is_seeded_as_staged(tmp_path: Path) -> None:
     c.adapter_changed(
         seeded_body(generation=3, staged_reason="Staged", staged_status="True", observed=3)
     )
-    state = c.adapters[("ns", "a")].staging_state
+    state = c.adapters[("ns", "a")].staging.state
     assert state.permanent is False
     assert state.path == "/v/ns/a/revisions/" + SHA
     assert state.staged is not None and state.staged.sha256 == SHA
@@ -522,7 +522,7 @@ async def test_the_target_is_published_with_the_adapter_and_after_a_restart(
     try:
         restarted.adapter_changed({**body, "status": status})
         await until("target published", target_file.exists)
-        assert restarted.adapters[(NS, "a")].staging_task is None
+        assert restarted.adapters[(NS, "a")].staging.task is None
     finally:
         await restarted.stop()
 

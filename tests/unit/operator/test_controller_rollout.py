@@ -117,7 +117,7 @@ async def test_a_rollout_holds_both_revisions_steps_on_promotes_and_collects(
         assert ("a", "Normal", "RolloutPromoted") in {(o, t, r) for o, t, r, _ in rig.api.events}
 
         # The last step's pause ends: promoting, then the name serves v2 and the alias goes.
-        await until("promoted", lambda: rig.ready("a") and rollout_status(rig) is None, 10)
+        await until("promoted", lambda: rig.ready("a") and rollout_status(rig) is None, timeout=10)
         await until("the alias unloaded", lambda: all(held(rig, p) == {"a": v2} for p in pods))
         states = [s["rollout"]["state"] for s in rig.api.status["a"] if s.get("rollout")]
         assert states[-1] == "Promoting"
@@ -138,8 +138,8 @@ async def test_an_abort_sends_everything_back_and_keeps_the_stable_revision(
         await until("alias unloaded", lambda: held(rig, "p1") == {"a": v1})
         # The stable revision stays on the volume whatever collects, as does the new one
         # (`current`): staging the stable one again, or a fix, goes on from here.
-        c._collect_event.set()
-        await until("a collection", lambda: not c._collect_event.is_set())
+        c.collector.wake.set()
+        await until("a collection", lambda: not c.collector.wake.is_set())
         assert {v1, v2} <= revisions_on_volume(rig.volume)
         # A promote after an abort is refused with the reason.
         c.adapter_changed(annotated(body, "promote", "10"))
@@ -165,7 +165,7 @@ async def test_a_restarted_operator_continues_the_rollout_where_it_was(tmp_path:
         restarted.adapter_changed({**body, "status": status})
         rec = restarted.adapters[(NS, "a")]
         assert rec.rollout == rollout.restore(status["rollout"])
-        assert rec.staging_task is None  # nothing staged again
+        assert rec.staging.task is None  # nothing staged again
         restarted.adapter_changed(annotated({**body, "status": status}, "promote", "3"))
         await until(
             "step 2 after the restart",
@@ -202,7 +202,7 @@ async def test_a_composition_follows_its_member_s_stable_revision_until_promoted
 
         assert member_a() == v1  # what `a` serves under its name, not its canary
         c.adapter_changed(annotated(body, "promote", "5"))
-        await until("a promoted", lambda: rollout_status(rig) is None, 10)
+        await until("a promoted", lambda: rollout_status(rig) is None, timeout=10)
         await until("ab staged again with a's new revision", lambda: member_a() == v2)
 
 

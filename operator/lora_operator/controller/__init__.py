@@ -1,0 +1,298 @@
+"""The controller: stages adapters, keeps every inference pod's adapters equal to what it should
+hold, and writes each LoRAAdapter's status and Events. kopf's handlers (handlers.py) feed it
+events; the decisions are pure functions (planning, podstate, placement, autoscale, rollout,
+canary, status, events, resume, gc, peering); the actors of this package do the I/O and the
+waiting, each over its own part of the state:
+
+| actor | module | owns |
+|---|---|---|
+| cache | records | the adapter and pod records, kopf's indices |
+| stager | stager | each record's `staging`; the compositions |
+| pod workers | workers | the pod records; each adapter's `entries` (on each pod) |
+| placer | placer | the placements, which are stale |
+| autoscaler | autoscaler | each record's `scaling` |
+| status writer | writer | each record's `status`; which adapters are due; the phase gauge |
+| rollouts | rollouts | each record's `rolling` |
+| event recorder | recorder | the Event series; the untrusted pods reported |
+| collector | collector | when to collect the volume |
+| finalizer | finalizer | each record's `deletion`; the adapters waiting to be unloaded |
+
+Actors reach each other only through `signals.Signals` (plain calls on the one event loop);
+each exposes `forget(key)` for an adapter that is gone. This module wires them, and is the
+surface kopf's handlers call: `adapter_changed`, `pod_changed`, `delete`, `start`, `stop`,
+`set_active`, `use_credentials`, `on_stop`.
+
+With several replicas (`--peering`), everything here waits while `peering.Mirror` says another
+replica acts; the first thing a replica does when it starts acting is to clean `.tmp/`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Coroutine
+from typing import Any
+from urllib.parse import urlsplit
+
+import kopf
+
+from lora_operator import kube, peering, staging
+from lora_operator.config import OperatorConfig
+from lora_operator.controller.autoscaler import Autoscaler
+from lora_operator.controller.collector import Collector
+from lora_operator.controller.finalizer import Finalizer
+from lora_operator.controller.placer import Placer
+from lora_operator.controller.recorder import Recorder
+from lora_operator.controller.records import AdapterRecord, Cache, PodRecord, seed
+from lora_operator.controller.rollouts import Rollouts
+from lora_operator.controller.seams import Api, Body, Key, Pods, Seams, Volume
+from lora_operator.controller.signals import Hub, Shared
+from lora_operator.controller.stager import Stager
+from lora_operator.controller.workers import Workers
+from lora_operator.controller.writer import StatusWriter
+from lora_operator.metrics import Metrics
+from lora_operator.model import AdapterInfo, PodInfo, adapter_info
+from lora_operator.podclient import PodClient
+from lora_operator.resume import needs_staging
+
+__all__ = ["AdapterRecord", "Api", "Controller", "PodRecord", "Pods", "Volume", "needs_staging"]
+
+log = logging.getLogger("lora_operator")
+
+
+class Controller:
+    def __init__(
+        self,
+        config: OperatorConfig,
+        metrics: Metrics | None = None,
+        *,
+        pods: Pods | None = None,
+        volume: Volume | None = None,
+        api: Api | None = None,
+        identity: str | None = None,
+    ) -> None:
+        self.config = config
+        self.metrics = metrics or Metrics()
+        self.seams = Seams(
+            pods=pods
+            or PodClient(
+                admin_token=config.admin_token,
+                token_file=config.admin_token_file,
+                timeout_s=config.load_timeout_s,
+            ),
+            volume=volume
+            or staging.Store(
+                config.volume_root,
+                max_bytes=config.max_adapter_bytes,
+                max_concurrent=config.max_concurrent_stagings,
+                hf_endpoint=config.hf_endpoint,
+            ),
+            api=api,
+        )
+        if api is not None:
+            self.seams.logged_in.set()
+        self.trust = config.trust_policy
+        self.identity = identity or peering.own_identity()
+        self.priority = (
+            config.peering_priority
+            if config.peering_priority is not None
+            else peering.start_priority()
+        )
+        self.cache = Cache()
+        self.hub = hub = Hub()
+        shared = Shared(config, self.metrics, self.seams, self.cache, hub)
+        self.placer = hub.placer = Placer(shared)
+        self.rollouts = hub.rollouts = Rollouts(shared, self.placer)
+        self.writer = hub.writer = StatusWriter(shared, self.placer, self.rollouts)
+        self.workers = hub.workers = Workers(shared, self.placer)
+        self.stager = hub.stager = Stager(shared)
+        self.collector = hub.collector = Collector(shared)
+        self.finalizer = hub.finalizer = Finalizer(shared)
+        self.recorder = hub.recorder = Recorder(shared)
+        self.autoscaler = Autoscaler(shared)
+        self._on_stop: list[Callable[[], Coroutine[Any, Any, None]]] = []
+
+    # -- the seams and the records, as tests and handlers see them ------------------------------
+
+    @property
+    def active(self) -> asyncio.Event:
+        return self.seams.active
+
+    @property
+    def volume(self) -> Volume:
+        return self.seams.volume
+
+    @volume.setter
+    def volume(self, volume: Volume) -> None:
+        self.seams.volume = volume
+
+    @property
+    def pod_client(self) -> Pods:
+        return self.seams.pods
+
+    @pod_client.setter
+    def pod_client(self, pods: Pods) -> None:
+        self.seams.pods = pods
+
+    @property
+    def adapters(self) -> dict[Key, AdapterRecord]:
+        return self.cache.adapters
+
+    @property
+    def pods(self) -> dict[Key, PodRecord]:
+        return self.cache.pods
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    def use_credentials(self, info: kopf.ConnectionInfo) -> None:
+        server = urlsplit(info.server)
+        if server.hostname:
+            self.seams.api_endpoint = (server.hostname, server.port or 443)
+        old, self.seams.api = self.seams.api, kube.KubeApi(info, instance=self.identity)
+        if old is not None:
+            self.hub.spawn(old.close())
+        self.seams.logged_in.set()
+
+    def start(
+        self,
+        pods_index: kopf.Index[str, PodInfo] | None = None,
+        adapters_index: kopf.Index[str, AdapterInfo] | None = None,
+    ) -> None:
+        """Begin: at once when standalone, else when the peering says this replica acts.
+
+        kopf's indices are complete before its first event handler runs: the controller reads
+        them where a missing object would do harm (a pod's wants, collection)."""
+        self.cache.pods_index, self.cache.adapters_index = pods_index, adapters_index
+        self.hub.spawn(self.writer.run(), name="status-writer")
+        self.hub.spawn(self.collector.run(), name="collector")
+        self.hub.spawn(self.autoscaler.run(), name="autoscaler")
+        if self.config.standalone:
+            self.set_active(True)
+            return
+        if self.config.peering is None:
+            raise ValueError("a controller that is not standalone needs a peering object")
+        mirror = peering.Mirror(
+            self.seams.api_now,
+            peering.peering_paths(self.config.peering, self.config.namespaces),
+            self.identity,
+            self.priority,
+            self.set_active,
+        )
+        self.hub.spawn(self._after_login(mirror.run()), name="peering")
+
+    def on_stop(self, callback: Callable[[], Coroutine[Any, Any, None]]) -> None:
+        self._on_stop.append(callback)
+
+    async def stop(self) -> None:
+        for callback in self._on_stop:
+            await callback()
+        tasks = [*self.workers.tasks(), *self.stager.tasks(), *self.hub.background]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await self.seams.pods.close()
+        if self.seams.api is not None:
+            await self.seams.api.close()
+
+    def set_active(self, active: bool) -> None:
+        """Start acting (this replica leads, or stands alone), or stop (another one leads)."""
+        if active == self.active.is_set():
+            return
+        if not active:
+            self.active.clear()
+            log.info("action=standby identity=%s", self.identity)
+            self.workers.standby()
+            for task in self.stager.tasks():
+                task.cancel()
+            return
+        # Only the replica that acts may clean: another one's downloads live there too.
+        removed = self.seams.volume.clean_tmp()
+        log.info(
+            "action=activate identity=%s priority=%d clean-tmp removed=%d",
+            self.identity,
+            self.priority,
+            removed,
+        )
+        self.active.set()
+        self.workers.activate()
+        for rec in self.adapters.values():
+            self.stager.consider(rec)
+            self.hub.mark(rec.key)
+
+    async def _after_login(self, coro: Coroutine[Any, Any, None]) -> None:
+        await self.seams.logged_in.wait()
+        await coro
+
+    # -- what kopf tells us -------------------------------------------------------------------
+
+    def adapter_changed(self, body: Body, deleted: bool = False) -> None:
+        info = adapter_info(body)
+        key = info.key
+        if deleted:
+            self._forget(key)
+            return
+        rec = self.adapters.get(key)
+        if rec is None:
+            rec = self.adapters[key] = seed(info, body)
+            generation_changed = True
+        else:
+            generation_changed = rec.info.generation != info.generation
+            rec.info = info
+        self.stager.changed(rec, generation_changed)
+        self.stager.restage_compositions_of(info)
+        if info.autoscale is None:
+            self.autoscaler.forget(key)
+        fingerprint = (
+            info.deleting,
+            info.scale,
+            info.pinned,
+            info.selector,
+            info.base_model,
+            info.replicas,
+            info.autoscale,
+        )
+        if info.command is not None:
+            self.hub.mark(key)  # the status pass takes the rollout command (rollouts.advance)
+        if rec.fingerprint != fingerprint:
+            rec.fingerprint = fingerprint
+            self.placer.stale(info.namespace)
+            if not info.deleting:  # a deletion wakes the pods once it has unpublished
+                self.workers.wake_namespace(info.namespace)
+            self.hub.mark(key)
+
+    def pod_changed(self, info: PodInfo, deleted: bool = False) -> None:
+        if deleted:
+            self.recorder.forget_pod(info.key)
+        elif self.recorder.refuse(info, self.trust):
+            deleted = True  # not one of the release's inference pods: no worker, no call
+        self.placer.stale(info.namespace)
+        if deleted:
+            self.workers.forget(info.key)
+        else:
+            self.workers.changed(info)
+
+    async def delete(self, body: Body) -> None:
+        """The finalizer: unpublish, unload from every pod (gone pods are fine), collect, and
+        let go."""
+        await self.active.wait()
+        self.adapter_changed(body)
+        await self.finalizer.finalize(adapter_info(body), self._forget)
+
+    def _forget(self, key: Key) -> None:
+        """The adapter is gone: every actor lets go of it, then the cache drops its record."""
+        for actor in (
+            self.stager,
+            self.rollouts,
+            self.finalizer,
+            self.recorder,
+            self.writer,
+            self.placer,
+        ):
+            actor.forget(key)
+        rec = self.cache.forget(key)
+        if rec is not None:
+            self.stager.restage_compositions_of(rec.info)
+
+    def targeted(self, rec: AdapterRecord) -> list[tuple[PodInfo, Any]]:
+        """The Ready pods this adapter belongs on, with its entry on each (placer.targeted)."""
+        return self.placer.targeted(rec)

@@ -1,0 +1,75 @@
+"""The finalizer (a LoRAAdapter being deleted): unpublish first (no pod resolves the name from
+then on), then wait until no pod holds it (the pod workers unload it: it is no longer wanted),
+at most `unload_grace_s`, and let go. It owns the record's `deletion` sub-record and the set of
+adapters waiting to be unloaded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+from lora_operator import events
+from lora_operator import status as status_mod
+from lora_operator.controller.seams import Key
+from lora_operator.controller.signals import Actor, Shared
+from lora_operator.model import AdapterInfo
+
+log = logging.getLogger("lora_operator")
+
+
+class Finalizer(Actor):
+    def __init__(self, shared: Shared) -> None:
+        super().__init__(shared)
+        self._unloading: set[Key] = set()  # unpublished, waiting for no pod to hold them
+
+    def forget(self, key: Key) -> None:
+        self._unloading.discard(key)
+        rec = self.cache.adapters.get(key)
+        if rec is not None:
+            rec.deletion.unloaded.set()
+
+    async def finalize(self, info: AdapterInfo, forget: Callable[[Key], None]) -> None:
+        """Unpublish, wait for the pods to unload, then `forget` the adapter everywhere."""
+        rec = self.cache.adapters[info.key]
+        task = rec.staging.task
+        if task is not None:
+            task.cancel()
+            await asyncio.wait([task])  # a publish in progress ends first
+        await self.seams.volume.unpublish(info.namespace, info.name)
+        rec.deletion.unpublished = True
+        self._unloading.add(info.key)
+        log.info("action=unpublish adapter=%s/%s", *info.key)
+        self.signals.wake_namespace(info.namespace)
+        self.check_unloaded(info.namespace)
+        try:
+            await asyncio.wait_for(rec.deletion.unloaded.wait(), self.config.unload_grace_s)
+        except TimeoutError:
+            holders = sorted(
+                p.info.name
+                for p in self.cache.pods_in(info.namespace)
+                if p.report is not None and p.report.holds(info.name)
+            )
+            self.signals.post(
+                info,
+                events.Note(
+                    "Warning",
+                    "UnloadIncomplete",
+                    f"pods still report the adapter after {self.config.unload_grace_s:.0f}s: "
+                    f"{status_mod.name_list(holders)}; releasing it anyway",
+                ),
+            )
+        log.info("action=delete adapter=%s/%s", *info.key)
+        forget(info.key)
+        self.signals.collect()
+
+    def check_unloaded(self, namespace: str) -> None:
+        """Release the deletions of the namespace's adapters that no pod holds any more."""
+        waiting = [self.cache.adapters[k] for k in self._unloading if k[0] == namespace]
+        if not waiting:
+            return
+        held = self.cache.held(namespace)
+        for rec in waiting:
+            if rec.info.name not in held:
+                rec.deletion.unloaded.set()

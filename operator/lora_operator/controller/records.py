@@ -1,0 +1,223 @@
+"""The shared cache: one `AdapterRecord` per LoRAAdapter and one `PodRecord` per inference pod,
+and the reads every actor shares (the namespace's adapters and pods, kopf's indices, the record
+behind a served name).
+
+An adapter's record is made of sub-records, each written by one actor only and read by the
+others: `info` (the cache, from kopf's events), `staging` (the stager), `entries` (the pod
+workers: the adapter's entry on each pod), `status` (the status writer), `scale` (the
+autoscaler), `rollout` (rollouts) and `deletion` (the finalizer). A pod's record is its
+worker's, except `info` (the cache). The cache adds and drops records; it makes no decision.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import kopf
+
+from lora_operator import autoscale, planning, rollout, status
+from lora_operator.controller.seams import Body, Key
+from lora_operator.model import AdapterInfo, Command, PodInfo
+from lora_operator.podstate import PodEntry
+from lora_operator.resume import RecordedLoad, plan_resume
+
+
+@dataclass
+class Staging:
+    """The stager's: its state (what status renders), the task and the generation it stages."""
+
+    state: status.StagingState
+    task: asyncio.Task[None] | None = None
+    generation: int | None = None
+
+
+@dataclass
+class Entries:
+    """The pod workers': the adapter's entry on each pod under its own name (`own`) and under
+    its rollout's canary alias (`canary`), and the loads an earlier process recorded."""
+
+    own: dict[str, PodEntry] = field(default_factory=dict)  # pod name -> entry
+    canary: dict[str, PodEntry] = field(default_factory=dict)
+    recorded_loads: dict[str, RecordedLoad] = field(default_factory=dict)
+
+
+@dataclass
+class Written:
+    """The status writer's: the status the object has, and what summarise says now."""
+
+    body: dict[str, Any] | None = None
+    headline: status.Headline | None = None
+    at: float = field(default_factory=time.monotonic)  # or when first seen
+    now: tuple[str, str] | None = None  # the headline summarise gives now
+    now_since: float = field(default_factory=time.monotonic)
+    phase: str | None = None  # for the phase gauge
+
+
+@dataclass
+class Scaling:
+    """The autoscaler's: the replicas chosen now, and the pods' hit counters at the last
+    measurement (pod/served name -> count, and when)."""
+
+    scale: autoscale.Scale | None = None
+    hits_seen: tuple[dict[str, int], float] | None = None
+
+
+@dataclass
+class Rolling:
+    """Rollouts': the rollout under way (None: none), its timer, and the command taken last."""
+
+    rollout: rollout.Rollout | None = None
+    wake: asyncio.TimerHandle | None = None
+    taking: bool = False  # removing the rollout annotation, to act on it
+    taken: Command | None = None  # acted on (or gone): not taken again
+
+
+@dataclass
+class Deletion:
+    """The finalizer's: whether the adapter's `current` is gone, and when no pod holds it."""
+
+    unpublished: bool = False
+    unloaded: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+@dataclass
+class AdapterRecord:
+    """Everything the controller knows about one LoRAAdapter."""
+
+    info: AdapterInfo
+    staging: Staging
+    entries: Entries = field(default_factory=Entries)
+    status: Written = field(default_factory=Written)
+    scaling: Scaling = field(default_factory=Scaling)
+    rolling: Rolling = field(default_factory=Rolling)
+    deletion: Deletion = field(default_factory=Deletion)
+    fingerprint: tuple[Any, ...] = ()  # the cache's: the fields that move pods and placement
+
+    @property
+    def key(self) -> Key:
+        return self.info.key
+
+    @property
+    def rollout(self) -> rollout.Rollout | None:
+        return self.rolling.rollout
+
+
+def seed(info: AdapterInfo, body: Body) -> AdapterRecord:
+    """A record for an adapter first seen, resumed from its status (resume.plan_resume)."""
+    resumed = plan_resume(info, body.get("status"))
+    return AdapterRecord(
+        info=info,
+        staging=Staging(resumed.staging),
+        entries=Entries(recorded_loads=resumed.recorded_loads),
+        status=Written(body=resumed.written, headline=resumed.written_headline),
+        scaling=Scaling(scale=resumed.scale),
+        rolling=Rolling(rollout=resumed.rollout),
+    )
+
+
+class Recorded(NamedTuple):
+    """A served name's want and card last recorded for a pod, and the entry they gave."""
+
+    want: planning.Want
+    card: planning.Card | None
+    entry: PodEntry
+
+
+@dataclass
+class PodRecord:
+    """One inference pod: its worker and what it last reported."""
+
+    info: PodInfo
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+    task: asyncio.Task[None] | None = None
+    report: planning.PodReport | None = None
+    retry_in: float | None = None  # a backoff after a failure, instead of the resync interval
+    failures: int = 0  # consecutive failures to read the pod's /v1/models
+    heard: bool = False  # reported (or kept failing) since this replica began to act
+    # The served names with an entry for this pod (`_record` skips what has not changed).
+    entries: dict[str, Recorded] = field(default_factory=dict)
+
+
+# An adapter's entries on the pods under one served name: its own, or its canary alias's.
+Found = tuple[AdapterRecord, dict[str, PodEntry]]
+
+
+class Cache:
+    """The records, and kopf's indices (complete from the first event on)."""
+
+    def __init__(self) -> None:
+        self.adapters: dict[Key, AdapterRecord] = {}
+        self.pods: dict[Key, PodRecord] = {}
+        self.pods_index: kopf.Index[str, PodInfo] | None = None
+        self.adapters_index: kopf.Index[str, AdapterInfo] | None = None
+
+    def forget(self, key: Key) -> AdapterRecord | None:
+        return self.adapters.pop(key, None)
+
+    def adapters_in(self, namespace: str) -> list[AdapterRecord]:
+        return [r for k, r in self.adapters.items() if k[0] == namespace]
+
+    def pods_in(self, namespace: str) -> list[PodRecord]:
+        return [p for k, p in self.pods.items() if k[0] == namespace]
+
+    def indexed(self, namespace: str) -> Iterable[AdapterInfo]:
+        """The namespace's adapters as kopf's index has them: complete from the first event on,
+        even while their own events are still being delivered."""
+        if self.adapters_index is None:
+            return [r.info for r in self.adapters_in(namespace)]
+        return list(self.adapters_index.get(namespace, ()))
+
+    def indexed_pods(self, namespace: str) -> Iterable[PodInfo]:
+        if self.pods_index is None:
+            return [p.info for p in self.pods_in(namespace)]
+        return list(self.pods_index.get(namespace, ()))
+
+    def current(self, info: AdapterInfo) -> tuple[AdapterInfo, AdapterRecord | None]:
+        """The newest of what kopf's index and the cache know of an adapter."""
+        rec = self.adapters.get(info.key)
+        return (rec.info, rec) if rec is not None else (info, None)
+
+    def served(self, namespace: str, served: str) -> Found | None:
+        """The record and entries behind a name a pod serves: an adapter's own name, or the
+        alias of its rollout's canary."""
+        rec = self.adapters.get((namespace, served))
+        if rec is not None:
+            return rec, rec.entries.own
+        name = served.rpartition(rollout.ALIAS_SEPARATOR)[0]
+        rec = self.adapters.get((namespace, name))
+        r = rec.rollout if rec is not None else None
+        if rec is None or r is None or rollout.alias(name, r.canary) != served:
+            return None
+        return rec, rec.entries.canary
+
+    def heard(self, namespace: str) -> bool:
+        """Whether every Ready pod of the namespace has reported since this replica began to
+        act: until then a status could claim fewer pods than an earlier process had seen."""
+        for pod in self.indexed_pods(namespace):
+            prec = self.pods.get(pod.key)
+            if pod.reachable and (prec is None or not prec.heard):
+                return False
+        return True
+
+    def all_reported(self) -> bool:
+        """Whether every Ready pod has a report (kopf's index lists every pod there is)."""
+        namespaces = set(self.pods_index or ()) | {k[0] for k in self.pods}
+        return all(
+            (prec := self.pods.get(pod.key)) is not None and prec.report is not None
+            for ns in namespaces
+            for pod in self.indexed_pods(ns)
+            if pod.reachable
+        )
+
+    def held(self, namespace: str) -> set[str]:
+        """The adapters some pod of the namespace reports holding (a revision of)."""
+        return {
+            adapter
+            for p in self.pods_in(namespace)
+            if p.report is not None
+            for adapter, _ in p.report.revisions()
+        }

@@ -1,0 +1,133 @@
+"""How the actors reach each other: one small interface of notices, each handled by the one actor
+that owns what it concerns. An actor never writes another's state; it says what changed.
+
+`Hub` is the one implementation: the controller builds the actors, then binds them here. Every
+actor is an `Actor`: it reads the configuration, the metrics, the seams and the cache, and has
+the signals to reach the others (`Shared`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Coroutine
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+from lora_operator import events
+from lora_operator.config import OperatorConfig
+from lora_operator.controller.records import Cache
+from lora_operator.controller.seams import Key, Seams
+from lora_operator.metrics import Metrics
+from lora_operator.model import AdapterInfo
+
+if TYPE_CHECKING:
+    from lora_operator.controller.collector import Collector
+    from lora_operator.controller.finalizer import Finalizer
+    from lora_operator.controller.placer import Placer
+    from lora_operator.controller.recorder import Recorder
+    from lora_operator.controller.rollouts import Rollouts
+    from lora_operator.controller.stager import Stager
+    from lora_operator.controller.workers import Workers
+    from lora_operator.controller.writer import StatusWriter
+
+
+class Signals(Protocol):
+    def mark(self, key: Key) -> None:
+        """The adapter's status may have changed (the status writer)."""
+
+    def mark_namespace(self, namespace: str) -> None:
+        """Every adapter of the namespace may have changed (the status writer)."""
+
+    def wake_namespace(self, namespace: str) -> None:
+        """What the namespace's pods should hold may have changed (the pod workers)."""
+
+    def replace(self, namespace: str) -> None:
+        """An input of the namespace's placement changed (the placer)."""
+
+    def collect(self) -> None:
+        """A revision may no longer be in use (the collector)."""
+
+    def member_changed(self, member: AdapterInfo) -> None:
+        """An adapter's spec or revision changed, or it is gone (the stager: compositions)."""
+
+    def staged(self, key: Key, serving: str | None, staged: str) -> None:
+        """The adapter staged a new newest revision (rollouts)."""
+
+    def holdings_changed(self, namespace: str) -> None:
+        """What the namespace's pods hold changed (the finalizer)."""
+
+    def post(self, info: AdapterInfo, note: events.Note) -> None:
+        """An Event about the adapter (the event recorder)."""
+
+    def spawn(self, coro: Coroutine[Any, Any, None], name: str | None = None) -> None:
+        """Run in the background, cancelled at stop."""
+
+
+@dataclass(frozen=True)
+class Shared:
+    """What every actor reads, and the signals it reaches the others by."""
+
+    config: OperatorConfig
+    metrics: Metrics
+    seams: Seams
+    cache: Cache
+    signals: Signals
+
+
+class Actor:
+    """One owner of one part of the controller's state."""
+
+    def __init__(self, shared: Shared) -> None:
+        self.config, self.metrics, self.seams = shared.config, shared.metrics, shared.seams
+        self.cache, self.signals = shared.cache, shared.signals
+
+    def forget(self, key: Key) -> None:
+        """The adapter is gone: let go of what this actor holds of it."""
+
+
+class Hub:
+    """Signals, delivered by plain calls on the one event loop."""
+
+    writer: StatusWriter
+    workers: Workers
+    placer: Placer
+    collector: Collector
+    stager: Stager
+    rollouts: Rollouts
+    finalizer: Finalizer
+    recorder: Recorder
+
+    def __init__(self) -> None:
+        self.background: set[asyncio.Task[None]] = set()
+
+    def mark(self, key: Key) -> None:
+        self.writer.mark(key)
+
+    def mark_namespace(self, namespace: str) -> None:
+        self.writer.mark_namespace(namespace)
+
+    def wake_namespace(self, namespace: str) -> None:
+        self.workers.wake_namespace(namespace)
+
+    def replace(self, namespace: str) -> None:
+        self.placer.stale(namespace)
+
+    def collect(self) -> None:
+        self.collector.wake.set()
+
+    def member_changed(self, member: AdapterInfo) -> None:
+        self.stager.restage_compositions_of(member)
+
+    def staged(self, key: Key, serving: str | None, staged: str) -> None:
+        self.rollouts.begin(key, serving, staged)
+
+    def holdings_changed(self, namespace: str) -> None:
+        self.finalizer.check_unloaded(namespace)
+
+    def post(self, info: AdapterInfo, note: events.Note) -> None:
+        self.recorder.post(info, note)
+
+    def spawn(self, coro: Coroutine[Any, Any, None], name: str | None = None) -> None:
+        task = asyncio.create_task(coro, name=name)
+        self.background.add(task)
+        task.add_done_callback(self.background.discard)

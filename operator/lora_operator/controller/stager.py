@@ -1,0 +1,309 @@
+"""The stager: puts each adapter's source (or, for spec.compose, its members' stack) on the
+volume, retrying transient failures with backoff, and stages a composition again when the
+revision its members make changes. It owns the record's `staging` sub-record (the state status
+renders, the task, its generation) and the set of compositions. Which sources it may fetch, and
+from where, is `consent`'s and `sources`' to decide; the store (`staging`) writes the volume.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import os
+import time
+
+import aiohttp
+
+from lora_operator import backoff, composition, consent, errors, kube, sources
+from lora_operator.controller.records import AdapterRecord
+from lora_operator.controller.seams import Key
+from lora_operator.controller.signals import Actor, Shared
+from lora_operator.model import AdapterInfo, StagedRef
+from lora_operator.resume import needs_staging
+
+log = logging.getLogger("lora_operator")
+
+
+class Stager(Actor):
+    def __init__(self, shared: Shared) -> None:
+        super().__init__(shared)
+        # The adapters with spec.compose: what a member's change looks through, so that an
+        # event about one of a thousand plain adapters does not walk all of them.
+        self._compositions: set[Key] = set()
+
+    def changed(self, rec: AdapterRecord, generation_changed: bool) -> None:
+        """The adapter's spec changed: stage it if its generation did."""
+        if rec.info.compose:
+            self._compositions.add(rec.key)
+        else:
+            self._compositions.discard(rec.key)
+        if not rec.info.deleting and generation_changed:
+            self.consider(rec)
+
+    def forget(self, key: Key) -> None:
+        self._compositions.discard(key)
+        rec = self.cache.adapters.get(key)
+        if rec is not None and rec.staging.task is not None:
+            rec.staging.task.cancel()
+
+    def tasks(self) -> list[asyncio.Task[None]]:
+        return [t for r in self.cache.adapters.values() if (t := r.staging.task) is not None]
+
+    def consider(self, rec: AdapterRecord, *, members_changed: bool = False) -> None:
+        """Start staging the spec's source unless the volume holds it or it failed for good.
+
+        `members_changed`: a composition's member changed, which supersedes a staging in
+        progress (or waiting to retry) as a new spec does.
+        """
+        info, staging = rec.info, rec.staging
+        state = staging.state
+        if not self.seams.active.is_set() or info.deleting:
+            return
+        if staging.task is not None and not staging.task.done():
+            if staging.generation == info.generation and not (
+                members_changed and self._outdated(rec)
+            ):
+                return
+            staging.task.cancel()  # a new spec supersedes the staging in progress
+        if state.permanent and state.observed_generation == info.generation:
+            return  # refused for good: retried when the spec changes
+        current = self.seams.volume.current_revision(info.namespace, info.name)
+        composed = self._composed_revision(info)
+        if not needs_staging(info, state.observed_generation, current, composed):
+            # Staged already, perhaps by a release that published no target: the pods'
+            # resolvers must still learn which of them it is for.
+            self._publish_target(info)
+            return
+        if state.observed_generation != info.generation:
+            state.attempts, state.permanent = 0, False
+        staging.generation = info.generation
+        state.in_progress, state.bytes_so_far = True, 0
+        previous = staging.task
+        staging.task = asyncio.create_task(
+            self._stage(rec, previous), name=f"stage {info.namespace}/{info.name}"
+        )
+        self.signals.mark(rec.key)
+
+    def restage_compositions_of(self, member: AdapterInfo) -> None:
+        """`member` changed (its spec, its staged revision, or it is gone): the compositions
+        that name it are staged again if the revision their members make changed."""
+        for key in sorted(self._compositions):
+            rec = self.cache.adapters.get(key)
+            if (
+                rec is not None
+                and key[0] == member.namespace
+                and any(m.name == member.name for m in rec.info.compose)
+            ):
+                self.consider(rec, members_changed=True)
+
+    async def _stage(self, rec: AdapterRecord, previous: asyncio.Task[None] | None) -> None:
+        """Stage until it succeeds or fails for good, retrying with backoff; the phase stays
+        what the last attempt made it (Staging, then Degraded) through the retries."""
+        if previous is not None:
+            await asyncio.wait([previous])  # its publish finishes first
+        state = rec.staging.state
+        try:
+            while True:
+                state.in_progress = True
+                self.signals.mark(rec.key)
+                try:
+                    await self._stage_once(rec)
+                    return
+                except errors.StagingError as e:
+                    delay = self._failed(rec, e)
+                    if delay is None:
+                        return
+                    await asyncio.sleep(delay)
+        finally:
+            state.in_progress = False
+            self.signals.mark(rec.key)
+
+    async def _stage_once(self, rec: AdapterRecord) -> None:
+        info, state = rec.info, rec.staging.state
+        loop = asyncio.get_running_loop()
+
+        def progress(n: int) -> None:  # runs on the fetcher's worker thread
+            state.bytes_so_far = n
+            loop.call_soon_threadsafe(self.signals.mark, rec.key)
+
+        started = time.monotonic()
+        volume = self.seams.volume
+        if info.compose:
+            entries = composition.plan_composition(info, self._members(info))
+            described = "compose:" + ",".join(
+                f"{e.name}@{e.sha256[:12]}*{e.scale:g}" for e in entries
+            )
+            staged = await volume.stage_composition(
+                info.namespace, info.name, entries, target=info.target
+            )
+        else:
+            source = sources.parse_source(info.source.uri, info.source.revision)
+            described = sources.describe(source)
+            credentials = await self._credentials(info)
+            await self._check_source(source, credentials)
+            staged = await volume.stage(
+                info.namespace,
+                info.name,
+                source,
+                credentials=credentials,
+                sha256=info.source.sha256,
+                progress=progress,
+                target=info.target,
+            )
+        seconds = time.monotonic() - started
+        serving = state.staged.sha256 if state.staged is not None else None
+        state.succeeded(
+            StagedRef(sha256=staged.sha256, size=staged.size),
+            str(staged.path),
+            kube.now_iso(),
+            info.generation,
+        )
+        self.signals.staged(rec.key, serving, staged.sha256)
+        self.metrics.stagings.labels("ok").inc()
+        self.metrics.staging_seconds.observe(seconds)
+        if not staged.reused:
+            self.metrics.staged_bytes.inc(staged.size)
+        log.info(
+            "action=staged adapter=%s/%s source=%s sha256=%s bytes=%d reused=%s seconds=%.3f",
+            *rec.key,
+            described,
+            staged.sha256,
+            staged.size,
+            staged.reused,
+            seconds,
+        )
+        self.signals.wake_namespace(info.namespace)
+        self.signals.collect()
+        self.restage_compositions_of(info)
+
+    def _members(self, info: AdapterInfo) -> dict[str, composition.MemberState]:
+        """The members of composition `info` that exist, with the revisions they staged. From
+        kopf's index, complete from the first event on: a member whose own event has not been
+        handled yet is not taken for missing."""
+        wanted = {m.name for m in info.compose}
+        members = {}
+        for member in self.cache.indexed(info.namespace):
+            if member.name in wanted:
+                rec = self.cache.adapters.get(member.key)
+                staged = rec.staging.state.staged if rec is not None else member.staged
+                r = rec.rollout if rec is not None else None
+                if r is not None and staged is not None:
+                    # A member under a rollout takes part with what its name serves: the
+                    # stable revision, until it is promoted.
+                    staged = StagedRef(sha256=r.name_revision, size=staged.size)
+                members[member.name] = composition.MemberState(info=member, staged=staged)
+        return members
+
+    def _composed_revision(self, info: AdapterInfo) -> str | None:
+        """The revision a composition's members make now (None: not a composition, or its
+        members make none: staging it says why)."""
+        if not info.compose:
+            return None
+        try:
+            return composition.composed_revision(
+                composition.plan_composition(info, self._members(info))
+            )
+        except errors.StagingError:
+            return None
+
+    def _outdated(self, rec: AdapterRecord) -> bool:
+        """Whether a composition's staging in progress must start over after a member's change:
+        it waits to retry a failure, or its members now make another revision."""
+        current = self.seams.volume.current_revision(rec.info.namespace, rec.info.name)
+        return rec.staging.state.attempts > 0 or self._composed_revision(rec.info) != current
+
+    def _publish_target(self, info: AdapterInfo) -> None:
+        try:
+            if self.seams.volume.publish_target(info.namespace, info.name, info.target):
+                log.info("action=published-target adapter=%s/%s", *info.key)
+        except errors.StagingError as e:
+            # Pods keep the previous target (or none) until the next try: the next change.
+            log.warning("action=published-target adapter=%s/%s error=%s", *info.key, e)
+
+    def _failed(self, rec: AdapterRecord, e: errors.StagingError) -> float | None:
+        """Record a failure; the delay before the next attempt (None: permanent)."""
+        state = rec.staging.state
+        delay = (
+            None
+            if e.permanent
+            else backoff.delay(state.attempts + 1, cap=self.config.max_backoff_s)
+        )
+        state.failed(
+            permanent=e.permanent,
+            reason=e.reason,
+            message=e.message,
+            next_at=None if delay is None else kube.now_iso(delay),
+            degraded_at_once=e.degrades_at_once,
+        )
+        if e.permanent:
+            state.observed_generation = rec.info.generation
+        self.metrics.stagings.labels("permanent" if e.permanent else "transient").inc()
+        log.warning(
+            "action=stage adapter=%s/%s result=%s reason=%s attempts=%d message=%r",
+            *rec.key,
+            "permanent" if e.permanent else "transient",
+            e.reason,
+            state.attempts,
+            e.message,
+        )
+        return delay
+
+    async def _credentials(self, info: AdapterInfo) -> sources.Credentials:
+        ambient = self.config.source_rules.ambient_for(info.namespace)
+        ref = info.source.secret
+        if not ref:
+            return sources.Credentials(ambient=ambient)
+        api = await self.seams.api_after_login()
+        try:
+            secret = await api.read_secret(info.namespace, ref)
+        except kube.ApiError as e:
+            if e.status == 404:
+                raise errors.SourceUnavailable(
+                    f"Secret {ref!r} (source.secretRef) does not exist in namespace "
+                    f"{info.namespace}; create it"
+                ) from e
+            raise errors.SourceUnavailable(f"cannot read Secret {ref!r}: {e}") from e
+        except (aiohttp.ClientError, TimeoutError) as e:  # the API server unreachable: retried
+            raise errors.SourceUnavailable(f"cannot read Secret {ref!r}: {e!r}") from e
+        except ValueError as e:  # a value that is not base64 of UTF-8 text
+            raise errors.InvalidSource(
+                f"Secret {ref!r} (source.secretRef) holds a value that is not UTF-8 text; "
+                "store the credentials as plain text"
+            ) from e
+        # Before any value is used: a Secret that does not say it is for LoRAAdapters is
+        # refused, and its values never leave the operator.
+        consent.check_secret(ref, secret.labels, secret.annotations)
+        return dataclasses.replace(sources.credentials_from_secret(secret.data), ambient=ambient)
+
+    async def _check_source(self, source: sources.Source, credentials: sources.Credentials) -> None:
+        """Refuse a host outside the allowlist, or one that resolves to a link-local address
+        or the API server (consent decides; this resolves the names)."""
+        endpoint = consent.source_endpoint(source, credentials, self.config.hf_endpoint)
+        if endpoint is None:
+            return
+        host, port = endpoint
+        what = sources.describe(source)
+        consent.check_host(host, self.config.source_rules, what)
+        addresses = await _resolve(host)
+        # The API server's Service address is the API server on every port; the address the
+        # operator logs in to may be a shared host (a node), so there only its port.
+        service = os.environ.get("KUBERNETES_SERVICE_HOST")
+        api_addresses = await _resolve(service) if service else set()
+        api_endpoints: set[tuple[str, int]] = set()
+        if self.seams.api_endpoint is not None:
+            login_host, login_port = self.seams.api_endpoint
+            api_endpoints = {(a, login_port) for a in await _resolve(login_host)}
+        reason = consent.address_refusal(host, port, addresses, api_addresses, api_endpoints)
+        if reason is not None:
+            raise consent.HostRefused(f"{what}: {reason}; the operator never fetches from there")
+
+
+async def _resolve(host: str) -> set[str]:
+    """The addresses `host` resolves to; none when it does not resolve (the fetch then fails
+    with its own message)."""
+    try:
+        infos = await asyncio.get_running_loop().getaddrinfo(host, None)
+    except (OSError, UnicodeError):
+        return set()
+    return {str(i[4][0]) for i in infos}

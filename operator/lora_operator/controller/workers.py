@@ -1,0 +1,332 @@
+"""The pod workers: one per inference pod, so calls to a pod never race; a semaphore bounds the
+calls in flight across pods. A worker runs when something it depends on changes (the pod: new,
+Ready, restarted, relabelled; an adapter of its namespace: staged, respecified, deleted), after
+a failure's backoff, and every `resync_s` otherwise. It reads the pod's `/v1/models`, plans
+(planning.plan_wants, planning.plan_pod), acts, and reads again (every `verify_every_s` of a
+long series of calls, and at its end): what the pod reports is the only evidence that it serves
+an adapter, and nothing is kept that a restart would need.
+
+It owns the pod records (their tasks, reports, backoff) and every adapter's `entries` sub-record
+(its entry on each pod; podstate.transition decides each change).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import time
+from typing import NamedTuple
+
+from lora_operator import backoff, kube, placement, planning, podstate
+from lora_operator.controller.placer import Placer
+from lora_operator.controller.records import Found, PodRecord, Recorded
+from lora_operator.controller.seams import Key
+from lora_operator.controller.signals import Actor, Shared
+from lora_operator.model import PodInfo
+from lora_operator.podclient import PodError
+from lora_operator.podstate import PodEntry
+
+log = logging.getLogger("lora_operator")
+
+# A burst of changes (`kubectl apply` of many adapters, each changed again when it is staged)
+# becomes one pass per pod.
+COALESCE_S = 0.1
+UNHEARD_FAILURES = 3  # a pod that failed this many reads in a row no longer holds status back
+
+
+class Reading(NamedTuple):
+    """A pod's report, and what it should hold and may keep, computed from it at once."""
+
+    report: planning.PodReport
+    wants: dict[str, planning.Want]
+    keep: set[str]
+
+
+class Workers(Actor):
+    def __init__(self, shared: Shared, placer: Placer) -> None:
+        super().__init__(shared)
+        self.placer = placer
+        self._calls = asyncio.Semaphore(self.config.max_concurrent_loads)
+
+    # -- the pods -----------------------------------------------------------------------------
+
+    def changed(self, info: PodInfo) -> None:
+        """A pod came or changed (new IP, readiness, restart, labels, annotations...)."""
+        prec = self.cache.pods.get(info.key)
+        if prec is None:
+            prec = self.cache.pods[info.key] = PodRecord(info=info)
+            self._start(prec)
+            return
+        before, prec.info = prec.info, info
+        if before != info:
+            if before.uid != info.uid or before.restarts != info.restarts:
+                prec.report = None  # a new process: what it held is gone
+            prec.wake.set()
+
+    def forget(self, key: Key) -> None:
+        """The pod is gone (or no longer trusted): its worker ends, its entries go."""
+        prec = self.cache.pods.pop(key, None)
+        if prec is not None:
+            _cancel(prec.task)
+            self._drop_entries(prec)
+
+    def activate(self) -> None:
+        for prec in self.cache.pods.values():
+            self._start(prec)
+
+    def standby(self) -> None:
+        for prec in self.cache.pods.values():
+            _cancel(prec.task)
+            prec.task, prec.report, prec.heard, prec.failures = None, None, False, 0
+
+    def tasks(self) -> list[asyncio.Task[None]]:
+        return [p.task for p in self.cache.pods.values() if p.task is not None]
+
+    def wake_namespace(self, namespace: str) -> None:
+        for prec in self.cache.pods_in(namespace):
+            prec.wake.set()
+
+    def _start(self, prec: PodRecord) -> None:
+        if self.seams.active.is_set() and prec.task is None:
+            prec.task = asyncio.create_task(self._loop(prec), name=f"pod {prec.info.name}")
+            prec.wake.set()
+
+    async def _loop(self, prec: PodRecord) -> None:
+        while True:
+            timeout = prec.retry_in if prec.retry_in is not None else self.config.resync_s
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(prec.wake.wait(), timeout)
+                await asyncio.sleep(COALESCE_S)  # a pass reads and plans every adapter
+            prec.wake.clear()
+            try:
+                await self._reconcile(prec)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # a bug must not end the pod's reconciliation for good
+                log.exception("reconciling pod %s/%s failed", *prec.info.key)
+                prec.retry_in = self.config.max_backoff_s
+
+    # -- one pass -----------------------------------------------------------------------------
+
+    async def _reconcile(self, prec: PodRecord) -> None:
+        pod = prec.info
+        started = time.monotonic()
+        if not pod.reachable:
+            prec.retry_in = None
+            if prec.report is not None or not prec.heard:
+                prec.report, prec.heard = None, True  # not targeted while it is not Ready
+                self._drop_entries(prec)
+            return
+        reading = await self._read(prec)
+        if reading is None:
+            return
+        actions = planning.plan_pod(reading.wants, reading.report, reading.keep)
+        verify_at = time.monotonic() + self.config.verify_every_s
+        acted = False
+        for action in actions:
+            if (
+                prec.info.uid != pod.uid
+                or not prec.info.reachable
+                or not self.seams.active.is_set()
+            ):
+                break  # the pod changed under us: the next pass starts over
+            acted |= await self._act(pod, action)
+            if acted and time.monotonic() >= verify_at:
+                if await self._read(prec) is None:
+                    return
+                acted, verify_at = False, time.monotonic() + self.config.verify_every_s
+        # What the pod now holds is read before the pass ends; when the next pass is already
+        # due (adapters arrived meanwhile), its first read is that evidence: one read a pass,
+        # not two, while a thousand adapters arrive one by one.
+        if acted and not prec.wake.is_set() and await self._read(prec) is None:
+            return
+        delays = [
+            d
+            for name in prec.entries
+            if (found := self.cache.served(pod.namespace, name)) is not None
+            and (entry := found[1].get(pod.name)) is not None
+            and (d := podstate.retry_delay(entry, self.config.max_backoff_s)) is not None
+        ]
+        prec.retry_in = min(delays, default=None)
+        self.metrics.reconcile_seconds.observe(time.monotonic() - started)
+
+    async def _read(self, prec: PodRecord) -> Reading | None:
+        """Read the pod's /v1/models and record it; None (and a backoff) when it fails."""
+        try:
+            async with self._calls:
+                report = await self.seams.pods.models(prec.info)
+        except PodError as e:
+            prec.failures += 1
+            prec.retry_in = backoff.delay(prec.failures, cap=self.config.max_backoff_s)
+            if prec.failures >= UNHEARD_FAILURES and not prec.heard:
+                prec.heard = True
+                self.signals.mark_namespace(prec.info.namespace)
+            log.info(
+                "action=read-models pod=%s/%s result=error message=%r", *prec.info.key, e.message
+            )
+            return None
+        prec.failures = 0
+        return Reading(report, *self._record(prec, report))
+
+    def _wants(
+        self, pod: PodInfo, base_model: str | None
+    ) -> tuple[dict[str, planning.Want], set[str]]:
+        """What the pod should hold, and what it may keep as it is (planning.plan_wants)."""
+        candidates = []
+        for i in self.cache.indexed(pod.namespace):
+            info, rec = self.cache.current(i)
+            if rec is None:
+                candidates.append(planning.Candidate(info, info.staged))
+            else:
+                staged = rec.staging.state.staged
+                unpublished = rec.deletion.unpublished
+                candidates.append(planning.Candidate(info, staged, rec.rollout, unpublished))
+        # Placement is read only where an adapter asks for it (it reads the whole namespace).
+        chosen = (
+            self.placer.refresh(pod.namespace) if any(c.info.placed for c in candidates) else None
+        )
+        placed = chosen.adapters if chosen is not None else None
+        return planning.plan_wants(pod, base_model, candidates, placed)
+
+    def _record(
+        self, prec: PodRecord, report: planning.PodReport
+    ) -> tuple[dict[str, planning.Want], set[str]]:
+        """Take in what the pod reported: every wanted adapter's entry on this pod. Returns
+        what the pod should hold and may keep, which a pass plans with."""
+        pod = prec.info
+        before, prec.report = prec.report, report
+        if before is None or placement.inputs(before) != placement.inputs(report):
+            self.signals.replace(pod.namespace)
+        if not prec.heard:
+            prec.heard = True
+            self.signals.mark_namespace(pod.namespace)
+        wants, keep = self._wants(pod, report.base_model)
+        entries: dict[str, Recorded] = {}
+        for name, want in wants.items():
+            found = self.cache.served(pod.namespace, name)
+            if found is None:
+                continue
+            card = report.cards.get(name)
+            last = prec.entries.get(name)
+            # A pod reads the same for most adapters from one report to the next, and the
+            # same Reported event on the entry it gave changes nothing (podstate), so only
+            # what changed is applied: a pass costs little per adapter at a thousand.
+            if last is None or last != (want, card, found[1].get(pod.name)):
+                last = Recorded(want, card, self._apply(found, pod, podstate.Reported(want, card)))
+            entries[name] = last
+        for name in prec.entries.keys() - wants.keys():
+            found = self.cache.served(pod.namespace, name)
+            if found is not None and found[1].pop(pod.name, None) is not None:
+                self.signals.mark(found[0].key)
+        prec.entries = entries
+        if before is None or before.managed() != report.managed():
+            self.signals.collect()
+            self.signals.holdings_changed(pod.namespace)
+        return wants, keep
+
+    def _apply(self, found: Found, pod: PodInfo, event: podstate.Event) -> PodEntry:
+        """One event of the adapter's entry on `pod` (podstate.transition decides)."""
+        rec, entries = found
+        entry = entries.get(pod.name, PodEntry())
+        new = podstate.transition(entry, event, retry_bound=self.config.retry_bound)
+        if new.state == "Loaded" and new.loaded_at is None:
+            loads = rec.entries.recorded_loads
+            revision, at, seconds = loads.get(pod.name, (None, None, None))
+            if revision == new.revision:  # loaded by an earlier process: keep its record
+                new = dataclasses.replace(new, loaded_at=at, load_seconds=seconds)
+        if new == entry:
+            return entry
+        entries[pod.name] = new
+        self.signals.mark(rec.key)
+        return new
+
+    def _drop_entries(self, prec: PodRecord) -> None:
+        namespace = prec.info.namespace
+        self.signals.replace(namespace)
+        for name in prec.entries:
+            found = self.cache.served(namespace, name)
+            if found is not None and found[1].pop(prec.info.name, None) is not None:
+                self.signals.mark(found[0].key)
+        prec.entries = {}
+        self.signals.mark_namespace(namespace)
+        self.signals.holdings_changed(namespace)
+
+    # -- the calls ----------------------------------------------------------------------------
+
+    async def _act(self, pod: PodInfo, action: planning.Action) -> bool:
+        """Carry out one planned call; True when the pod may have changed."""
+        if isinstance(action, planning.Unload):
+            return await self._unload(pod, action.name)
+        found = self.cache.served(pod.namespace, action.name)
+        if found is None:
+            return False
+        if isinstance(action, planning.Conflict):
+            self._apply(
+                found,
+                pod,
+                podstate.Conflicted(
+                    action.want,
+                    f"pod {pod.name} already serves an adapter named {action.name!r} that the "
+                    "operator did not load (a --lora flag?); rename the LoRAAdapter or drop "
+                    "the flag",
+                ),
+            )
+            return False
+        want = action.want
+        if not podstate.may_load(found[1].get(pod.name, PodEntry()), want):
+            return False  # refused before: retried only when the spec or the revision changes
+        self._apply(found, pod, podstate.Started(want))
+        started = time.monotonic()
+        try:
+            async with self._calls:
+                await self.seams.pods.load(pod, want, inplace=action.inplace)
+        except PodError as e:
+            result = "permanent" if e.permanent else "transient"
+            self.metrics.loads.labels(result).inc()
+            log.warning(
+                "action=load pod=%s/%s adapter=%s revision=%s result=%s message=%r",
+                *pod.key,
+                want.name,
+                want.sha256,
+                result,
+                e.message,
+            )
+            self._apply(found, pod, podstate.Failed(want, e.message, e.permanent))
+            return True
+        seconds = time.monotonic() - started
+        self.metrics.loads.labels("ok").inc()
+        self.metrics.load_seconds.observe(seconds)
+        log.info(
+            "action=%s pod=%s/%s adapter=%s revision=%s result=ok seconds=%.3f",
+            "load-inplace" if action.inplace else "load",
+            *pod.key,
+            want.name,
+            want.sha256,
+            seconds,
+        )
+        self._apply(found, pod, podstate.Succeeded(want, seconds, kube.now_iso()))
+        return True
+
+    async def _unload(self, pod: PodInfo, name: str) -> bool:
+        try:
+            async with self._calls:
+                await self.seams.pods.unload(pod, name)
+        except PodError as e:
+            self.metrics.unloads.labels("error").inc()
+            log.warning(
+                "action=unload pod=%s/%s adapter=%s result=error message=%r",
+                *pod.key,
+                name,
+                e.message,
+            )
+            return True
+        self.metrics.unloads.labels("ok").inc()
+        log.info("action=unload pod=%s/%s adapter=%s result=ok", *pod.key, name)
+        return True
+
+
+def _cancel(task: asyncio.Task[None] | None) -> None:
+    if task is not None:
+        task.cancel()

@@ -1,0 +1,193 @@
+"""The status writer: writes each changed adapter's status, coalesced and paced
+(status.write_delay), each change of headline announced by at most one Event
+(events.plan_event). It owns which adapters are due (`mark`), the record's `status` sub-record
+(what the object has, what summarise says now) and the phase gauge. Before it summarises an
+adapter it has the placer bring the namespace's placement up to date and rollouts step the
+rollout; it changes nothing else.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import Counter
+from typing import Any
+
+from lora_operator import events, kube, rollout
+from lora_operator import status as status_mod
+from lora_operator.controller.placer import Placer
+from lora_operator.controller.records import AdapterRecord
+from lora_operator.controller.rollouts import Rollouts
+from lora_operator.controller.seams import Key
+from lora_operator.controller.signals import Actor, Shared
+
+log = logging.getLogger("lora_operator")
+
+# A burst of changes (`kubectl apply` of many adapters, each changed again when it is staged)
+# becomes one status computation per adapter.
+COALESCE_S = 0.1
+
+
+class StatusWriter(Actor):
+    def __init__(self, shared: Shared, placer: Placer, rollouts: Rollouts) -> None:
+        super().__init__(shared)
+        self.placer, self.rollouts = placer, rollouts
+        self.policy = status_mod.WritePolicy(
+            self.config.status_settle_s, self.config.status_progress_s
+        )
+        self._dirty: set[Key] = set()
+        self._due: dict[Key, float] = {}
+        self._wake = asyncio.Event()
+        self._phases: Counter[str] = Counter()
+        # API writes in flight at once (the API server's client-side budget is small: a burst of
+        # hundreds must queue here, not time out).
+        self._slots = asyncio.Semaphore(8)
+
+    def mark(self, key: Key) -> None:
+        self._dirty.add(key)
+        self._wake.set()
+
+    def mark_namespace(self, namespace: str) -> None:
+        for rec in self.cache.adapters_in(namespace):
+            self.mark(rec.key)
+
+    def retry(self, key: Key, delay: float = 1.0) -> None:
+        """Pass over the adapter again after `delay` even if nothing changes."""
+        self._due[key] = time.monotonic() + delay
+        self._wake.set()
+
+    def forget(self, key: Key) -> None:
+        rec = self.cache.adapters.get(key)
+        if rec is not None:
+            self._set_phase(rec, None)
+        self._dirty.discard(key)
+        self._due.pop(key, None)
+
+    async def run(self) -> None:
+        while True:
+            now = time.monotonic()
+            timeout = max(0.0, min(self._due.values()) - now) if self._due else None
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), timeout)
+            self._wake.clear()
+            await asyncio.sleep(COALESCE_S)
+            if not self.seams.active.is_set():
+                continue
+            await self._pass()
+
+    async def _pass(self) -> None:
+        now = time.monotonic()
+        keys = self._dirty | {k for k, t in self._due.items() if t <= now}
+        self._dirty = set()
+        heard: dict[str, bool] = {}
+        writes = []
+        for key in keys:
+            due = self._due.pop(key, None)
+            rec = self.cache.adapters.get(key)
+            if rec is None or rec.info.deleting:
+                continue  # a deleted adapter's status is no news to anyone
+            ns = key[0]
+            if not heard.setdefault(ns, self.cache.heard(ns)):
+                self._due[key] = now + 0.5
+                continue
+            if rec.info.placed:
+                self.placer.refresh(ns)
+            targeted = self.placer.targeted(rec)
+            placed = self.placer.placed(rec)
+            self.rollouts.advance(rec, targeted)
+            r = rec.rollout
+            summary = status_mod.summarise(
+                rec.info,
+                rec.staging.state,
+                targeted,
+                retry_bound=self.config.retry_bound,
+                placed=placed,
+                serving=r.name_revision if r is not None else None,
+            )
+            self._set_phase(rec, summary.phase)
+            written = rec.status
+            rollout_body = self.rollouts.render(rec, targeted)
+            # The routers read the weights from the status: a change there is written at once.
+            reroutes = rollout.routing_changed((written.body or {}).get("rollout"), rollout_body)
+            if written.now != summary.headline:
+                written.now, written.now_since = summary.headline, now
+            elif due is not None and due > now and not reroutes:
+                # A write is planned for this phase and reason already: it will take what is
+                # new then (rendering every change of a Loading adapter costs CPU).
+                self._due[key] = due
+                continue
+            body = status_mod.render(
+                rec.info,
+                rec.staging.state,
+                targeted,
+                summary,
+                (written.body or {}).get("conditions") or [],
+                kube.now_iso(),
+                placed,
+            )
+            body["rollout"] = rollout_body
+            delay = status_mod.write_delay(
+                written.body,
+                written.headline,
+                body,
+                summary,
+                since_headline=now - written.now_since,
+                since_write=now - written.at,
+                policy=self.policy,
+            )
+            if reroutes:
+                delay = 0.0
+            if delay is None:
+                continue
+            if delay > 0:
+                self._due[key] = now + delay
+                continue
+            writes.append(self._write(rec, body, summary))
+        await asyncio.gather(*writes)
+
+    async def _write(
+        self, rec: AdapterRecord, body: dict[str, Any], summary: status_mod.Summary
+    ) -> None:
+        async with self._slots:
+            api = await self.seams.api_after_login()
+            try:
+                await api.patch_adapter_status(rec.info.namespace, rec.info.name, body)
+            except kube.ApiError as e:
+                if e.status == 404:
+                    return  # deleted meanwhile
+                self._failed(rec.key, e)
+                return
+            except Exception as e:  # the next change or the retry writes it; never stop
+                self._failed(rec.key, e)
+                return
+        written = rec.status
+        note = events.plan_event(written.headline, summary)
+        written.body, written.headline = body, summary.headline
+        written.at = time.monotonic()
+        if note is not None:
+            log.info(
+                "action=phase adapter=%s/%s phase=%s reason=%s ready=%s message=%r",
+                *rec.key,
+                summary.phase,
+                summary.reason,
+                body["ready"],
+                summary.message,
+            )
+            self.signals.post(rec.info, note)
+
+    def _failed(self, key: Key, e: Exception) -> None:
+        log.warning("writing the status of %s/%s failed: %s", *key, e)
+        self.retry(key)
+
+    def _set_phase(self, rec: AdapterRecord, phase: str | None) -> None:
+        written = rec.status
+        if written.phase == phase:
+            return
+        if written.phase is not None:
+            self._phases[written.phase] -= 1
+        if phase is not None:
+            self._phases[phase] += 1
+        written.phase = phase
+        self.metrics.set_phases(dict(self._phases))
