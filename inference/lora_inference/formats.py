@@ -3,13 +3,15 @@
 What `lora_volume.formats` names by tensor names, this module converts, on the CPU, touching no
 pipeline state (any thread):
 
-- LyCORIS formats become plain kohya pairs first, in float64, exactly (`lycoris_to_lora`):
+- LyCORIS formats become plain kohya pairs first, in float64, exactly (`to_folded_pairs`):
   LoCon's Tucker core folds into its down factor (a 1x1 conv followed by a k x k conv is one
   k x k conv); LoHa's Hadamard product of two low-rank factors is exactly a rank r1 x r2 pair
   (the row-wise Khatri-Rao product of the factors); LoKr's Kronecker product with a factored w2
   is exactly a pair of rank min(a, c) x r (kron(W1, U V) = kron(W1, U) kron(I, V), or
   kron(I, U) kron(W1, V)). Each pair carries the format's scale, alpha / dim, in its up
-  factor and is served at scaling 1 (`at_format_scale`), plain pairs of such files included.
+  factor and is served at scaling 1 (`at_scaling_one`), plain pairs of such files included.
+  Kohya-named SD 3 files, which diffusers has no converter for, are folded the same way and
+  renamed here (`_sd3_kohya_to_peft`), fused qkv layers split exactly.
   A pair wider than its layer is stored at the layer's full rank instead (still exact).
 - Then diffusers' own converters rename the pairs per family (kohya, XLabs and ai-toolkit Flux,
   SGM block names), and diffusers' and peft's configuration code works out each layer's rank,
@@ -24,7 +26,8 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from collections.abc import Mapping
+import re
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -72,13 +75,22 @@ def _bad(name: str, fmt: formats.Format, why: str) -> errors.IncompatibleAdapter
 # -- LyCORIS -> LoRA pairs (exact) ----------------------------------------------------------------
 
 
-def lycoris_to_lora(tensors: Tensors, fmt: formats.Format, *, name: str) -> Tensors:
-    """`tensors` with every LyCORIS module replaced by a kohya pair of the same delta (pure).
+def folds_scale(pipe: Any, tensors: Tensors, fmt: formats.Format) -> bool:
+    """Whether the file's pairs are converted here, each module's scale folded into it
+    (`to_folded_pairs`), rather than left to diffusers' alpha handling: LyCORIS files, and
+    kohya-named files for SD 3, which diffusers has no converter for."""
+    return fmt in (formats.LOCON, formats.LOHA, formats.LOKR) or _kohya_sd3(pipe, tensors)
 
-    Plain pairs and other formats pass through untouched. The new pairs are float64.
-    """
-    if fmt not in (formats.LOCON, formats.LOHA, formats.LOKR):
-        return tensors
+
+def _kohya_sd3(pipe: Any, tensors: Mapping[str, torch.Tensor]) -> bool:
+    return type(pipe).__name__ == "StableDiffusion3Pipeline" and any(
+        k.startswith(_KOHYA_PREFIXES) for k in tensors
+    )
+
+
+def to_folded_pairs(tensors: Tensors, fmt: formats.Format, *, name: str) -> Tensors:
+    """`tensors` with every module, LyCORIS or plain pair, replaced by a kohya pair of the same
+    delta with the module's scale folded into its up factor (pure). Float64."""
     modules: dict[str, dict[str, torch.Tensor]] = {}
     out: Tensors = {}
     for key, tensor in tensors.items():
@@ -107,14 +119,10 @@ def lycoris_to_lora(tensors: Tensors, fmt: formats.Format, *, name: str) -> Tens
     return out
 
 
-def at_format_scale(
-    layers: Mapping[LayerKey, LayerWeights], fmt: formats.Format
-) -> dict[LayerKey, LayerWeights]:
-    """`layers` of a file `lycoris_to_lora` converted, at scaling 1: its pairs carry the
+def at_scaling_one(layers: Mapping[LayerKey, LayerWeights]) -> dict[LayerKey, LayerWeights]:
+    """`layers` of a file `to_folded_pairs` converted, at scaling 1: its pairs carry the
     format's scale already, and diffusers' alpha patterns, which can give a layer another
-    layer's alpha, must not apply it again. Other formats keep diffusers' setup."""
-    if fmt not in (formats.LOCON, formats.LOHA, formats.LOKR):
-        return dict(layers)
+    layer's alpha, must not apply it again."""
     return {k: dataclasses.replace(w, alpha=float(w.rank), rslora=False) for k, w in layers.items()}
 
 
@@ -182,20 +190,75 @@ def convert(
     """Convert keys the way diffusers does when loading: peft names grouped by component,
     and the network alphas of kohya-style files. Every converter error is IncompatibleAdapter."""
     family = type(pipe).__name__
-    if family == "StableDiffusion3Pipeline" and any(k.startswith(_KOHYA_PREFIXES) for k in tensors):
-        raise _bad(
-            name,
-            fmt,
-            "kohya-named files (lora_unet_*, lora_te*_*) are not served for SD 3 / 3.5: diffusers "
-            "has no converter for them. Use a diffusers/peft-format SD 3 LoRA (transformer.* "
-            "keys), as diffusers' and ai-toolkit's SD 3 trainers write",
-        )
+    if _kohya_sd3(pipe, tensors):
+        tensors = _sd3_kohya_to_peft(pipe, tensors, fmt, name)
     try:
         return _convert(pipe, tensors, name)
     except errors.InferenceError:
         raise
     except Exception as e:  # diffusers' converters raise ValueError, KeyError, AssertionError...
         raise _bad(name, fmt, f"{family} cannot read it: {type(e).__name__}: {e}") from e
+
+
+# sd-scripts' names for an SD 3 MMDiT block's layers -> diffusers' (a fused qkv splits in three).
+_SD3_BLOCK = {
+    "x_block_attn_qkv": ("attn.to_q", "attn.to_k", "attn.to_v"),
+    "x_block_attn_proj": ("attn.to_out.0",),
+    "x_block_attn2_qkv": ("attn2.to_q", "attn2.to_k", "attn2.to_v"),
+    "x_block_attn2_proj": ("attn2.to_out.0",),
+    "x_block_mlp_fc1": ("ff.net.0.proj",),
+    "x_block_mlp_fc2": ("ff.net.2",),
+    "x_block_adaLN_modulation_1": ("norm1.linear",),
+    "context_block_attn_qkv": ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj"),
+    "context_block_attn_proj": ("attn.to_add_out",),
+    "context_block_mlp_fc1": ("ff_context.net.0.proj",),
+    "context_block_mlp_fc2": ("ff_context.net.2",),
+    "context_block_adaLN_modulation_1": ("norm1_context.linear",),
+}
+_SD3_TEXT = {"lora_te1_": "text_encoder", "lora_te2_": "text_encoder_2"}
+
+
+def _sd3_kohya_to_peft(pipe: Any, tensors: Tensors, fmt: formats.Format, name: str) -> Tensors:
+    """A kohya-named SD 3 file (pairs already folded) in peft's names, exactly: a fused qkv's up
+    rows split in three (its down shared), and the last block's context modulation with its
+    shift and scale halves swapped, as diffusers' checkpoint conversion swaps the weights."""
+    last = int(pipe.transformer.config.num_layers) - 1
+    text = {
+        prefix: {m.replace(".", "_"): m for m, _ in getattr(pipe, c).named_modules()}
+        for prefix, c in _SD3_TEXT.items()
+        if getattr(pipe, c, None) is not None
+    }
+    out: Tensors = {}
+    for key, tensor in tensors.items():
+        stem, sep, half = key.partition(".lora_")
+        if not sep or not stem.startswith(_KOHYA_PREFIXES):
+            out[key] = tensor
+            continue
+        peft_half = "lora_A.weight" if half.startswith("down") else "lora_B.weight"
+        block = re.fullmatch(r"lora_unet_joint_blocks_(\d+)_(\w+)", stem)
+        if block is not None and block.group(2) in _SD3_BLOCK:
+            index, part = int(block.group(1)), block.group(2)
+            targets = _SD3_BLOCK[part]
+            pieces: Sequence[torch.Tensor] = [tensor] * len(targets)
+            if peft_half == "lora_B.weight":
+                if part == "context_block_adaLN_modulation_1" and index == last:
+                    shift, scale = tensor.chunk(2, dim=0)
+                    tensor = torch.cat([scale, shift])
+                pieces = tensor.chunk(len(targets), dim=0)
+            for target, piece in zip(targets, pieces, strict=True):
+                out[f"transformer.transformer_blocks.{index}.{target}.{peft_half}"] = piece
+            continue
+        prefix = next((p for p in text if stem.startswith(p)), None)
+        module = text[prefix].get(stem.removeprefix(prefix)) if prefix else None
+        if prefix is None or module is None:
+            raise _bad(
+                name,
+                fmt,
+                f"{stem!r} names no layer of SD 3 that kohya's sd-scripts trains (joint blocks' "
+                "attention, MLP and modulation; the two CLIP text encoders)",
+            )
+        out[f"{_SD3_TEXT[prefix]}.{module}.{peft_half}"] = tensor
+    return out
 
 
 def _convert(pipe: Any, tensors: Tensors, name: str) -> tuple[dict[str, Tensors], dict[str, float]]:
@@ -213,7 +276,8 @@ def _convert(pipe: Any, tensors: Tensors, name: str) -> tuple[dict[str, Tensors]
         component, _, rest = key.partition(".")
         if not rest or component not in components:
             raise errors.IncompatibleAdapter(
-                f"adapter {name!r}: key {key!r} names no component of {type(pipe).__name__} "
+                f"adapter {name!r} does not fit this model: key {key!r} names no component of "
+                f"{type(pipe).__name__} "
                 f"({', '.join(sorted(components))}); is it for another model family?",
                 param="lora_path",
             )

@@ -181,8 +181,11 @@ class DiffusionBackend:
         tensors = dict(sorted(tensors.items()))
         fmt = files.check_lora_keys(list(tensors), name=name)
         _check_finite(tensors, name=name, why="holds NaN or Inf values")
-        # LyCORIS factors become exact pairs in float64, before any rounding to the model's dtype.
-        tensors = formats.lycoris_to_lora(tensors, fmt, name=name)
+        # LyCORIS factors (and SD 3 kohya pairs) become exact pairs in float64, each module's
+        # scale folded in, before any rounding to the model's dtype.
+        folded = formats.folds_scale(self.pipe, tensors, fmt)
+        if folded:
+            tensors = formats.to_folded_pairs(tensors, fmt, name=name)
         # Weights take the model's dtype; scalars (alphas) keep theirs, as diffusers reads them.
         cast = {
             k: v.to(self.dtype)
@@ -203,6 +206,8 @@ class DiffusionBackend:
         layers: dict[LayerKey, LayerWeights] = {}
         for component, part in parts.items():
             layers.update(formats.layer_weights(self.pipe, component, part, alphas, metadata, name))
+        if folded:
+            layers = formats.at_scaling_one(layers)
         return ParsedAdapter(
             sha256=hashlib.sha256(data).hexdigest(),
             size_bytes=len(data),

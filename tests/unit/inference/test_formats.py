@@ -266,6 +266,49 @@ def flux_xlabs(pipe: Any) -> Made:
     return made
 
 
+_SD3_KOHYA = {  # sd-scripts' SD 3 names -> diffusers' layers in the (only, so last) block
+    "lora_unet_joint_blocks_0_x_block_attn_qkv": ("attn.to_q", "attn.to_k", "attn.to_v"),
+    "lora_unet_joint_blocks_0_context_block_attn_qkv": (
+        "attn.add_q_proj",
+        "attn.add_k_proj",
+        "attn.add_v_proj",
+    ),
+    "lora_unet_joint_blocks_0_x_block_attn_proj": ("attn.to_out.0",),
+    "lora_unet_joint_blocks_0_x_block_mlp_fc1": ("ff.net.0.proj",),
+    "lora_unet_joint_blocks_0_context_block_adaLN_modulation_1": ("norm1_context.linear",),
+}
+
+
+def sd3_kohya(builder: Builder) -> Callable[[Any], Made]:
+    """A kohya-named SD 3 file. The last block's context modulation is stored with its shift and
+    scale halves in SD 3's own order, which diffusers' layer swaps."""
+
+    def make(pipe: Any) -> Made:
+        g = torch.Generator().manual_seed(0)
+        made = Made({}, {})
+        for stem, paths in _SD3_KOHYA.items():
+            weights = [
+                pipe.transformer.get_submodule(f"transformer_blocks.0.{p}").weight.detach()
+                for p in paths
+            ]
+            fused = torch.cat(weights)
+            tensors, delta = builder(fused, g)
+            made.tensors.update({f"{stem}.{k}": v for k, v in tensors.items()})
+            if "adaLN" in stem:
+                shift, scale = delta.chunk(2)
+                delta = torch.cat([scale, shift])
+            for path, part in zip(paths, delta.split([w.shape[0] for w in weights]), strict=True):
+                made.reference[("transformer", f"transformer_blocks.0.{path}")] = part
+        q_proj = "text_model.encoder.layers.0.self_attn.q_proj"
+        tensors, delta = builder(pipe.text_encoder.get_submodule(q_proj).weight.detach(), g)
+        stem = "lora_te1_" + q_proj.replace(".", "_")
+        made.tensors.update({f"{stem}.{k}": v for k, v in tensors.items()})
+        made.reference[("text_encoder", q_proj)] = delta
+        return made
+
+    return make
+
+
 def peft_with_biases(pipe: Any) -> Made:
     """peft's lora_bias: B carries a bias, scaled with it by alpha / r (here 2 / 4)."""
     denoiser = "unet" if getattr(pipe, "unet", None) is not None else "transformer"
@@ -299,6 +342,8 @@ FORMATS: dict[str, tuple[str, Callable[[Any], Made], str]] = {
     "flux-kohya-loha": ("flux", flux_lycoris(loha), "loha"),
     "flux-kohya-lokr": ("flux", flux_lycoris(lambda w, g: lokr(w, g, a=4, c=2)), "lokr"),
     "flux-xlabs": ("flux", flux_xlabs, "xlabs"),
+    "sd3-kohya": ("sd3", sd3_kohya(plain), "lora"),
+    "sd3-kohya-loha": ("sd3", sd3_kohya(loha), "loha"),
     "sd15-peft-biases": ("sd15", peft_with_biases, "lora_bias"),
     "flux-peft-biases": ("flux", peft_with_biases, "lora_bias"),
 }
@@ -313,7 +358,7 @@ def write(path: Path, tensors: Tensors, metadata: dict[str, str] | None = None) 
 @pytest.fixture(scope="module")
 def float64_backends() -> dict[str, DiffusionBackend]:
     built: dict[str, DiffusionBackend] = {}
-    for arch in ("sd15", "sdxl", "flux"):
+    for arch in ("sd15", "sdxl", "sd3", "flux"):
         pipe = build_tiny_pipeline(arch).to(torch.float64)
         built[arch] = DiffusionBackend(pipe, device="cpu", dtype=torch.float64)
     return built
@@ -378,6 +423,7 @@ def _merged_reference_image(
         "sd15-loha",
         "sdxl-lokr",
         "flux-kohya-lokr",
+        "sd3-kohya",
         "sd15-peft-biases",
         "flux-peft-biases",
     ],
@@ -397,7 +443,7 @@ def test_a_mixed_batch_draws_each_format_as_its_merged_definition(
     )
     plain_lora = (
         to_kohya(build_random_lora(pipe, seed=5), rank=4)
-        if arch != "flux"
+        if arch in ("sd15", "sdxl")
         else (build_random_lora(pipe, seed=5))
     )
     backend.place(
@@ -449,11 +495,11 @@ def test_a_refused_format_is_a_422_that_names_it(
     assert served.status == 422 and label in served.message
 
 
-def _sd3_kohya(pipe: Any) -> Tensors:
+def _sd3_kohya_embedder(pipe: Any) -> Tensors:
     return {
-        "lora_unet_joint_blocks_0_x_block_attn_qkv.lora_down.weight": torch.ones(2, 32),
-        "lora_unet_joint_blocks_0_x_block_attn_qkv.lora_up.weight": torch.ones(96, 2),
-        "lora_unet_joint_blocks_0_x_block_attn_qkv.alpha": torch.tensor(2.0),
+        "lora_unet_x_embedder_proj.lora_down.weight": torch.ones(2, 16),
+        "lora_unet_x_embedder_proj.lora_up.weight": torch.ones(32, 2),
+        "lora_unet_x_embedder_proj.alpha": torch.tensor(2.0),
     }
 
 
@@ -480,7 +526,7 @@ def _sd15_on_flux(pipe: Any) -> Tensors:
 
 
 CONVERTER_ERRORS: dict[str, tuple[str, Callable[[Any], Tensors], str]] = {
-    "sd3-kohya": ("sd3", _sd3_kohya, "not served for SD 3"),
+    "sd3-kohya-embedder": ("sd3", _sd3_kohya_embedder, "names no layer of SD 3"),
     "flux-unknown-kohya-block": ("flux", _flux_unknown_block, "cannot read it"),
     "sdxl-unknown-sgm-block": ("sdxl", _sdxl_bad_sgm_block, ""),
     "loha-missing-factor": ("sd15", _loha_missing_factor, "LoHa): module 'lora_unet_x' lacks"),
