@@ -1,4 +1,5 @@
-"""The diffusers pipeline and everything that touches it: the only module that imports diffusers.
+"""The diffusers pipeline and everything that touches it (with `formats`, which converts adapter
+files with diffusers' converters, the only modules that import diffusers).
 
 Adapter state in a diffusers pipeline is global and not thread-safe, so a `DiffusionBackend` is
 driven by exactly one thread (the engine's pipeline worker), apart from `parse_adapter`, which
