@@ -192,12 +192,43 @@ def convert(
     family = type(pipe).__name__
     if _kohya_sd3(pipe, tensors):
         tensors = _sd3_kohya_to_peft(pipe, tensors, fmt, name)
+    if family == "FluxPipeline":
+        dropped = _flux_kohya_dropped(tensors)
+        if dropped:
+            raise _bad(
+                name,
+                fmt,
+                f"diffusers' Flux converter would silently drop {len(dropped)} of its tensors "
+                f"(e.g. {dropped[0]!r}): T5, text projection and position-embedding layers are "
+                "not served. Re-export the adapter without them",
+            )
     try:
         return _convert(pipe, tensors, name)
     except errors.InferenceError:
         raise
     except Exception as e:  # diffusers' converters raise ValueError, KeyError, AssertionError...
         raise _bad(name, fmt, f"{family} cannot read it: {type(e).__name__}: {e}") from e
+
+
+def _flux_kohya_dropped(tensors: Mapping[str, torch.Tensor]) -> list[str]:
+    """The tensors of a kohya-style Flux file that diffusers' converter filters out with no
+    more than a log line (it keeps `lora_unet_`, `lora_te_` and `lora_te1_` layers, drops the
+    rest, and keeps only `transformer.` keys of a file that mixes those in)."""
+    if not any(".lora_down.weight" in k for k in tensors):
+        return []
+    if any(k.startswith("lora_transformer_") for k in tensors):
+        return []  # the "mixture" layout, converted whole or refused by the converter itself
+    if any(k.startswith("transformer.") for k in tensors):
+        return [k for k in tensors if not k.startswith("transformer.")]
+    dropped = []
+    for key in tensors:
+        renamed = key.replace("diffusion_model.", "lora_unet_").replace(
+            "text_encoders.clip_l.transformer.", "lora_te_"
+        )
+        kept = renamed.startswith(("lora_unet_", "lora_te_", "lora_te1_"))
+        if not kept or any(p in renamed for p in ("position_embedding", "text_projection")):
+            dropped.append(key)
+    return dropped
 
 
 # sd-scripts' names for an SD 3 MMDiT block's layers -> diffusers' (a fused qkv splits in three).

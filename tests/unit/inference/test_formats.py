@@ -510,6 +510,17 @@ def _flux_unknown_block(pipe: Any) -> Tensors:
     }
 
 
+def _flux_kohya_with_t5_layers(pipe: Any) -> Tensors:
+    """kohya Flux names with a T5 layer beside (lora_te3_): diffusers drops it with a log line."""
+    tensors = flux_lycoris(loha)(pipe).tensors
+    stem = "lora_te3_encoder_block_0_layer_0_SelfAttention_q"
+    return {
+        **tensors,
+        f"{stem}.lora_down.weight": torch.ones(2, 32),
+        f"{stem}.lora_up.weight": torch.ones(32, 2),
+    }
+
+
 def _sdxl_bad_sgm_block(pipe: Any) -> Tensors:
     return {
         "lora_unet_input_blocks_99_1_proj_in.lora_down.weight": torch.ones(2, 32),
@@ -529,6 +540,7 @@ CONVERTER_ERRORS: dict[str, tuple[str, Callable[[Any], Tensors], str]] = {
     "sd3-kohya-embedder": ("sd3", _sd3_kohya_embedder, "names no layer of SD 3"),
     "flux-unknown-kohya-block": ("flux", _flux_unknown_block, "cannot read it"),
     "sdxl-unknown-sgm-block": ("sdxl", _sdxl_bad_sgm_block, ""),
+    "flux-kohya-t5-layers": ("flux", _flux_kohya_with_t5_layers, "would silently drop 2"),
     "loha-missing-factor": ("sd15", _loha_missing_factor, "LoHa): module 'lora_unet_x' lacks"),
     "sd15-file-on-flux": ("flux", _sd15_on_flux, ""),
 }
