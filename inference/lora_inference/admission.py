@@ -9,7 +9,7 @@ base model that `adapter_config.json` declares, reads and checks the weights
 (`pipeline.parse_adapter`), and only then changes the registry: a refusal changes nothing.
 
 Every filesystem read runs off the event loop: path and adapter-root lookups in
-`asyncio.to_thread`, `adapter_config.json` and the weights in a small read pool (`Reader`) that
+`asyncio.to_thread`, `adapter_config.json` and the weights in a small read pool (`reader`) that
 never runs pipeline work. So a slow volume delays the registration that reads it, not /health,
 other requests or the worker. Registrations of one name run one at a time (a lock per name), so
 the second of two concurrent loads of a name sees the first one's record; other names do not
@@ -26,16 +26,14 @@ import asyncio
 import collections
 import contextlib
 import dataclasses
-import functools
 import hashlib
 import logging
 import time
 from collections.abc import AsyncIterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from lora_volume import errors as volume_errors
-from lora_volume import files, layout, stacks, targeting
+from lora_volume import layout, stacks, targeting
 
 from lora_inference import errors, stacking
 from lora_inference.adapters import cache
@@ -43,129 +41,15 @@ from lora_inference.adapters.registry import (
     AdapterRecord,
     Origin,
     Registry,
-    next_version,
     plan_register,
 )
 from lora_inference.api import StackMember
 from lora_inference.config import ServerConfig
-from lora_inference.metrics import Metrics
-from lora_inference.pipeline import DiffusionBackend, ParsedAdapter
+from lora_inference.pipeline import ParsedAdapter
+from lora_inference.reader import Reader, new_record
 from lora_inference.residency import Residency
 
 log = logging.getLogger(__name__)
-
-
-class Reader:
-    """Reads and checks adapter files in a small thread pool that never touches the pipeline."""
-
-    def __init__(self, backend: DiffusionBackend, config: ServerConfig, metrics: Metrics) -> None:
-        self._backend = backend
-        self._config = config
-        self._metrics = metrics
-        self._pool = ThreadPoolExecutor(2, thread_name_prefix="adapter-parse")
-
-    async def read(self, path: Path, name: str) -> ParsedAdapter:
-        """Read, hash, check and convert the adapter at `path` (see pipeline.parse_adapter)."""
-        started = time.perf_counter()
-        try:
-            parsed = await asyncio.get_running_loop().run_in_executor(
-                self._pool,
-                lambda: self._backend.parse_adapter(
-                    path, name=name, max_rank=self._config.max_lora_rank
-                ),
-            )
-        except errors.DOMAIN_ERRORS:
-            self._metrics.loads.labels("cpu", "error").inc()
-            raise
-        self._metrics.load_seconds.labels("cpu").observe(time.perf_counter() - started)
-        return parsed
-
-    async def compose(
-        self,
-        members: Sequence[tuple[AdapterRecord, float]],
-        parts: Sequence[ParsedAdapter],
-        *,
-        param: str = "lora",
-    ) -> ParsedAdapter:
-        """One adapter equal to `members` at their scales (`stacking.compose`), from their
-        parses (`parts`, in the same order); `param` names the field a conflict is about."""
-        stacked = [
-            stacking.Member(name=record.name, sha256=part.sha256, scale=scale, layers=part.layers)
-            for (record, scale), part in zip(members, parts, strict=True)
-        ]
-        loop = asyncio.get_running_loop()
-        layers = await loop.run_in_executor(
-            self._pool, functools.partial(stacking.compose, stacked, param=param)
-        )
-        name = stacking.stack_name([(m.name, m.scale) for m in stacked])
-        packed = await loop.run_in_executor(
-            self._pool, functools.partial(self._backend.pack, layers, name=name)
-        )
-        return ParsedAdapter(
-            sha256=stacking.stack_sha256([(m.name, m.sha256, m.scale) for m in stacked]),
-            size_bytes=sum(
-                w.down.nbytes + w.up.nbytes
-                for w in layers.values()  # held in memory
-            ),
-            rank=max((w.rank for w in layers.values()), default=0),
-            weights_file=parts[0].weights_file,
-            layers=layers,
-            packed=packed,
-        )
-
-    async def check_base_model(self, path: Path, name: str) -> None:
-        await asyncio.get_running_loop().run_in_executor(
-            self._pool, check_base_model, self._config, path, name
-        )
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=True)
-
-
-def _new_record(
-    name: str,
-    path: Path,
-    parsed: ParsedAdapter,
-    *,
-    origin: Origin,
-    pinned: bool = False,
-    scale: float = 1.0,
-    members: tuple[tuple[AdapterRecord, float], ...] = (),
-) -> AdapterRecord:
-    """A new version of `name`, read from `path`: what `parsed` says of its weights."""
-    return AdapterRecord(
-        name=name,
-        path=path,
-        weights_file=parsed.weights_file,
-        sha256=parsed.sha256,
-        size_bytes=parsed.size_bytes,
-        rank=parsed.rank,
-        pinned=pinned,
-        origin=origin,
-        version=next_version(),
-        scale=scale,
-        members=members,
-        format="stack" if members else parsed.format,
-        targets=tuple(sorted({component for component, _ in parsed.layers})),
-        trigger_words=parsed.trigger_words,
-    )
-
-
-def check_base_model(config: ServerConfig, path: Path, name: str) -> None:
-    """Refuse an adapter whose `adapter_config.json` declares another base model (reads it)."""
-    adapter_config = files.read_adapter_config(path)
-    if adapter_config is None or adapter_config.base_model is None:
-        return
-    accepted = {config.model_id, *config.accepted_base_models}
-    declared = adapter_config.base_model.rstrip("/")
-    if declared in accepted or declared.rsplit("/", 1)[-1] in accepted:
-        return
-    raise errors.IncompatibleAdapter(
-        f"adapter {name!r} declares base model {adapter_config.base_model!r} in "
-        f"adapter_config.json, but this server serves {config.model_id!r}; load it on a server "
-        "for that model, or start this one with --accept-base-model if they are compatible",
-        param="lora_path",
-    )
 
 
 class Admission:
@@ -220,7 +104,7 @@ class Admission:
             # have been pinned while this one was read.
             if pinned:
                 self._check_pin_room(name, self._registry.get(name))
-            record = _new_record(
+            record = new_record(
                 name, resolved, parsed, origin=origin, pinned=pinned, scale=scale, members=members
             )
             self._residency.add(record, parsed)
@@ -258,7 +142,7 @@ class Admission:
                     param="lora_path",
                 )
             members.append(
-                (_new_record(entry.name, path / entry.file, part, origin="stack"), entry.scale)
+                (new_record(entry.name, path / entry.file, part, origin="stack"), entry.scale)
             )
             parts.append(part)
         composed = await self._reader.compose(members, parts, param="lora_path")
@@ -360,7 +244,7 @@ class Admission:
             async with self._arriving():
                 parts = [await self._residency.parse(record) for record, _ in resolved]
                 parsed = await self._reader.compose(resolved, parts)
-            stack = _new_record(
+            stack = new_record(
                 name, resolved[0][0].path, parsed, origin="stack", members=tuple(resolved)
             )
             self._residency.add(stack, parsed)

@@ -30,7 +30,7 @@ from typing import Any, TypeVar
 
 from PIL import Image
 
-from lora_inference import admission, errors, residency, scheduling
+from lora_inference import admission, errors, reader, residency, scheduling
 from lora_inference.adapters.registry import AdapterRecord, Registry
 from lora_inference.api import GenerationParams
 from lora_inference.config import ServerConfig
@@ -86,7 +86,7 @@ class Engine:
         self._wake = asyncio.Event()
         self._pipeline_lock = asyncio.Lock()
         self._pipeline_thread = ThreadPoolExecutor(1, thread_name_prefix="pipeline")
-        self._reader = admission.Reader(backend, config, metrics)
+        self._reader = reader.Reader(backend, config, metrics)
         self.residency = residency.Residency(
             backend,
             config,

@@ -1,0 +1,136 @@
+"""Reading adapters off the event loop: files parsed, hashed and checked, stacks composed, in a
+small thread pool of their own that never runs pipeline work, and the record a read becomes.
+
+Owns the read pool. Must not change the registry (admission does, after a read succeeds) or
+touch the pipeline's state: `DiffusionBackend.parse_adapter` and `pack` read and convert only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from lora_volume import files
+
+from lora_inference import errors, stacking
+from lora_inference.adapters.registry import AdapterRecord, Origin, next_version
+from lora_inference.config import ServerConfig
+from lora_inference.metrics import Metrics
+from lora_inference.pipeline import DiffusionBackend, ParsedAdapter
+
+
+class Reader:
+    """Reads and checks adapter files in a small thread pool that never touches the pipeline."""
+
+    def __init__(self, backend: DiffusionBackend, config: ServerConfig, metrics: Metrics) -> None:
+        self._backend = backend
+        self._config = config
+        self._metrics = metrics
+        self._pool = ThreadPoolExecutor(2, thread_name_prefix="adapter-parse")
+
+    async def read(self, path: Path, name: str) -> ParsedAdapter:
+        """Read, hash, check and convert the adapter at `path` (see pipeline.parse_adapter)."""
+        started = time.perf_counter()
+        try:
+            parsed = await asyncio.get_running_loop().run_in_executor(
+                self._pool,
+                lambda: self._backend.parse_adapter(
+                    path, name=name, max_rank=self._config.max_lora_rank
+                ),
+            )
+        except errors.DOMAIN_ERRORS:
+            self._metrics.loads.labels("cpu", "error").inc()
+            raise
+        self._metrics.load_seconds.labels("cpu").observe(time.perf_counter() - started)
+        return parsed
+
+    async def compose(
+        self,
+        members: Sequence[tuple[AdapterRecord, float]],
+        parts: Sequence[ParsedAdapter],
+        *,
+        param: str = "lora",
+    ) -> ParsedAdapter:
+        """One adapter equal to `members` at their scales (`stacking.compose`), from their
+        parses (`parts`, in the same order); `param` names the field a conflict is about."""
+        stacked = [
+            stacking.Member(name=record.name, sha256=part.sha256, scale=scale, layers=part.layers)
+            for (record, scale), part in zip(members, parts, strict=True)
+        ]
+        loop = asyncio.get_running_loop()
+        layers = await loop.run_in_executor(
+            self._pool, functools.partial(stacking.compose, stacked, param=param)
+        )
+        name = stacking.stack_name([(m.name, m.scale) for m in stacked])
+        packed = await loop.run_in_executor(
+            self._pool, functools.partial(self._backend.pack, layers, name=name)
+        )
+        return ParsedAdapter(
+            sha256=stacking.stack_sha256([(m.name, m.sha256, m.scale) for m in stacked]),
+            size_bytes=sum(
+                w.down.nbytes + w.up.nbytes
+                for w in layers.values()  # held in memory
+            ),
+            rank=max((w.rank for w in layers.values()), default=0),
+            weights_file=parts[0].weights_file,
+            layers=layers,
+            packed=packed,
+        )
+
+    async def check_base_model(self, path: Path, name: str) -> None:
+        await asyncio.get_running_loop().run_in_executor(
+            self._pool, check_base_model, self._config, path, name
+        )
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+
+def new_record(
+    name: str,
+    path: Path,
+    parsed: ParsedAdapter,
+    *,
+    origin: Origin,
+    pinned: bool = False,
+    scale: float = 1.0,
+    members: tuple[tuple[AdapterRecord, float], ...] = (),
+) -> AdapterRecord:
+    """A new version of `name`, read from `path`: what `parsed` says of its weights."""
+    return AdapterRecord(
+        name=name,
+        path=path,
+        weights_file=parsed.weights_file,
+        sha256=parsed.sha256,
+        size_bytes=parsed.size_bytes,
+        rank=parsed.rank,
+        pinned=pinned,
+        origin=origin,
+        version=next_version(),
+        scale=scale,
+        members=members,
+        format="stack" if members else parsed.format,
+        targets=tuple(sorted({component for component, _ in parsed.layers})),
+        trigger_words=parsed.trigger_words,
+    )
+
+
+def check_base_model(config: ServerConfig, path: Path, name: str) -> None:
+    """Refuse an adapter whose `adapter_config.json` declares another base model (reads it)."""
+    adapter_config = files.read_adapter_config(path)
+    if adapter_config is None or adapter_config.base_model is None:
+        return
+    accepted = {config.model_id, *config.accepted_base_models}
+    declared = adapter_config.base_model.rstrip("/")
+    if declared in accepted or declared.rsplit("/", 1)[-1] in accepted:
+        return
+    raise errors.IncompatibleAdapter(
+        f"adapter {name!r} declares base model {adapter_config.base_model!r} in "
+        f"adapter_config.json, but this server serves {config.model_id!r}; load it on a server "
+        "for that model, or start this one with --accept-base-model if they are compatible",
+        param="lora_path",
+    )
