@@ -119,6 +119,21 @@ def to_folded_pairs(tensors: Tensors, fmt: formats.Format, *, name: str) -> Tens
     return out
 
 
+def explain_rank(
+    error: errors.IncompatibleAdapter, fmt: formats.Format
+) -> errors.IncompatibleAdapter:
+    """`error`, saying why a LoHa's or LoKr's rank is higher than the file's dim when the rank
+    is what was refused."""
+    if "--max-lora-rank" not in error.message or fmt not in (formats.LOHA, formats.LOKR):
+        return error
+    return errors.IncompatibleAdapter(
+        f"{error.message}. {fmt.label} is served at its exact rank, higher than its dim: "
+        "r1 x r2 for LoHa, min(a, c) x r for LoKr (docs/adapters.md); raise --max-lora-rank "
+        "to serve it",
+        param=error.param,
+    )
+
+
 def at_scaling_one(layers: Mapping[LayerKey, LayerWeights]) -> dict[LayerKey, LayerWeights]:
     """`layers` of a file `to_folded_pairs` converted, at scaling 1: its pairs carry the
     format's scale already, and diffusers' alpha patterns, which can give a layer another

@@ -201,7 +201,12 @@ class DiffusionBackend:
             c: {k: tuple(v.shape) for k, v in part.items() if formats.is_pair_key(k)}
             for c, part in parts.items()
         }
-        summary = validation.check_adapter_fits(shapes, self.shapes, max_rank=max_rank, name=name)
+        try:
+            summary = validation.check_adapter_fits(
+                shapes, self.shapes, max_rank=max_rank, name=name
+            )
+        except errors.IncompatibleAdapter as e:
+            raise formats.explain_rank(e, fmt) from e
         metadata = files.lora_metadata(header, name=name)
         layers: dict[LayerKey, LayerWeights] = {}
         for component, part in parts.items():

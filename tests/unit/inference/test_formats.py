@@ -546,6 +546,17 @@ CONVERTER_ERRORS: dict[str, tuple[str, Callable[[Any], Tensors], str]] = {
 }
 
 
+def test_a_loha_above_the_rank_limit_is_refused_saying_why_its_rank_is_higher(
+    float64_backends: dict[str, DiffusionBackend], tmp_path: Path
+) -> None:
+    backend = float64_backends["sd15"]
+    path = write(tmp_path / "l.safetensors", sd_loha(backend.pipe).tensors)
+    with pytest.raises(errors.IncompatibleAdapter) as raised:
+        backend.parse_adapter(path, name="l", max_rank=8)  # dim 3: exact rank 9
+    assert raised.value.status == 422
+    assert "rank 9" in raised.value.message and "r1 x r2 for LoHa" in raised.value.message
+
+
 @pytest.mark.parametrize("case", list(CONVERTER_ERRORS))
 def test_files_the_converters_cannot_read_are_4xx_never_500(case: str, tmp_path: Path) -> None:
     arch, make, words = CONVERTER_ERRORS[case]
