@@ -3,7 +3,7 @@
 What `lora_volume.formats` names by tensor names, this module converts, on the CPU, touching no
 pipeline state (any thread):
 
-- LyCORIS formats become plain kohya pairs first, in float64, exactly (`to_folded_pairs`):
+- LyCORIS formats become plain kohya pairs first, in float64, exactly (`lycoris`):
   LoCon's Tucker core folds into its down factor (a 1x1 conv followed by a k x k conv is one
   k x k conv); LoHa's Hadamard product of two low-rank factors is exactly a rank r1 x r2 pair
   (the row-wise Khatri-Rao product of the factors); LoKr's Kronecker product with a factored w2
@@ -41,28 +41,13 @@ from lora_volume import formats
 from peft import LoraConfig
 from peft.utils.other import get_pattern_key
 
-from lora_inference import errors
+from lora_inference import errors, lycoris
 from lora_inference.adapters import validation
 from lora_inference.slots import LayerKey, LayerWeights
 
 DENOISERS = ("unet", "transformer")
 # diffusers derives a text encoder's ranks from these modules only (_load_lora_into_text_encoder).
 _TEXT_ENCODER_RANK_MODULES = (".q_proj", ".k_proj", ".v_proj", ".out_proj", ".fc1", ".fc2")
-_LYCORIS_SUFFIXES = (
-    ".lora_down.weight",
-    ".lora_up.weight",
-    ".lora_mid.weight",
-    ".alpha",
-    ".hada_w1_a",
-    ".hada_w1_b",
-    ".hada_w2_a",
-    ".hada_w2_b",
-    ".lokr_w1",
-    ".lokr_w1_a",
-    ".lokr_w1_b",
-    ".lokr_w2_a",
-    ".lokr_w2_b",
-)
 _KOHYA_PREFIXES = ("lora_unet_", "lora_te_", "lora_te1_", "lora_te2_", "lora_te3_")
 
 Tensors = dict[str, torch.Tensor]
@@ -88,35 +73,7 @@ def _kohya_sd3(pipe: Any, tensors: Mapping[str, torch.Tensor]) -> bool:
     )
 
 
-def to_folded_pairs(tensors: Tensors, fmt: formats.Format, *, name: str) -> Tensors:
-    """`tensors` with every module, LyCORIS or plain pair, replaced by a kohya pair of the same
-    delta with the module's scale folded into its up factor (pure). Float64."""
-    modules: dict[str, dict[str, torch.Tensor]] = {}
-    out: Tensors = {}
-    for key, tensor in tensors.items():
-        suffix = next((s for s in _LYCORIS_SUFFIXES if key.endswith(s)), None)
-        if suffix is None:
-            out[key] = tensor
-            continue
-        modules.setdefault(key.removesuffix(suffix), {})[suffix.lstrip(".")] = tensor
-    for module, parts in modules.items():
-        try:
-            pair = _module_pair(parts)
-        except KeyError as e:
-            raise _bad(name, fmt, f"module {module!r} lacks its tensor {e}") from e
-        except (RuntimeError, ValueError) as e:
-            raise _bad(name, fmt, f"module {module!r} is not a well-formed one: {e}") from e
-        if pair is None:
-            if "lora_down.weight" not in parts:  # an alpha without its pair: nothing to serve
-                continue
-            f64 = {k: v.to(torch.float64) for k, v in parts.items()}
-            rank = f64["lora_down.weight"].shape[0]
-            alpha = float(f64["alpha"]) if "alpha" in f64 else rank
-            pair = f64["lora_down.weight"], f64["lora_up.weight"], alpha / rank
-        down, up = _full_rank_if_narrower(*pair)
-        out[f"{module}.lora_down.weight"] = down
-        out[f"{module}.lora_up.weight"] = up
-    return out
+to_folded_pairs = lycoris.to_folded_pairs
 
 
 def explain_rank(
@@ -139,61 +96,6 @@ def at_scaling_one(layers: Mapping[LayerKey, LayerWeights]) -> dict[LayerKey, La
     format's scale already, and diffusers' alpha patterns, which can give a layer another
     layer's alpha, must not apply it again."""
     return {k: dataclasses.replace(w, alpha=float(w.rank), rslora=False) for k, w in layers.items()}
-
-
-def _module_pair(
-    parts: Mapping[str, torch.Tensor],
-) -> tuple[torch.Tensor, torch.Tensor, float] | None:
-    """(down, up, scale) of one LyCORIS module, delta = scale x up @ down (flattened), or None
-    for a plain pair. The scale is the format's alpha / dim (1 without an alpha)."""
-    f64 = {k: v.to(torch.float64) for k, v in parts.items()}
-    alpha = float(f64["alpha"]) if "alpha" in f64 else None
-    if "lora_mid.weight" in f64:
-        down, mid = f64["lora_down.weight"], f64["lora_mid.weight"]
-        # a 1x1 down, then mid (r x r x kh x kw): one kh x kw conv from the input.
-        folded = torch.einsum("pqhw,qi->pihw", mid, down.reshape(down.shape[0], -1))
-        rank = down.shape[0]
-        return folded, f64["lora_up.weight"], (alpha if alpha is not None else rank) / rank
-    if "hada_w1_a" in f64:
-        u1, v1 = f64["hada_w1_a"], f64["hada_w1_b"].reshape(f64["hada_w1_b"].shape[0], -1)
-        u2, v2 = f64["hada_w2_a"], f64["hada_w2_b"].reshape(f64["hada_w2_b"].shape[0], -1)
-        # (U1 V1) * (U2 V2) = sum over (p, q) of (U1[:, p] * U2[:, q]) (V1[p] * V2[q]).
-        up = (u1[:, :, None] * u2[:, None, :]).reshape(u1.shape[0], -1)
-        down = (v1[:, None, :] * v2[None, :, :]).reshape(-1, v1.shape[1])
-        rank = v1.shape[0]
-        return down, up, (alpha if alpha is not None else rank) / rank
-    if "lokr_w2_a" in f64:
-        w1 = f64["lokr_w1"] if "lokr_w1" in f64 else f64["lokr_w1_a"] @ f64["lokr_w1_b"]
-        w2a, w2b = f64["lokr_w2_a"], f64["lokr_w2_b"].reshape(f64["lokr_w2_b"].shape[0], -1)
-        if w1.dim() != 2 or w2a.dim() != 2:
-            raise ValueError(f"LoKr factors must be matrices, got w1 {tuple(w1.shape)}")
-        a, c = w1.shape
-        if c <= a:  # kron(W1, U V) = kron(W1, U) @ kron(I_c, V): rank c x r
-            up, down = torch.kron(w1, w2a), torch.kron(torch.eye(c, dtype=w1.dtype), w2b)
-        else:  # = kron(I_a, U) @ kron(W1, V): rank a x r
-            up, down = torch.kron(torch.eye(a, dtype=w1.dtype), w2a), torch.kron(w1, w2b)
-        dim = w2b.shape[0]
-        return down, up, (alpha / dim if alpha is not None else 1.0)
-    if any(k.startswith(("hada_", "lokr_")) for k in f64):
-        raise ValueError(f"it holds {sorted(f64)}, not a complete set of factors")
-    return None
-
-
-def _full_rank_if_narrower(
-    down: torch.Tensor, up: torch.Tensor, scale: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(down, scale x up) at rank min(k, fan_in, fan_out): a product wider than its layer is
-    stored as the layer's full delta and an identity, the same delta at a smaller rank."""
-    k = down.shape[0]
-    fan_in = down[0].numel()
-    up = up.reshape(up.shape[0], -1) * scale
-    if k <= min(fan_in, up.shape[0]):
-        return down, up
-    delta = up @ down.reshape(k, -1)
-    if fan_in <= up.shape[0]:
-        eye = torch.eye(fan_in, dtype=delta.dtype)
-        return eye.reshape(fan_in, *down.shape[1:]), delta
-    return delta.reshape(-1, *down.shape[1:]), torch.eye(up.shape[0], dtype=delta.dtype)
 
 
 # -- diffusers' conversion, per family -------------------------------------------------------------
