@@ -325,7 +325,7 @@ def peft_with_biases(pipe: Any) -> Made:
         layer = (denoiser, module.removeprefix(f"{denoiser}."))
         made.reference[layer] = 0.5 * up @ down
         made.bias_reference[layer] = 0.5 * bias.double()
-    config = {"r": 4, "lora_alpha": 2, "lora_bias": True}
+    config: dict[str, Any] = {"r": 4, "lora_alpha": 2, "lora_bias": True}
     config["target_modules"] = sorted({k.split(".lora_")[0].split(".", 1)[1] for k in tensors})
     made.metadata = {
         "lora_adapter_metadata": json.dumps({f"{denoiser}.{k}": v for k, v in config.items()})
@@ -599,7 +599,7 @@ def peft_dora(pipe: Any) -> tuple[Tensors, dict[str, str]]:
         magnitude = (norms * (1 + 0.5 * (2 * torch.rand(norms.shape, generator=g) - 1))).float()
         shape = (1, -1, 1, 1) if weight.dim() == 4 else (-1,)
         tensors[f"{module}.lora_magnitude_vector"] = magnitude.reshape(shape)
-    config = {"r": 4, "lora_alpha": 2, "use_dora": True}
+    config: dict[str, Any] = {"r": 4, "lora_alpha": 2, "use_dora": True}
     config["target_modules"] = sorted({k.split(".lora_")[0].split(".", 1)[1] for k in tensors})
     metadata = {
         "lora_adapter_metadata": json.dumps({f"{denoiser}.{k}": v for k, v in config.items()})
