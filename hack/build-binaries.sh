@@ -1,15 +1,20 @@
 #!/usr/bin/env bash
 # Builds the local cluster's binaries (etcd, kube-apiserver, kube-controller-manager,
-# kube-scheduler, kubelet, kube-proxy, kubectl, CoreDNS, local-path-provisioner) and helm from
-# the Go module proxy, pinned by the wrapper modules beside this script (hack/k8s, hack/etcd,
-# hack/helm, hack/coredns, hack/local-path: their go.mod/go.sum are the pins), into a cache
-# directory keyed by version outside the repository. Idempotent: a binary already in the
+# kube-scheduler, kubelet, kube-proxy, kubectl, CoreDNS, local-path-provisioner, kube-router) and
+# helm from the Go module proxy, pinned by the wrapper modules beside this script (hack/k8s,
+# hack/etcd, hack/helm, hack/coredns, hack/local-path, hack/kube-router: their go.mod/go.sum are
+# the pins), into a cache directory keyed by version outside the repository. Idempotent: a binary already in the
 # cache is not rebuilt, so a warm machine returns in about a second; a binary whose wrapper
 # module changed since it was built (a pin, or CoreDNS's plugin list) is rebuilt.
 #
 # helm, CoreDNS and local-path-provisioner are pinned to the Kubernetes build's versions of
 # every module they share with it (hack/align-go-modules.py), so Go's build cache compiles
 # client-go and the rest once for all binaries.
+#
+# kube-router (the node's NetworkPolicy enforcer: its firewall alone) is built against its own
+# release's client-go (v0.29), not aligned: a NetworkPolicy controller's API calls are all v1.
+# Its version is the one in hack/kube-router/go.mod (the newest the module proxy serves); the
+# binary is keyed by that wrapper module's pins like every other, in the same directory.
 #
 #   hack/build-binaries.sh            build what is missing, print the directory at the end
 #   hack/build-binaries.sh --print-dir   print the directory only (builds nothing)
@@ -23,6 +28,7 @@ ETCD_VERSION=v3.6.16
 HELM_VERSION=v3.22.0
 COREDNS_VERSION=v1.15.0
 LOCAL_PATH_VERSION=v0.0.30
+KUBE_ROUTER_VERSION=v2.1.0
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 cache_root="${LORA_BIN_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/lora-operator/bin}"
@@ -102,6 +108,8 @@ build k8s "$kver" kube-apiserver=$kcmd/kube-apiserver kube-controller-manager=$k
 build coredns "" coredns=.
 build local-path "" local-path-provisioner=github.com/rancher/local-path-provisioner
 build helm "-X helm.sh/helm/v3/internal/version.version=$HELM_VERSION" helm=helm.sh/helm/v3/cmd/helm
+build kube-router "-X github.com/cloudnativelabs/kube-router/v2/pkg/version.Version=$KUBE_ROUTER_VERSION" \
+    kube-router=github.com/cloudnativelabs/kube-router/v2/cmd/kube-router
 
 if ((built > 0)); then
     log "built $built binaries in $((SECONDS - start)) s; $(du -sh "$out" | cut -f1) in $out"

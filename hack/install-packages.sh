@@ -2,13 +2,14 @@
 # Installs the Debian packages the local cluster and the image builds need, when any is
 # missing (`make install` calls it; nothing happens when all are there):
 #   node:   containerd runc containernetworking-plugins iptables conntrack socat iproute2 util-linux
+#           ipset (kube-router's NetworkPolicy rules match ipsets of pod addresses)
 #   images: buildah debootstrap gcc libc6-dev (the pause program is a static C binary)
 #   tests:  dosfstools fusefat (a vfat adapter volume, which the operator must refuse),
 #           chromium chromium-driver (the playground page, driven headless)
 #   registry and monitoring tests: docker-registry (an OCI registry for `make push`),
 #           prometheus (promtool and a real Prometheus for the dashboard and the alerts)
 set -euo pipefail
-packages=(containerd runc containernetworking-plugins iptables conntrack socat iproute2
+packages=(containerd runc containernetworking-plugins iptables conntrack socat iproute2 ipset
           util-linux buildah debootstrap gcc libc6-dev dosfstools fusefat chromium chromium-driver
           docker-registry prometheus)
 missing=()

@@ -37,7 +37,9 @@ def cmd_up(args: argparse.Namespace) -> int:
         f"  stop it:    lora-devcluster{flag} down"
     )
     problem = netpolicy.enforcement_problem()
-    if problem is not None:
+    if problem is None:
+        print("  policies:   NetworkPolicies enforced (kube-router's firewall)")
+    else:
         print(f"  note:       {problem}")
     return 0
 

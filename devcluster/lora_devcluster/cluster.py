@@ -34,6 +34,7 @@ BINARIES = (
     "kube-proxy",
     "coredns",
     "local-path-provisioner",
+    "kube-router",  # the NetworkPolicy enforcer (its firewall only)
     "kubectl",
     "helm",
 )
@@ -48,6 +49,7 @@ HOST_PROGRAMS = {
     "runc": "runc",
     "iptables": "iptables",
     "conntrack": "conntrack",
+    "ipset": "ipset",  # kube-router's policy rules match ipsets
 }
 CNI_PLUGINS = ("bridge", "host-local", "loopback", "portmap")
 

@@ -1,9 +1,15 @@
-"""Whether this machine's kernel could enforce NetworkPolicies on the local cluster.
+"""Whether this machine's kernel can enforce NetworkPolicies on the local cluster.
 
-kube-network-policies (the network-policy agent kind runs) judges the first packet of each
-connection in user space: nftables hands it over with the `queue` statement, which needs the
-kernel's nft_queue (`CONFIG_NFT_QUEUE`). Without it no agent of that design can run, and the
-cluster's NetworkPolicies are accepted by the API server but enforce nothing. `up` says so.
+The node enforces them with kube-router's network-policy controller alone (`--run-firewall`; no
+routing, no service proxy: the bridge CNI and kube-proxy keep those jobs). It writes iptables
+rules that match ipsets of pod addresses (`-m set`), bridged traffic (`-m physdev`), connection
+state, the node's own addresses (`-m addrtype`), and logs drops with NFLOG. The probe tries one
+rule with each of those in a throwaway network namespace (nothing of the host's, or of a
+cluster's, ruleset is touched); the node starts the controller only when it passes, and `up`
+prints the reason when it does not.
+
+(kube-network-policies, what kind runs, was tried first: it hands each new connection to user
+space with nftables' `queue` statement, and these machines' kernels have no `CONFIG_NFT_QUEUE`.)
 """
 
 from __future__ import annotations
@@ -12,41 +18,49 @@ import shutil
 import subprocess
 from collections.abc import Callable
 
-_TABLE = (
-    "table inet lora_probe {{\n  chain c {{\n    type filter hook forward priority 0;\n"
-    "    {rule}\n  }}\n}}\n"
-)
+# One ipset and one rule with every match and target kube-router's policy chains use.
+PROBE = """\
+set -e
+ipset create lora-probe hash:ip timeout 0
+iptables -w -N LORA-PROBE
+iptables -w -A LORA-PROBE -m comment --comment probe -m set --match-set lora-probe src \
+  -m physdev --physdev-is-bridged -m addrtype --src-type LOCAL \
+  -m conntrack --ctstate RELATED,ESTABLISHED -m mark --mark 0x10000/0x10000 \
+  -m limit --limit 10/minute --limit-burst 10 -j NFLOG --nflog-group 100
+iptables -w -A LORA-PROBE -j MARK --set-xmark 0x10000/0x10000
+iptables -w -A LORA-PROBE -p tcp -j REJECT --reject-with icmp-port-unreachable
+"""
+
+TOOLS = {"unshare": "util-linux", "ipset": "ipset", "iptables": "iptables"}
 
 
 def enforcement_problem(
     run: Callable[..., subprocess.CompletedProcess[str]] = subprocess.run,
 ) -> str | None:
-    """Why NetworkPolicies cannot be enforced here, or None when the kernel has what it takes.
+    """Why NetworkPolicies cannot be enforced here, or None when they can.
 
-    Tries a rule with the `queue` statement in a throwaway network namespace (nothing of the
-    host's ruleset is touched). `run` is subprocess.run, or a stand-in in tests."""
-    nft, unshare = shutil.which("nft"), shutil.which("unshare")
-    if nft is None or unshare is None:
-        return "nft or unshare is missing (Debian: nftables, util-linux)"
-
-    def accepted(rule: str) -> subprocess.CompletedProcess[str]:
-        return run(
-            [unshare, "--net", nft, "-f", "-"],
-            input=_TABLE.format(rule=rule),
+    `run` is subprocess.run, or a stand-in in tests."""
+    path = "/usr/sbin:/sbin:/usr/bin:/bin"
+    missing = sorted({pkg for tool, pkg in TOOLS.items() if shutil.which(tool, path=path) is None})
+    if missing:
+        return (
+            f"NetworkPolicies are not enforced: missing {', '.join(missing)} "
+            f"(run `make install`, or apt-get install {' '.join(missing)})"
+        )
+    try:
+        done = run(
+            ["unshare", "--net", "sh", "-c", PROBE],
             capture_output=True,
             text=True,
             timeout=30,
+            env={"PATH": path, "LANG": "C.UTF-8"},
         )
-
-    try:
-        if accepted("queue num 100 bypass").returncode == 0:
-            return None
-        control = accepted("counter")
     except (OSError, subprocess.TimeoutExpired) as e:
-        return f"the nftables probe could not run: {e}"
-    if control.returncode != 0:
-        return f"nftables does not work here ({control.stderr.strip()[:200]})"
-    return (
-        "the kernel has no nftables queue statement (CONFIG_NFT_QUEUE), which "
-        "kube-network-policies needs to judge connections: NetworkPolicies are not enforced"
-    )
+        return f"NetworkPolicies are not enforced: the kernel probe could not run: {e}"
+    if done.returncode != 0:
+        return (
+            "NetworkPolicies are not enforced: the kernel refused an ipset or an iptables rule "
+            "kube-router's policy controller needs (CONFIG_IP_SET, CONFIG_NETFILTER_XT_SET, "
+            f"_MATCH_PHYSDEV, _MATCH_ADDRTYPE, _TARGET_NFLOG...): {done.stderr.strip()[-300:]}"
+        )
+    return None

@@ -1,5 +1,6 @@
-"""The node: containerd with runc and the CNI bridge, the kubelet, kube-proxy, CoreDNS and the
-default StorageClass's provisioner, each configured here and started in that order.
+"""The node: containerd with runc and the CNI bridge, the kubelet, kube-proxy, the NetworkPolicy
+enforcer (kube-router's firewall), CoreDNS and the default StorageClass's provisioner, each
+configured here and started in that order.
 
 Owns: the components' configuration files (pure `build_*` functions returning what is written),
 starting each one and waiting until it works, importing the images into containerd, and the
@@ -13,16 +14,18 @@ shared machine whose kernel and cgroups belong to the host.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import ssl
+import subprocess
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from lora_devcluster import certs, cgroups, imagestore, processes, registry
+from lora_devcluster import certs, cgroups, imagestore, netpolicy, processes, registry
 from lora_devcluster.controlplane import admin_ssl_context, wait_healthy
 from lora_devcluster.layout import (
     API_PORT,
@@ -37,6 +40,7 @@ from lora_devcluster.layout import (
     KUBELET_ROOT,
     NODE_NAME,
     POD_CIDR,
+    SERVICE_CIDR,
     Layout,
 )
 
@@ -238,6 +242,40 @@ def build_kube_proxy_config(layout: Layout) -> Obj:
             "tcpCloseWaitTimeout": "0s",
         },
     }
+
+
+KUBE_ROUTER_HEALTH_PORT = 20244
+# The chain kube-router's policy controller hooks into FORWARD: there once its rules are.
+KUBE_ROUTER_CHAIN = "KUBE-ROUTER-FORWARD"
+
+
+def build_kube_router_args(bin_dir: Path, layout: Layout) -> list[str]:
+    """kube-router as a NetworkPolicy enforcer only: its firewall (iptables rules matching
+    ipsets of pod addresses, for pods on this node) and neither its BGP router (the bridge
+    carries every pod's traffic) nor its service proxy (kube-proxy's job)."""
+    return [
+        str(bin_dir / "kube-router"),
+        f"--kubeconfig={layout.kubeconfig}",
+        "--run-firewall=true",
+        "--run-router=false",
+        "--run-service-proxy=false",
+        f"--hostname-override={NODE_NAME}",
+        f"--service-cluster-ip-range={SERVICE_CIDR}",
+        f"--health-port={KUBE_ROUTER_HEALTH_PORT}",
+        "--metrics-port=0",
+        # A full resync besides the one each pod, namespace or policy change triggers.
+        "--iptables-sync-period=1m",
+    ]
+
+
+def policy_chain_exists(env: Mapping[str, str]) -> bool:
+    done = subprocess.run(
+        ["iptables", "-w", "-n", "-L", KUBE_ROUTER_CHAIN],
+        env=dict(env),
+        capture_output=True,
+        timeout=30,
+    )
+    return done.returncode == 0
 
 
 def build_corefile(layout: Layout) -> str:
@@ -456,6 +494,16 @@ async def start(
             [str(bin_dir / "kube-proxy"), f"--config={layout.config / 'kube-proxy.yaml'}"],
         )
         await wait_healthy(proxy, "http://127.0.0.1:10256/healthz", None, 60)
+        # NetworkPolicies: enforced when the kernel has what kube-router needs (netpolicy.py);
+        # otherwise the API server accepts them and nothing enforces them (`up` says so).
+        problem = await asyncio.to_thread(netpolicy.enforcement_problem)
+        if problem is None:
+            router = await launch("kube-router", build_kube_router_args(bin_dir, layout))
+            await processes.wait_until(
+                "kube-router's policy chains", lambda: policy_chain_exists(env), router, 60
+            )
+        elif progress:
+            progress(problem)
         # The DNS Service and the default StorageClass.
         kubectl = [str(bin_dir / "kubectl"), f"--kubeconfig={layout.kubeconfig}"]
         await processes.run_checked(

@@ -1,4 +1,4 @@
-"""`up`'s note on NetworkPolicy enforcement: what the nftables probe's outcomes mean."""
+"""Whether the node can enforce NetworkPolicies: what the kernel probe's outcomes mean."""
 
 from __future__ import annotations
 
@@ -9,29 +9,40 @@ import pytest
 from lora_devcluster import netpolicy
 
 
-def runner(*rcs: int) -> Any:
-    outcomes = list(rcs)
-
+def runner(rc: int, stderr: str = "") -> Any:
     def run(argv: list[str], **kwargs: Any) -> subprocess.CompletedProcess[str]:
-        assert "--net" in argv
-        return subprocess.CompletedProcess(argv, outcomes.pop(0), "", "Error: the reason")
+        # Always in a throwaway network namespace: the host's ruleset is never touched.
+        assert argv[:2] == ["unshare", "--net"]
+        return subprocess.CompletedProcess(argv, rc, "", stderr)
 
     return run
 
 
-@pytest.mark.parametrize(
-    ("rcs", "expected"),
-    [((0,), None), ((1, 0), "CONFIG_NFT_QUEUE"), ((1, 1), "nftables does not work here")],
-    ids=["queue-works", "no-queue", "no-nftables"],
-)
-def test_the_probe_says_why_policies_are_not_enforced(
-    rcs: tuple[int, ...], expected: str | None, monkeypatch: pytest.MonkeyPatch
+def test_a_kernel_that_takes_the_rules_enforces(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(netpolicy.shutil, "which", lambda name, path=None: f"/usr/sbin/{name}")
+    assert netpolicy.enforcement_problem(runner(0)) is None
+
+
+def test_a_refused_rule_is_reported_with_the_kernels_words(
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(netpolicy.shutil, "which", lambda name: f"/usr/sbin/{name}")
-    problem = netpolicy.enforcement_problem(runner(*rcs))
-    assert problem is None if expected is None else expected in (problem or "")
+    monkeypatch.setattr(netpolicy.shutil, "which", lambda name, path=None: f"/usr/sbin/{name}")
+    problem = netpolicy.enforcement_problem(runner(2, "ipset v7.17: Kernel error received"))
+    assert problem is not None
+    assert "not enforced" in problem and "Kernel error received" in problem
 
 
-def test_missing_tools_are_named(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(netpolicy.shutil, "which", lambda name: None)
-    assert "nft or unshare is missing" in (netpolicy.enforcement_problem() or "")
+def test_missing_tools_are_named_with_their_packages(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(
+        netpolicy.shutil,
+        "which",
+        lambda name, path=None: None if name == "ipset" else f"/usr/sbin/{name}",
+    )
+    problem = netpolicy.enforcement_problem(runner(0))
+    assert problem is not None and "apt-get install ipset" in problem
+
+
+def test_the_probe_covers_what_kube_router_writes() -> None:
+    # The matches and targets of kube-router's policy chains (pkg/controllers/netpol).
+    for word in ("ipset create", "--match-set", "physdev", "addrtype", "conntrack", "NFLOG"):
+        assert word in netpolicy.PROBE, word

@@ -63,6 +63,17 @@ def test_pod_network_and_service_routing() -> None:
     assert ["ip", "route", "add", "10.0.0.0/24", "dev", "cni0", "src", "10.244.0.1"] in commands
 
 
+def test_kube_router_only_enforces_network_policies() -> None:
+    # Routing stays with the bridge and Services with kube-proxy: kube-router's firewall alone,
+    # for this node's pods, knowing the Service range (it lets ClusterIP traffic through).
+    args = node.build_kube_router_args(Path("/bin"), Layout(Path("/c")))
+    assert args[0] == "/bin/kube-router"
+    for flag in ("--run-firewall=true", "--run-router=false", "--run-service-proxy=false"):
+        assert flag in args
+    assert "--hostname-override=lora-devcluster" in args
+    assert "--service-cluster-ip-range=10.0.0.0/24" in args
+
+
 def test_dns_service_points_at_coredns_on_the_node() -> None:
     svc, endpoints = node.build_dns_objects()
     assert svc["spec"]["clusterIP"] == "10.0.0.10" and "selector" not in svc["spec"]
