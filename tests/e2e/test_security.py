@@ -25,8 +25,8 @@ from typing import Any
 import pytest
 from lora_demo import manifests, release
 from lora_demo.manifests import MODEL_NAME, RELEASE, AdapterSource
-from lora_demo.release import ROOT
-from lora_devcluster import images
+from lora_demo.release import CHART, INFERENCE_PORT, ROOT
+from lora_devcluster import images, netpolicy
 from lora_devcluster.harness import Harness
 
 Obj = dict[str, Any]
@@ -342,6 +342,132 @@ def test_router_paths_outside_the_allowlist_are_404(secured: Release) -> None:
     request = manifests.generation_request("pixel-art", size=32, steps=2)
     status, _ = h.proxy(ns, service, "/v1/images/generations", request)
     assert status == 200
+
+
+ALLOWED_CLIENT = "lora.dev/security-test-client"
+CLIENT_PORT = 8080
+# Opens a TCP connection to each HOST:PORT; "open", or why not (a policy's REJECT is a
+# ConnectionRefusedError; a DROP would be a TimeoutError).
+CONNECT_SCRIPT = """
+import json, socket, sys
+seen = {}
+for target in sys.argv[1:]:
+    host, port = target.rsplit(":", 1)
+    s = socket.socket()
+    s.settimeout(3)
+    try:
+        s.connect((host, int(port)))
+        seen[target] = "open"
+    except OSError as e:
+        seen[target] = f"{type(e).__name__}: {e}"
+    finally:
+        s.close()
+print(json.dumps(seen))
+"""
+
+
+def client_pod(name: str, image: str, labels: dict[str, str]) -> Obj:
+    """A pod of the attacker's (or, labelled as allowFrom names, a client's) that listens on
+    CLIENT_PORT, so a connection to it shows whether a pod may open one."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "labels": labels},
+        "spec": {
+            "automountServiceAccountToken": False,
+            "terminationGracePeriodSeconds": 1,
+            "containers": [
+                {
+                    "name": "client",
+                    "image": image,
+                    "imagePullPolicy": "IfNotPresent",
+                    "command": ["python", "-m", "http.server", str(CLIENT_PORT)],
+                    "workingDir": "/tmp",
+                    "securityContext": manifests.NON_ROOT,
+                }
+            ],
+        },
+    }
+
+
+def connect(h: Harness, ns: str, pod: str, container: str, targets: list[str]) -> dict[str, str]:
+    """What `pod` gets when it connects to each target: "open" or the error."""
+    out = h.kubectl(
+        "exec", "-n", ns, pod, "-c", container, "--", "python", "-c", CONNECT_SCRIPT, *targets
+    )
+    seen: dict[str, str] = json.loads(out.strip().splitlines()[-1])
+    return seen
+
+
+def test_a_pod_outside_allow_from_cannot_reach_the_router_or_the_inference_pods(
+    secured: Release,
+) -> None:
+    """The chart's NetworkPolicies, turned on with `helm upgrade` as a user would, on the
+    cluster's enforcer (kube-router's firewall on the local cluster): a pod that allowFrom does
+    not name is refused on the router's ports, the clients' Service and the inference pods' port,
+    while a pod it names connects; and the inference pods open no connection themselves. Without
+    the policies the same pod connects to all of them (the attack works), so the refusals are the
+    policies' doing. The release is returned to no policies afterwards."""
+    h, ns = secured.h, secured.ns
+    if h.is_local:
+        problem = netpolicy.enforcement_problem()
+        assert problem is None, problem
+    image = h.image("operator")
+    h.apply(
+        [
+            client_pod("outsider", image, {}),
+            client_pod("insider", image, {ALLOWED_CLIENT: "true"}),
+        ],
+        ns,
+    )
+    for name in ("outsider", "insider"):
+        h.wait_for(
+            f"the {name} pod to be Ready",
+            lambda name=name: release.is_ready(h.get(f"/api/v1/namespaces/{ns}/pods/{name}")),
+            timeout=120,
+        )
+
+    def ip(pod: str) -> str:
+        address: str = h.get(f"/api/v1/namespaces/{ns}/pods/{pod}")["status"]["podIP"]
+        return address
+
+    (inference,) = secured.pods("inference")
+    service = h.get(f"/api/v1/namespaces/{ns}/services/{manifests.SERVICE}")["spec"]
+    closed = [
+        f"{ip(inference)}:{INFERENCE_PORT}",  # the inference pod: generation, load, /metrics
+        f"{service['clusterIP']}:{service['ports'][0]['port']}",  # the clients' Service
+    ]
+    for router in secured.pods("router"):
+        closed += [f"{ip(router)}:8000", f"{ip(router)}:9090"]  # its http and metrics ports
+    egress = [f"{ip('insider')}:{CLIENT_PORT}"]  # the inference pods open no connection
+    # The attack without the policies: every port is open to the outsider.
+    before = connect(h, ns, "outsider", "client", closed)
+    before |= connect(h, ns, inference, "inference", egress)
+    assert set(before.values()) == {"open"}, before
+
+    allow_from = [{"podSelector": {"matchLabels": {ALLOWED_CLIENT: "true"}}}]
+    upgrade = ["helm", "upgrade", RELEASE, str(CHART), "-n", ns, "--reuse-values"]
+    policies = ["--set", "networkPolicy.enabled=true"]
+    policies += ["--set-json", f"networkPolicy.allowFrom={json.dumps(allow_from)}"]
+    h.run([*upgrade, *policies])
+    try:
+        seen: dict[str, dict[str, str]] = {}
+
+        def enforced() -> bool:
+            seen["outsider"] = connect(h, ns, "outsider", "client", closed)
+            seen["insider"] = connect(h, ns, "insider", "client", closed)
+            seen["inference"] = connect(h, ns, inference, "inference", egress)
+            refused = [*seen["outsider"].values(), *seen["inference"].values()]
+            return all(r.startswith("ConnectionRefusedError") for r in refused)
+
+        try:
+            h.wait_for("the policies to refuse the outsider", enforced, timeout=60, interval=2)
+        except AssertionError as e:
+            raise AssertionError(f"{e}; what the pods got: {json.dumps(seen)}") from e
+        assert set(seen["insider"].values()) == {"open"}, seen
+    finally:
+        h.run([*upgrade, "--set", "networkPolicy.enabled=false"], check=False)
+        h.kubectl("delete", "pod", "-n", ns, "outsider", "insider", "--wait=false", check=False)
 
 
 def recorder_ip(secured: Release) -> str:
