@@ -7,7 +7,7 @@ import os
 import tomllib
 from pathlib import Path
 
-from lora_devcluster import certs, cgroups, imagestore, node, sandbox
+from lora_devcluster import certs, cgroups, imagestore, nodeconfig, sandbox
 from lora_devcluster.layout import Layout
 
 
@@ -24,7 +24,7 @@ def test_each_state_directory_has_its_own_cgroup_root(tmp_path: Path) -> None:
 
 def test_kubelet_config_keeps_the_node_to_itself(tmp_path: Path) -> None:
     layout = Layout(tmp_path / "c")
-    config = node.build_kubelet_config(layout, pki(tmp_path))
+    config = nodeconfig.build_kubelet_config(layout, pki(tmp_path))
     assert config["cgroupRoot"] == layout.cgroup_root
     assert config["failCgroupV1"] is False and config["cgroupDriver"] == "cgroupfs"
     assert config["protectKernelDefaults"] is False
@@ -38,25 +38,25 @@ def test_kubelet_config_keeps_the_node_to_itself(tmp_path: Path) -> None:
 def test_containerd_config_is_valid_toml_with_its_own_root_and_no_oom_score_lowering(
     tmp_path: Path,
 ) -> None:
-    text = node.build_containerd_config(Path("/r"), "/run/x", "/run/x/s.sock", tmp_path)
+    text = nodeconfig.build_containerd_config(Path("/r"), "/run/x", "/run/x/s.sock", tmp_path)
     config = tomllib.loads(text)
     assert (config["root"], config["state"]) == ("/r", "/run/x")
     assert config["grpc"]["address"] == "/run/x/s.sock"
     cri = config["plugins"]["io.containerd.grpc.v1.cri"]
     assert cri["restrict_oom_score_adj"] is True
-    assert cri["sandbox_image"] == node.PAUSE_IMAGE
+    assert cri["sandbox_image"] == nodeconfig.PAUSE_IMAGE
     assert cri["cni"]["conf_dir"] == str(tmp_path)
     assert cri["containerd"]["runtimes"]["runc"]["options"]["SystemdCgroup"] is False
     assert "io.containerd.internal.v1.opt" in config["disabled_plugins"]  # writes /opt
 
 
 def test_pod_network_and_service_routing() -> None:
-    (bridge, portmap) = node.build_cni_config()["plugins"]
+    (bridge, portmap) = nodeconfig.build_cni_config()["plugins"]
     assert bridge["isGateway"] and bridge["hairpinMode"]
     assert bridge["ipam"]["ranges"] == [[{"subnet": "10.244.0.0/24", "gateway": "10.244.0.1"}]]
     assert bridge["ipam"]["dataDir"].startswith("/run/")  # the sandbox's tmpfs
     assert portmap["type"] == "portmap"
-    proxy = node.build_kube_proxy_config(Layout(Path("/c")))
+    proxy = nodeconfig.build_kube_proxy_config(Layout(Path("/c")))
     assert proxy["iptables"]["masqueradeAll"] is True
     assert proxy["conntrack"]["maxPerCore"] == 0 and proxy["conntrack"]["min"] == 0
     commands = sandbox.build_network_commands()
@@ -66,7 +66,7 @@ def test_pod_network_and_service_routing() -> None:
 def test_kube_router_only_enforces_network_policies() -> None:
     # Routing stays with the bridge and Services with kube-proxy: kube-router's firewall alone,
     # for this node's pods, knowing the Service range (it lets ClusterIP traffic through).
-    args = node.build_kube_router_args(Path("/bin"), Layout(Path("/c")))
+    args = nodeconfig.build_kube_router_args(Path("/bin"), Layout(Path("/c")))
     assert args[0] == "/bin/kube-router"
     for flag in ("--run-firewall=true", "--run-router=false", "--run-service-proxy=false"):
         assert flag in args
@@ -75,18 +75,18 @@ def test_kube_router_only_enforces_network_policies() -> None:
 
 
 def test_dns_service_points_at_coredns_on_the_node() -> None:
-    svc, endpoints = node.build_dns_objects()
+    svc, endpoints = nodeconfig.build_dns_objects()
     assert svc["spec"]["clusterIP"] == "10.0.0.10" and "selector" not in svc["spec"]
     assert endpoints["endpoints"][0]["addresses"] == ["10.244.0.1"]
     assert endpoints["metadata"]["labels"] == {"kubernetes.io/service-name": "kube-dns"}
-    assert "kubernetes cluster.local" in node.build_corefile(Layout(Path("/c")))
+    assert "kubernetes cluster.local" in nodeconfig.build_corefile(Layout(Path("/c")))
 
 
 def test_default_storage_class_provisions_world_writable_directories_in_the_cluster(
     tmp_path: Path,
 ) -> None:
     layout = Layout(tmp_path / "c")
-    storage_class, config_map = node.build_storage_objects(layout, "base:1")
+    storage_class, config_map = nodeconfig.build_storage_objects(layout, "base:1")
     annotations = storage_class["metadata"]["annotations"]
     assert annotations["storageclass.kubernetes.io/is-default-class"] == "true"
     assert str(layout.volumes) in config_map["data"]["config.json"]

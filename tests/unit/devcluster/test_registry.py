@@ -6,7 +6,7 @@ from __future__ import annotations
 import tomllib
 from pathlib import Path
 
-from lora_devcluster import node, registry
+from lora_devcluster import nodeconfig, registry
 from lora_devcluster.layout import HOST_IP, Layout
 
 
@@ -29,9 +29,9 @@ def test_containerd_pulls_from_it_over_plain_http(tmp_path: Path) -> None:
     parsed = tomllib.loads((hosts / registry.ADDRESS / "hosts.toml").read_text())
     assert parsed["server"] == f"http://{registry.ADDRESS}"
     assert parsed["host"][f"http://{registry.ADDRESS}"]["capabilities"] == ["pull", "resolve"]
-    text = node.build_containerd_config(Path("/r"), "/s", "/sock", tmp_path / "cni", hosts)
+    text = nodeconfig.build_containerd_config(Path("/r"), "/s", "/sock", tmp_path / "cni", hosts)
     cri = tomllib.loads(text)["plugins"]["io.containerd.grpc.v1.cri"]
     assert cri["registry"] == {"config_path": str(hosts)}
     # Without a hosts folder the configuration is as before.
-    plain = node.build_containerd_config(Path("/r"), "/s", "/sock", tmp_path / "cni")
+    plain = nodeconfig.build_containerd_config(Path("/r"), "/s", "/sock", tmp_path / "cni")
     assert "registry" not in tomllib.loads(plain)["plugins"]["io.containerd.grpc.v1.cri"]
