@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
-import torch
 from lora_operator import staging
 from lora_volume import errors, formats
-from safetensors.torch import save_file
+from safetensors.numpy import save_file
 
 PAIR = ["lora_unet_a_to_q.lora_down.weight", "lora_unet_a_to_q.lora_up.weight"]
 
@@ -115,6 +115,6 @@ def test_staging_refuses_each_format_with_the_same_reason(
     """The operator's staging check (its reason becomes the LoRAAdapter's Failed status) reads
     the header only and names the format as the server does."""
     path = tmp_path / "adapter.safetensors"
-    save_file({k: torch.zeros(2, 2) for k in (*PAIR, tensor)}, str(path))
+    save_file({k: np.zeros((2, 2), np.float32) for k in (*PAIR, tensor)}, str(path))
     with pytest.raises(errors.InvalidAdapter, match=label.replace("(", r"\(").replace(")", r"\)")):
         staging.verify_lora_file(path, "source x")
