@@ -35,7 +35,7 @@ from pathlib import Path
 from lora_volume import errors as volume_errors
 from lora_volume import layout, stacks, targeting
 
-from lora_inference import errors, stacking
+from lora_inference import errors
 from lora_inference.adapters import cache
 from lora_inference.adapters.registry import (
     AdapterRecord,
@@ -48,6 +48,7 @@ from lora_inference.config import ServerConfig
 from lora_inference.pipeline import ParsedAdapter
 from lora_inference.reader import Reader, new_record
 from lora_inference.residency import Residency
+from lora_inference.stackkeys import Blocks, stack_name
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +63,7 @@ class Admission:
         self._reader = reader
         # Stacks built for requests, by their members' versions and scales: a request naming the
         # same adapters at the same scales reuses one (see `resolve_stack`).
-        self._stacks: dict[tuple[tuple[str, int, float], ...], AdapterRecord] = {}
+        self._stacks: dict[tuple[tuple[str, int, float, Blocks], ...], AdapterRecord] = {}
         self._name_locks: dict[str, asyncio.Lock] = {}
         self._name_users: collections.Counter[str] = collections.Counter()
         # Requests between arriving and reaching the queue because their adapter is being
@@ -233,20 +234,24 @@ class Admission:
         resolved = []
         for i, member in enumerate(members):
             record = await self.resolve(member.name, param=f"lora[{i}].name")
-            resolved.append((record, record.scale if member.scale is None else member.scale))
+            scale = record.scale if member.scale is None else member.scale
+            resolved.append((record, scale, member.blocks))
         resolved.sort(key=lambda m: m[0].name)
-        key = tuple((record.name, record.version, scale) for record, scale in resolved)
-        name = stacking.stack_name([(record.name, scale) for record, scale in resolved])
+        key = tuple(
+            (record.name, record.version, scale, blocks) for record, scale, blocks in resolved
+        )
+        name = stack_name([(record.name, scale, blocks) for record, scale, blocks in resolved])
+        weighed = tuple((record, scale) for record, scale, _ in resolved)
         async with self._one_at_a_time(name):
             found = self._stacks.get(key)
             if found is not None:
                 return found
             async with self._arriving():
-                parts = [await self._residency.parse(record) for record, _ in resolved]
-                parsed = await self._reader.compose(resolved, parts)
-            stack = new_record(
-                name, resolved[0][0].path, parsed, origin="stack", members=tuple(resolved)
-            )
+                parts = [await self._residency.parse(record) for record, _ in weighed]
+                parsed = await self._reader.compose(
+                    weighed, parts, blocks=[blocks for _, _, blocks in resolved]
+                )
+            stack = new_record(name, weighed[0][0].path, parsed, origin="stack", members=weighed)
             self._residency.add(stack, parsed)
             self._stacks[key] = stack
             self._retire_stale_stacks()

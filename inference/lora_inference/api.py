@@ -14,6 +14,7 @@ from typing import Any
 from lora_volume import stacks
 
 from lora_inference import errors
+from lora_inference.stackkeys import BLOCK_GROUPS, Blocks
 
 MAX_IMAGES = 10
 MAX_STEPS = 200
@@ -50,10 +51,12 @@ class LoadAdapterRequest:
 
 @dataclass(frozen=True)
 class StackMember:
-    """One adapter of a stacked request (`lora: [...]`) and its weight (None: its default)."""
+    """One adapter of a stacked request (`lora: [...]`) and its weight (None: its default),
+    varied per block group by `blocks` (stackkeys)."""
 
     name: str
     scale: float | None
+    blocks: Blocks = ()
 
 
 @dataclass(frozen=True)
@@ -211,7 +214,7 @@ def _adapter_choice(body: dict[str, Any], base_model: str) -> tuple[AdapterChoic
             "'lora' must be an object with 'name' and optional 'scale', or a list of them",
             param="lora",
         )
-    unknown = set(lora) - {"name", "scale", "local_path"}
+    unknown = set(lora) - {"name", "scale", "local_path", "blocks"}
     if unknown:
         raise errors.InvalidRequest(
             f"unknown field(s) in 'lora': {', '.join(sorted(unknown))}", param="lora"
@@ -219,11 +222,20 @@ def _adapter_choice(body: dict[str, Any], base_model: str) -> tuple[AdapterChoic
     name = _string(lora, "name", param="lora.name")
     scale = _optional_scale(lora, "lora.scale")
     local_path = _optional_string(lora, "local_path", param="lora.local_path")
+    blocks = _blocks(lora, "lora.blocks")
     if model not in (None, base_model, name):
         raise errors.InvalidRequest(
             f"'model' names {model!r} but 'lora.name' names {name!r}; name one adapter",
             param="model",
         )
+    if blocks:
+        if local_path is not None:
+            raise errors.InvalidRequest(
+                "'lora.blocks' scales a registered adapter: load it first, then name it",
+                param="lora.blocks",
+            )
+        member = StackMember(name=name, scale=scale, blocks=blocks)
+        return AdapterChoice(name=None, local_path=None, param="lora", stack=(member,)), None
     return AdapterChoice(name=name, local_path=local_path, param="lora.name"), scale
 
 
@@ -243,7 +255,7 @@ def _stack_choice(
             raise errors.InvalidRequest(
                 f"'{param}' must be an object with 'name' and optional 'scale'", param=param
             )
-        unknown = set(entry) - {"name", "scale"}
+        unknown = set(entry) - {"name", "scale", "blocks"}
         if unknown:
             raise errors.InvalidRequest(
                 f"unknown field(s) in '{param}': {', '.join(sorted(unknown))} (a stacked "
@@ -251,7 +263,13 @@ def _stack_choice(
                 param=param,
             )
         name = _string(entry, "name", param=f"{param}.name")
-        members.append(StackMember(name=name, scale=_optional_scale(entry, f"{param}.scale")))
+        members.append(
+            StackMember(
+                name=name,
+                scale=_optional_scale(entry, f"{param}.scale"),
+                blocks=_blocks(entry, f"{param}.blocks"),
+            )
+        )
     names = [m.name for m in members]
     if len(set(names)) < len(names):
         raise errors.InvalidRequest(
@@ -265,10 +283,35 @@ def _stack_choice(
             "the base model",
             param="model",
         )
-    if len(members) == 1:
+    if len(members) == 1 and not members[0].blocks:
         choice = AdapterChoice(name=names[0], local_path=None, param="lora[0].name")
         return choice, members[0].scale
     return AdapterChoice(name=None, local_path=None, param="lora", stack=tuple(members)), None
+
+
+def _blocks(body: dict[str, Any], param: str) -> Blocks:
+    """`blocks`: {group: multiplier} for some of stackkeys.BLOCK_GROUPS; () when absent."""
+    given = body.get("blocks")
+    if given is None:
+        return ()
+    if not isinstance(given, dict) or not given:
+        raise errors.InvalidRequest(
+            f"'{param}' must be an object of block groups and scales, e.g. "
+            '{"down": 0.5, "up": 0}',
+            param=param,
+        )
+    unknown = sorted(set(given) - set(BLOCK_GROUPS))
+    if unknown:
+        raise errors.InvalidRequest(
+            f"unknown block group(s) in '{param}': {', '.join(unknown)}; the groups are "
+            f"{', '.join(BLOCK_GROUPS)}",
+            param=param,
+        )
+    return tuple(
+        (group, float(_number(given, group, 1.0, *SCALE_RANGE, param=f"{param}.{group}")))
+        for group in BLOCK_GROUPS
+        if group in given
+    )
 
 
 def _optional_scale(body: dict[str, Any], param: str) -> float | None:

@@ -21,6 +21,7 @@ from lora_inference.adapters.registry import AdapterRecord, Origin, next_version
 from lora_inference.config import ServerConfig
 from lora_inference.metrics import Metrics
 from lora_inference.pipeline import DiffusionBackend, ParsedAdapter
+from lora_inference.stackkeys import Blocks, stack_name, stack_sha256
 
 
 class Reader:
@@ -53,24 +54,34 @@ class Reader:
         members: Sequence[tuple[AdapterRecord, float]],
         parts: Sequence[ParsedAdapter],
         *,
+        blocks: Sequence[Blocks] = (),
         param: str = "lora",
     ) -> ParsedAdapter:
         """One adapter equal to `members` at their scales (`stacking.compose`), from their
-        parses (`parts`, in the same order); `param` names the field a conflict is about."""
+        parses (`parts`, in the same order), each member's scale varied by its `blocks` (in the
+        same order; none: no member's is); `param` names the field a conflict is about."""
         stacked = [
-            stacking.Member(name=record.name, sha256=part.sha256, scale=scale, layers=part.layers)
-            for (record, scale), part in zip(members, parts, strict=True)
+            stacking.Member(
+                name=record.name,
+                sha256=part.sha256,
+                scale=scale,
+                layers=part.layers,
+                blocks=member_blocks,
+            )
+            for (record, scale), part, member_blocks in zip(
+                members, parts, blocks or [()] * len(members), strict=True
+            )
         ]
         loop = asyncio.get_running_loop()
         layers = await loop.run_in_executor(
             self._pool, functools.partial(stacking.compose, stacked, param=param)
         )
-        name = stacking.stack_name([(m.name, m.scale) for m in stacked])
+        name = stack_name([(m.name, m.scale, m.blocks) for m in stacked])
         packed = await loop.run_in_executor(
             self._pool, functools.partial(self._backend.pack, layers, name=name)
         )
         return ParsedAdapter(
-            sha256=stacking.stack_sha256([(m.name, m.sha256, m.scale) for m in stacked]),
+            sha256=stack_sha256([(m.name, m.sha256, m.scale, m.blocks) for m in stacked]),
             size_bytes=sum(
                 w.down.nbytes + w.up.nbytes
                 for w in layers.values()  # held in memory

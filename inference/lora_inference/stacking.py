@@ -16,7 +16,6 @@ Imports torch (the members' tensors), never diffusers or peft.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -24,6 +23,7 @@ import torch
 
 from lora_inference import errors
 from lora_inference.slots import LayerKey, LayerWeights
+from lora_inference.stackkeys import Blocks, multiplier
 
 # At most this many conflicting layers are named in an error; the rest are counted.
 _NAMED_CONFLICTS = 3
@@ -37,17 +37,8 @@ class Member:
     sha256: str
     scale: float
     layers: Mapping[LayerKey, LayerWeights]
-
-
-def stack_sha256(members: Sequence[tuple[str, str, float]]) -> str:
-    """A stack's identity: its members' (name, sha256, scale), in name order."""
-    lines = [f"{name}\t{sha}\t{scale!r}\n" for name, sha, scale in sorted(members)]
-    return hashlib.sha256("".join(lines).encode()).hexdigest()
-
-
-def stack_name(members: Sequence[tuple[str, float]]) -> str:
-    """How logs and errors name a stack: `a*0.8+b*0.5`, in name order."""
-    return "+".join(f"{name}*{scale:g}" for name, scale in sorted(members))
+    # Per block group multipliers of `scale` (stackkeys); empty: `scale` on every layer.
+    blocks: Blocks = ()
 
 
 def compose(members: Sequence[Member], *, param: str = "lora") -> dict[LayerKey, LayerWeights]:
@@ -65,7 +56,7 @@ def compose(members: Sequence[Member], *, param: str = "lora") -> dict[LayerKey,
     conflicts = [(key, parts) for key, parts in sorted(by_layer.items()) if not _stackable(parts)]
     if conflicts:
         raise _conflict(conflicts, param)
-    return {key: _sum(parts) for key, parts in sorted(by_layer.items())}
+    return {key: _sum(key, parts) for key, parts in sorted(by_layer.items())}
 
 
 def _stackable(parts: list[tuple[Member, LayerWeights]]) -> bool:
@@ -78,7 +69,7 @@ def _stackable(parts: list[tuple[Member, LayerWeights]]) -> bool:
     )
 
 
-def _sum(parts: list[tuple[Member, LayerWeights]]) -> LayerWeights:
+def _sum(key: LayerKey, parts: list[tuple[Member, LayerWeights]]) -> LayerWeights:
     if any(w.magnitude is not None for _, w in parts):
         names = ", ".join(m.name for m, w in parts if w.magnitude is not None)
         raise errors.IncompatibleAdapter(
@@ -89,8 +80,10 @@ def _sum(parts: list[tuple[Member, LayerWeights]]) -> LayerWeights:
     dtype = parts[0][1].up.dtype
     down = torch.cat([w.down.to(dtype) for _, w in parts], dim=0)
     # The product runs in float32 and is rounded once, to the members' dtype.
-    up = torch.cat([(w.up.float() * (m.scale * w.scaling)).to(dtype) for m, w in parts], dim=1)
-    biases = [w.bias.float() * (m.scale * w.scaling) for m, w in parts if w.bias is not None]
+    # Each member's B times its scale on this layer (its block group's, when it has blocks).
+    scaled = [(w, m.scale * multiplier(m.blocks, *key) * w.scaling) for m, w in parts]
+    up = torch.cat([(w.up.float() * s).to(dtype) for w, s in scaled], dim=1)
+    biases = [w.bias.float() * s for w, s in scaled if w.bias is not None]
     bias = torch.stack(biases).sum(0).to(dtype) if biases else None
     return LayerWeights(down=down, up=up, alpha=float(down.shape[0]), rslora=False, bias=bias)
 

@@ -2,18 +2,17 @@
 
 A stack of simulated adapters is as large as its members at a non-zero scale together, and its
 rank is the sum of theirs (as a real stack's is on a layer every member targets). Its identity
-and name are the real module's (`stack_sha256`, `stack_name`, the same text: a test compares
-them).
+and name come from `lora_inference.stackkeys`, as a real stack's do.
 """
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from lora_inference.simulate.backend import SimulatedWeights, simulated_mb
+from lora_inference.stackkeys import Blocks
 
 
 @dataclass(frozen=True)
@@ -22,15 +21,7 @@ class Member:
     sha256: str
     scale: float
     layers: Mapping[Any, Any]
-
-
-def stack_sha256(members: Sequence[tuple[str, str, float]]) -> str:
-    lines = [f"{name}\t{sha}\t{scale!r}\n" for name, sha, scale in sorted(members)]
-    return hashlib.sha256("".join(lines).encode()).hexdigest()
-
-
-def stack_name(members: Sequence[tuple[str, float]]) -> str:
-    return "+".join(f"{name}*{scale:g}" for name, scale in sorted(members))
+    blocks: Blocks = ()
 
 
 def compose(members: Sequence[Member], *, param: str = "lora") -> dict[Any, SimulatedWeights]:

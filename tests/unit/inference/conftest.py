@@ -185,12 +185,14 @@ def reference(assets: Assets) -> Reference:
 
     def render(
         adapter: Path | None = None,
-        scale: float = 1.0,
+        scale: float | dict[str, Any] = 1.0,
         *,
         seed: int = 7,
+        steps: int = 2,
         stack: Sequence[tuple[Path, float]] = (),
     ) -> np.ndarray:
-        """`stack`: several adapters at their scales, through diffusers' own `set_adapters`."""
+        """`stack`: several adapters at their scales, through diffusers' own `set_adapters`;
+        `scale` may be its per-component, per-block form ({"unet": {"down": 0.5}, ...})."""
         loras = [(adapter, scale)] if adapter is not None else []
         loras += stack
         names = [f"reference{i}" for i in range(len(loras))]
@@ -203,7 +205,7 @@ def reference(assets: Assets) -> Reference:
                 image = pipe(
                     ["a lighthouse"],
                     generator=[torch.Generator().manual_seed(seed)],
-                    num_inference_steps=2,
+                    num_inference_steps=steps,
                     guidance_scale=7.5,
                     height=32,
                     width=32,

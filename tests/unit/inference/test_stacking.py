@@ -18,6 +18,7 @@ import pytest
 import torch
 from lora_inference import errors, stacking
 from lora_inference.slots import LayerWeights
+from lora_inference.stackkeys import stack_name, stack_sha256
 from lora_volume import files, stacks
 
 from tests.unit.inference.conftest import Assets, Reference, Server
@@ -77,12 +78,14 @@ def test_members_that_target_one_layer_with_other_shapes_cannot_stack() -> None:
     assert "a, b" in e.value.message and "unet.down_blocks.0.conv" in e.value.message
 
 
-def test_a_stacks_identity_ignores_order_and_follows_revisions_and_scales() -> None:
-    one = stacking.stack_sha256([("a", "1" * 64, 0.5), ("b", "2" * 64, 1.0)])
-    assert one == stacking.stack_sha256([("b", "2" * 64, 1.0), ("a", "1" * 64, 0.5)])
-    assert one != stacking.stack_sha256([("a", "3" * 64, 0.5), ("b", "2" * 64, 1.0)])
-    assert one != stacking.stack_sha256([("a", "1" * 64, 0.6), ("b", "2" * 64, 1.0)])
-    assert stacking.stack_name([("b", 1.0), ("a", 0.5)]) == "a*0.5+b*1"
+def test_a_stacks_identity_ignores_order_and_follows_revisions_scales_and_blocks() -> None:
+    one = stack_sha256([("a", "1" * 64, 0.5, ()), ("b", "2" * 64, 1.0, ())])
+    assert one == stack_sha256([("b", "2" * 64, 1.0, ()), ("a", "1" * 64, 0.5, ())])
+    assert one != stack_sha256([("a", "3" * 64, 0.5, ()), ("b", "2" * 64, 1.0, ())])
+    assert one != stack_sha256([("a", "1" * 64, 0.6, ()), ("b", "2" * 64, 1.0, ())])
+    assert one != stack_sha256([("a", "1" * 64, 0.5, (("up", 0.0),)), ("b", "2" * 64, 1.0, ())])
+    assert stack_name([("b", 1.0, ()), ("a", 0.5, ())]) == "a*0.5+b*1"
+    assert stack_name([("a", 0.8, (("down", 0.5), ("up", 0.0)))]) == "a*0.8[down=0.5,up=0]"
 
 
 # ---- on the server
@@ -97,6 +100,50 @@ async def test_a_stack_draws_what_diffusers_draws_with_both_adapters_set(
     theirs = reference(stack=[(assets.adapter_a, 0.7), (assets.adapter_b, 0.5)])
     assert np.abs(ours.astype(int) - theirs.astype(int)).max() <= LEVEL
     assert not np.array_equal(ours, await server.image(lora={"name": "a", "scale": 0.7}))
+
+
+async def test_block_weights_draw_what_diffusers_per_block_scales_draw(
+    server: Server, assets: Assets, reference: Reference
+) -> None:
+    """`lora.blocks` (A1111's and ComfyUI's "LoRA block weights") against diffusers'
+    `set_adapters` with per-block scales on a UNet and its text encoder, at 4 and 8 steps."""
+    await server.load("b", assets.adapter_b)  # UNet and text encoder layers
+    blocks = {"down": 0.5, "mid": 0.0, "up": 1.5, "text_encoder": 0.7}
+    theirs_scale = {"unet": {"down": 0.5, "mid": 0.0, "up": 1.5}, "text_encoder": 0.7}
+    for steps in (4, 8):
+        ours = await server.image(lora={"name": "b", "blocks": blocks}, num_inference_steps=steps)
+        theirs = reference(assets.adapter_b, theirs_scale, steps=steps)
+        assert np.abs(ours.astype(int) - theirs.astype(int)).max() <= LEVEL, steps
+        plain = await server.image(model="b", num_inference_steps=steps)
+        assert np.abs(ours.astype(int) - plain.astype(int)).max() > LEVEL, steps
+    # All groups at 1 draw the adapter itself; a scale multiplies every group's value.
+    ones = dict.fromkeys(("down", "mid", "up", "text_encoder"), 1.0)
+    same = await server.image(lora={"name": "b", "blocks": ones})
+    assert np.abs(same.astype(int) - (await server.image(model="b")).astype(int)).max() <= LEVEL
+    halved = await server.image(lora={"name": "b", "scale": 0.5, "blocks": ones})
+    at_half = await server.image(lora={"name": "b", "scale": 0.5})
+    assert np.abs(halved.astype(int) - at_half.astype(int)).max() <= LEVEL
+
+
+async def test_block_weights_in_a_stack_and_their_refusals(server: Server, assets: Assets) -> None:
+    await server.load("a", assets.adapter_a)
+    await server.load("b", assets.adapter_b)
+    up_off = [{"name": "a", "scale": 0.7, "blocks": {"up": 0}}, {"name": "b", "scale": 0.5}]
+    first = await server.image(lora=up_off)
+    assert np.array_equal(await server.image(lora=list(reversed(up_off))), first)
+    assert not np.array_equal(
+        first, await server.image(lora=[{"name": "a", "scale": 0.7}, {"name": "b", "scale": 0.5}])
+    )
+    for lora, words in (
+        ({"name": "a", "blocks": {"middle": 1}}, "unknown block group(s) in 'lora.blocks': middle"),
+        ({"name": "a", "blocks": {"up": "x"}}, "lora.blocks.up"),
+        ({"name": "a", "blocks": []}, "'lora.blocks' must be an object"),
+        ({"name": "a", "local_path": "/x", "blocks": {"up": 0}}, "load it first"),
+    ):
+        status, body = await server.post(
+            "/v1/images/generations", {"prompt": "x", "lora": lora}, token=None
+        )
+        assert status == 400 and words in body["error"]["message"], (lora, body)
 
 
 async def test_a_member_at_scale_zero_is_as_if_absent_and_order_changes_nothing(
