@@ -5,6 +5,9 @@ validated records, every file read off the event loop), residency (`residency.Re
 one record of which version is in a GPU slot, in the CPU tier, pinned or still held by a
 request), and this module, which queues requests and runs batches. The batch policy
 (`scheduling`) and the tiers' policy (`adapters.cache`) decide; the worker and residency act.
+The engine holds the whole pipeline (`pipeline.DiffusionBackend`, which app loads, exposed as
+`backend`) and calls its `calibrate` and `run_batch`; the reader and residency are given it as
+only what they call on it (`reader.AdapterParser`, `residency.SlotPipeline`).
 
 Everything here runs on the event loop except what touches the pipeline: one dedicated thread,
 always entered under `_pipeline_lock`, which residency takes too when it moves adapters. So

@@ -2,7 +2,8 @@
 small thread pool of their own that never runs pipeline work, and the record a read becomes.
 
 Owns the read pool. Must not change the registry (admission does, after a read succeeds) or
-touch the pipeline's state: `DiffusionBackend.parse_adapter` and `pack` read and convert only.
+touch the pipeline's state: of the pipeline it calls only what `AdapterParser` declares,
+`parse_adapter` and `pack`, which read and convert only.
 """
 
 from __future__ import annotations
@@ -10,9 +11,10 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
 
 from lora_volume import files
 
@@ -20,14 +22,29 @@ from lora_inference import errors, stacking
 from lora_inference.adapters.registry import AdapterRecord, Origin, next_version
 from lora_inference.config import ServerConfig
 from lora_inference.metrics import Metrics
-from lora_inference.pipeline import DiffusionBackend, ParsedAdapter
+from lora_inference.pipeline import ParsedAdapter
 from lora_inference.stackkeys import Blocks, stack_name, stack_sha256
+
+if TYPE_CHECKING:
+    # Annotations only: a simulated server (`lora_inference.simulate`) never imports torch.
+    import torch
+
+    from lora_inference.slots import LayerKey, LayerWeights
+
+
+class AdapterParser(Protocol):
+    """What the reader calls on the pipeline (`pipeline.DiffusionBackend`; a simulated server's
+    `SimulatedBackend`), from its read pool: both read and convert, touching no pipeline state."""
+
+    def parse_adapter(self, path: Path, *, name: str, max_rank: int) -> ParsedAdapter: ...
+
+    def pack(self, layers: Mapping[LayerKey, LayerWeights], *, name: str) -> torch.Tensor: ...
 
 
 class Reader:
     """Reads and checks adapter files in a small thread pool that never touches the pipeline."""
 
-    def __init__(self, backend: DiffusionBackend, config: ServerConfig, metrics: Metrics) -> None:
+    def __init__(self, backend: AdapterParser, config: ServerConfig, metrics: Metrics) -> None:
         self._backend = backend
         self._config = config
         self._metrics = metrics
