@@ -1,6 +1,6 @@
 """The simulated pipeline: the engine's backend with every GPU cost replaced by a sleep.
 
-`SimulatedBackend` has the methods the engine, residency and admission call on
+`SimulatedBackend` has the methods the engine, residency and the reader call on
 `pipeline.DiffusionBackend`, and does what they expect of it, except the arithmetic: reading an
 adapter checks the file as far as it can without a model (its format, its safetensors header,
 that it is a LoRA, its rank) and sleeps for the profile's read; a copy into a slot sleeps for the
