@@ -38,14 +38,15 @@ def bench() -> ModuleType:
 
 
 @pytest.fixture
-def namespace(devcluster: Harness, bench: ModuleType) -> Iterator[str]:
+def namespace(
+    devcluster: Harness, bench: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[str]:
     ns = f"fleet-sim-{uuid.uuid4().hex[:6]}"
-    saved = bench.NS
-    bench.NS = ns  # the bench's functions name the namespace through this global
+    # The bench's functions name the namespace through its global NS; put back after the test.
+    monkeypatch.setattr(bench, "NS", ns)
     try:
         yield ns
     finally:
-        bench.NS = saved
         devcluster.run(["helm", "uninstall", RELEASE, "-n", ns, "--ignore-not-found"], check=False)
         with contextlib.suppress(ApiError):
             devcluster.delete(f"/api/v1/namespaces/{ns}")

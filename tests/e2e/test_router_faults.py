@@ -52,7 +52,7 @@ PODS = 3
 ROUTERS = 2  # the chart's default
 ROUTER_LABELS = "app.kubernetes.io/component=router"
 AFFINITY = ("gpu-resident", "cpu-resident")
-SHORT = {"size": 32, "steps": 2}
+SHORT: dict[str, Any] = {"size": 32, "steps": 2}  # generation_request's keywords
 MUTE_LABEL = "lora.test/residency"  # the extra pod whose /v1/adapters fails carries it
 
 

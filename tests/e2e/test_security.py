@@ -421,11 +421,11 @@ def test_a_pod_outside_allow_from_cannot_reach_the_router_or_the_inference_pods(
         ns,
     )
     for name in ("outsider", "insider"):
-        h.wait_for(
-            f"the {name} pod to be Ready",
-            lambda name=name: release.is_ready(h.get(f"/api/v1/namespaces/{ns}/pods/{name}")),
-            timeout=120,
-        )
+
+        def pod_ready(name: str = name) -> bool:
+            return release.is_ready(h.get(f"/api/v1/namespaces/{ns}/pods/{name}"))
+
+        h.wait_for(f"the {name} pod to be Ready", pod_ready, timeout=120)
 
     def ip(pod: str) -> str:
         address: str = h.get(f"/api/v1/namespaces/{ns}/pods/{pod}")["status"]["podIP"]

@@ -337,7 +337,7 @@ class ReadyWatch:
                 status = release.adapter_status(self.h, self.ns, name)
                 phase = status.get("phase")
                 if phase != "Ready":
-                    ready = next(
+                    ready: dict[str, Any] = next(
                         (c for c in status.get("conditions", []) if c.get("type") == "Ready"), {}
                     )
                     self.left.append(

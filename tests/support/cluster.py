@@ -136,7 +136,7 @@ def inference_deployment(
     pod_labels = {"app": name, **(labels or {})}
     if watched:
         pod_labels["lora.dev/inference"] = "true"
-    deployment = {
+    deployment: Obj = {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
         "metadata": {"name": name},

@@ -10,18 +10,41 @@ import asyncio
 import inspect
 import time
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from typing import Any, TypeVar, overload
 
 T = TypeVar("T")
 
 
+# Two signatures, so that an async check's result type is what it awaits to: with one
+# `Callable[[], T | Awaitable[T]]`, mypy solves a coroutine returning bool as `Awaitable[Never]`.
+# A check returning `X | None` waits for the X: only a truthy value comes back.
+@overload
 async def until(
     what: str,
-    check: Callable[[], T | Awaitable[T]],
+    check: Callable[[], Awaitable[T | None]],
+    *,
+    timeout: float = ...,
+    interval: float = ...,
+) -> T: ...
+
+
+@overload
+async def until(
+    what: str,
+    check: Callable[[], T | None],
+    *,
+    timeout: float = ...,
+    interval: float = ...,
+) -> T: ...
+
+
+async def until(
+    what: str,
+    check: Callable[[], Any],
     *,
     timeout: float = 20.0,
     interval: float = 0.01,
-) -> T:
+) -> Any:
     """Poll `check` every `interval` seconds until it returns something truthy; that value.
     AssertionError naming `what` after `timeout` seconds."""
     deadline = time.monotonic() + timeout

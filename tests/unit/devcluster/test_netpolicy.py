@@ -19,14 +19,18 @@ def runner(rc: int, stderr: str = "") -> Any:
 
 
 def test_a_kernel_that_takes_the_rules_enforces(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(netpolicy.shutil, "which", lambda name, path=None: f"/usr/sbin/{name}")
+    monkeypatch.setattr(
+        "lora_devcluster.netpolicy.shutil.which", lambda name, path=None: f"/usr/sbin/{name}"
+    )
     assert netpolicy.enforcement_problem(runner(0)) is None
 
 
 def test_a_refused_rule_is_reported_with_the_kernels_words(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(netpolicy.shutil, "which", lambda name, path=None: f"/usr/sbin/{name}")
+    monkeypatch.setattr(
+        "lora_devcluster.netpolicy.shutil.which", lambda name, path=None: f"/usr/sbin/{name}"
+    )
     problem = netpolicy.enforcement_problem(runner(2, "ipset v7.17: Kernel error received"))
     assert problem is not None
     assert "not enforced" in problem and "Kernel error received" in problem
@@ -34,8 +38,7 @@ def test_a_refused_rule_is_reported_with_the_kernels_words(
 
 def test_missing_tools_are_named_with_their_packages(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(
-        netpolicy.shutil,
-        "which",
+        "lora_devcluster.netpolicy.shutil.which",
         lambda name, path=None: None if name == "ipset" else f"/usr/sbin/{name}",
     )
     problem = netpolicy.enforcement_problem(runner(0))

@@ -11,10 +11,10 @@ import asyncio
 import base64
 import contextlib
 import io
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 import numpy as np
 import pytest
@@ -41,6 +41,15 @@ class Assets:
     adapter_a: Path  # peft directory, UNet only
     adapter_b: Path  # peft directory, UNet + text encoder
     kohya: Path  # single kohya file, UNet + text encoder
+
+
+class BatchShape(TypedDict):
+    """`DiffusionBackend.run_batch`'s image keywords, for the tests that pass them as `**shape`."""
+
+    width: int
+    height: int
+    steps: int
+    guidance_scale: float
 
 
 @pytest.fixture(scope="session")
@@ -224,7 +233,7 @@ ServerFactory = Callable[..., Any]
 @pytest_asyncio.fixture
 async def start_server(
     backend: DiffusionBackend, config: ServerConfig
-) -> AsyncIterator[Callable[..., Any]]:
+) -> AsyncIterator[Callable[..., Awaitable[Server]]]:
     """Start servers around the shared pipeline; keyword arguments override the config."""
     started: list[tuple[TestServer, ClientSession]] = []
 
@@ -245,7 +254,7 @@ async def start_server(
 
 
 @pytest_asyncio.fixture
-async def server(start_server: Callable[..., Any]) -> Server:
+async def server(start_server: Callable[..., Awaitable[Server]]) -> Server:
     return await start_server()
 
 

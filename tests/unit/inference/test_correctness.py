@@ -302,7 +302,7 @@ async def test_one_batch_serves_several_adapters_without_leaking(
     server = await start_server(max_loras=3, max_batch_size=4)
     for name, path in [("a", assets.adapter_a), ("b", assets.adapter_b), ("k", assets.kohya)]:
         await server.load(name, path)
-    requests = {
+    requests: dict[str, dict[str, Any]] = {
         "a": {"model": "a"},
         "b": {"model": "b"},
         "k": {"lora": {"name": "k", "scale": 0.7}},

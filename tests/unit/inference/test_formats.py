@@ -30,6 +30,8 @@ from lora_inference.tools.tiny_models import build_tiny_pipeline
 from lora_volume import errors as volume_errors
 from safetensors.torch import save_file
 
+from tests.unit.inference.conftest import BatchShape
+
 Tensors = dict[str, torch.Tensor]
 TARGET = 0.05  # each layer's delta, as a fraction of its weights' RMS: a trained adapter's size
 
@@ -233,7 +235,7 @@ def flux_lycoris(builder: Builder) -> Callable[[Any], Made]:
             tensors, delta = builder(fused, g)
             made.tensors.update({f"{stem}.{k}": v for k, v in tensors.items()})
             for (path, _), part in zip(
-                layers, delta.split([w.shape[0] for _, w in layers]), strict=True
+                layers, torch.split(delta, [w.shape[0] for _, w in layers]), strict=True
             ):
                 made.reference[("transformer", path)] = part
         return made
@@ -261,7 +263,7 @@ def flux_xlabs(pipe: Any) -> Made:
         made.tensors[f"double_blocks.0.processor.{name}.down.weight"] = down
         made.tensors[f"double_blocks.0.processor.{name}.up.weight"] = up
         delta = up.double() @ down.double()
-        for p, part in zip(paths, delta.split([w.shape[0] for w in weights]), strict=True):
+        for p, part in zip(paths, torch.split(delta, [w.shape[0] for w in weights]), strict=True):
             made.reference[("transformer", f"transformer_blocks.0.{p}")] = part
     return made
 
@@ -297,7 +299,9 @@ def sd3_kohya(builder: Builder) -> Callable[[Any], Made]:
             if "adaLN" in stem:
                 shift, scale = delta.chunk(2)
                 delta = torch.cat([scale, shift])
-            for path, part in zip(paths, delta.split([w.shape[0] for w in weights]), strict=True):
+            for path, part in zip(
+                paths, torch.split(delta, [w.shape[0] for w in weights]), strict=True
+            ):
                 made.reference[("transformer", f"transformer_blocks.0.{path}")] = part
         q_proj = "text_model.encoder.layers.0.self_attn.q_proj"
         tensors, delta = builder(pipe.text_encoder.get_submodule(q_proj).weight.detach(), g)
@@ -391,7 +395,7 @@ def test_each_format_holds_exactly_the_delta_it_defines(
 
 
 def _merged_reference_image(
-    arch: str, made: Made, scale: float, job: ImageJob, shape: dict[str, Any]
+    arch: str, made: Made, scale: float, job: ImageJob, shape: BatchShape
 ) -> np.ndarray:
     """The format's definition merged into a fresh pipeline's weights, in float64, then drawn."""
     pipe = build_tiny_pipeline(arch)
@@ -451,13 +455,13 @@ def test_a_mixed_batch_draws_each_format_as_its_merged_definition(
         backend.parse_adapter(write(tmp_path / "p.safetensors", plain_lora), name="p", max_rank=64),
     )
     size = backend.default_size
-    shape = {"width": size, "height": size, "steps": 4, "guidance_scale": 4.0}
+    shape: BatchShape = {"width": size, "height": size, "steps": 4, "guidance_scale": 4.0}
     jobs = {
         s: ImageJob(prompt=f"a lighthouse {s}", negative_prompt=None, seeds=(3,))
         for s in ("x", "p", None)
     }
     order = ["p", "x", None]
-    outcome = backend.run_batch([jobs[s] for s in order], order, {"x": 0.8, "p": 0.7}, **shape)  # type: ignore[arg-type]
+    outcome = backend.run_batch([jobs[s] for s in order], order, {"x": 0.8, "p": 0.7}, **shape)
     assert outcome.path == "mixed"
     ours = np.asarray(outcome.images[1]).astype(int)
     theirs = _merged_reference_image(arch, made, 0.8, jobs["x"], shape)
@@ -465,7 +469,7 @@ def test_a_mixed_batch_draws_each_format_as_its_merged_definition(
     base = np.asarray(outcome.images[2]).astype(int)
     assert np.abs(ours - base).mean() > 0.5  # the adapter is there to be seen
     # Alone, merged where it can be (layers with a bias keep their branch): the same image.
-    alone = backend.run_batch([jobs["x"]], ["x"], {"x": 0.8}, merge="always", **shape)  # type: ignore[arg-type]
+    alone = backend.run_batch([jobs["x"]], ["x"], {"x": 0.8}, merge="always", **shape)
     assert alone.path == "merged"
     assert int(np.abs(np.asarray(alone.images[0]).astype(int) - theirs).max()) <= 1
 
@@ -567,6 +571,7 @@ def test_files_the_converters_cannot_read_are_4xx_never_500(case: str, tmp_path:
         backend.parse_adapter(path, name=case, max_rank=64)
     error = raised.value
     served = errors.from_volume(error) if isinstance(error, volume_errors.VolumeError) else error
+    assert isinstance(served, errors.InferenceError)
     assert 400 <= served.status < 500, served.message
     assert words in served.message
 
@@ -682,10 +687,10 @@ def test_a_dora_adapter_in_a_mixed_batch_draws_what_diffusers_draws(
         backend.parse_adapter(write(tmp_path / "p.safetensors", plain_lora), name="p", max_rank=64),
     )
     size = backend.default_size
-    shape = {"width": size, "height": size, "steps": 4, "guidance_scale": 4.0}
+    shape: BatchShape = {"width": size, "height": size, "steps": 4, "guidance_scale": 4.0}
     job = ImageJob(prompt="a lighthouse", negative_prompt=None, seeds=(3,))
     order = ["p", "d", None]
-    outcome = backend.run_batch([job] * 3, order, {"d": 0.8, "p": 0.7}, **shape)  # type: ignore[arg-type]
+    outcome = backend.run_batch([job] * 3, order, {"d": 0.8, "p": 0.7}, **shape)
     ours = np.asarray(outcome.images[1]).astype(int)
 
     oracle = build_tiny_pipeline(arch)

@@ -21,6 +21,8 @@ from lora_inference.tools.tiny_models import build_tiny_pipeline
 from peft.tuners.lora import LoraLayer
 from safetensors.torch import save_file
 
+from tests.unit.inference.conftest import BatchShape
+
 Tensors = dict[str, torch.Tensor]
 
 
@@ -139,7 +141,7 @@ def test_a_copied_adapter_draws_the_image_diffusers_draws(arch: str, tmp_path: P
     backend = DiffusionBackend(pipe, device="cpu", dtype=torch.float32)
     backend.place("slot", backend.parse_adapter(adapter, name="a", max_rank=64))
     job = ImageJob(prompt="a lighthouse", negative_prompt=None, seeds=(5,))
-    shape = {"width": 32, "height": 32, "steps": 2, "guidance_scale": 4.0}
+    shape: BatchShape = {"width": 32, "height": 32, "steps": 2, "guidance_scale": 4.0}
     ours = backend.run_batch([job], ["slot"], {"slot": 0.8}, merge="never", **shape).images[0]
 
     oracle = build_tiny_pipeline(arch)

@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from lora_inference.pipeline import DiffusionBackend, ImageJob
 
-from tests.unit.inference.conftest import Assets, Reference, decode
+from tests.unit.inference.conftest import Assets, BatchShape, Reference, decode
 
 
 async def images(server: Any, n: int, **body: Any) -> list[np.ndarray]:
@@ -76,7 +76,7 @@ def merging(backend: DiffusionBackend, assets: Assets) -> Iterator[DiffusionBack
 def test_after_any_merged_calls_the_base_is_bit_identical_to_a_pristine_pipeline(
     merging: DiffusionBackend, reference: Reference, calls: list[tuple[str, float, int]]
 ) -> None:
-    shape = {"width": 32, "height": 32, "steps": 2, "guidance_scale": 7.5}
+    shape: BatchShape = {"width": 32, "height": 32, "steps": 2, "guidance_scale": 7.5}
     for adapter, scale, images_in_call in calls:
         slot = f"merge-{adapter}"
         job = ImageJob(prompt="x", negative_prompt=None, seeds=tuple(range(images_in_call)))

@@ -14,7 +14,7 @@ last test shows that boundary, so the adapters here stay on the well-conditioned
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -22,9 +22,12 @@ import numpy as np
 import pytest
 import torch
 from diffusers import DiffusionPipeline
+from lora_inference.costs import MergePolicy
 from lora_inference.pipeline import DiffusionBackend, ImageJob
 from lora_inference.tools.random_adapters import write_random_adapter
 from lora_inference.tools.tiny_models import ARCHITECTURES, write_tiny_model
+
+from tests.unit.inference.conftest import BatchShape
 
 STEPS = (2, 4, 8, 20)
 
@@ -70,7 +73,7 @@ def slotted(family: Family, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         family.backend.clear(slot)
 
 
-def _pixels(images: list[object]) -> list[np.ndarray]:
+def _pixels(images: Sequence[object]) -> list[np.ndarray]:
     return [np.asarray(image).astype(int) for image in images]
 
 
@@ -78,15 +81,15 @@ def _pixels(images: list[object]) -> list[np.ndarray]:
 def test_every_path_draws_the_same_image(slotted: Family, steps: int) -> None:
     backend = slotted.backend
     size = backend.default_size
-    shape = {"width": size, "height": size, "steps": steps, "guidance_scale": 5.0}
+    shape: BatchShape = {"width": size, "height": size, "steps": steps, "guidance_scale": 5.0}
     jobs = {
         slot: ImageJob(prompt=f"a lighthouse {slot}", negative_prompt=None, seeds=(7,))
         for slot in ("a", "b", None)
     }
 
-    def alone(slot: str | None, merge: str) -> np.ndarray:
+    def alone(slot: str | None, merge: MergePolicy) -> np.ndarray:
         scales = {} if slot is None else {slot: 0.8}
-        outcome = backend.run_batch([jobs[slot]], [slot], scales, merge=merge, **shape)  # type: ignore[arg-type]
+        outcome = backend.run_batch([jobs[slot]], [slot], scales, merge=merge, **shape)
         return _pixels(outcome.images)[0]
 
     reference = {slot: alone(slot, "never") for slot in jobs}
@@ -98,7 +101,7 @@ def test_every_path_draws_the_same_image(slotted: Family, steps: int) -> None:
             [jobs[s] for s in order],
             order,
             {"a": 0.8, "b": 0.8},
-            **shape,  # type: ignore[arg-type]
+            **shape,
         )
         assert outcome.path == "mixed"
         drawn[f"mixed {order}"] = dict(zip(order, _pixels(outcome.images), strict=True))
@@ -119,7 +122,7 @@ def test_a_last_bit_change_moves_an_overstrong_adapter_but_not_a_sane_one(
     family = _family("sd15", tmp_path_factory)
     tmp_path = tmp_path_factory.mktemp("strengths")
     backend = family.backend
-    shape = {"width": 64, "height": 64, "steps": 20, "guidance_scale": 7.0}
+    shape: BatchShape = {"width": 64, "height": 64, "steps": 20, "guidance_scale": 7.0}
     job = ImageJob(prompt="a lighthouse", negative_prompt=None, seeds=(7,))
     moved = {}
     for strength in (0.3, 0.8):
@@ -137,7 +140,7 @@ def test_a_last_bit_change_moves_an_overstrong_adapter_but_not_a_sane_one(
         images = []
         for slot, layers in (("x", parsed.layers), ("y", nudged)):
             backend.slots.place(slot, layers)
-            outcome = backend.run_batch([job], [slot], {slot: 1.0}, merge="never", **shape)  # type: ignore[arg-type]
+            outcome = backend.run_batch([job], [slot], {slot: 1.0}, merge="never", **shape)
             images.append(_pixels(outcome.images)[0])
             backend.clear(slot)
         moved[strength] = int(np.abs(images[0] - images[1]).max())

@@ -85,12 +85,14 @@ async def test_the_training_script_writes_a_model_and_adapters_the_server_loads(
 def paper(image: np.ndarray) -> np.ndarray:
     """The paper's colour: the median of the picture's border."""
     border = np.concatenate([image[0], image[-1], image[:, 0], image[:, -1]])
-    return np.median(border, axis=0)
+    colour: np.ndarray = np.median(border, axis=0)
+    return colour
 
 
 def ink(image: np.ndarray) -> np.ndarray:
     """Where the shape is: pixels far from the paper."""
-    return np.abs(image.astype(np.int16) - paper(image)).sum(axis=2) > 90
+    far: np.ndarray = np.abs(image.astype(np.int16) - paper(image)).sum(axis=2) > 90
+    return far
 
 
 def colour_of(image: np.ndarray) -> str:

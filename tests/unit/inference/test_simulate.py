@@ -29,7 +29,7 @@ from lora_inference.config import ServerConfig
 from lora_inference.simulate import backend as sim_backend
 from lora_inference.simulate import profile as sim_profile
 from lora_inference.simulate import stacking as sim_stacking
-from lora_inference.simulate.profile import Profile, ProfileError, load_profile
+from lora_inference.simulate.profile import BatchPath, Profile, ProfileError, load_profile
 
 from tests.support import ROOT
 from tests.unit.inference.bad_adapters import BadAdapter
@@ -108,7 +108,12 @@ def test_the_bundled_profiles_say_what_the_h200_measured(name: str) -> None:
     assert raw["provenance"]["measured"] and raw["provenance"]["commands"]
     steps = profile.steps / 20
     # bench/gpu_batch_paths.py: 4 images base 3.53 s, merged 3.57 s, mixed (4 adapters) 6.27 s
-    for path, adapters, measured in (("base", 0, 3.53), ("merged", 1, 3.57), ("mixed", 4, 6.27)):
+    runs: list[tuple[BatchPath, int, float]] = [
+        ("base", 0, 3.53),
+        ("merged", 1, 3.57),
+        ("mixed", 4, 6.27),
+    ]
+    for path, adapters, measured in runs:
         call = profile.call_s(4, path=path, adapters=adapters, steps=profile.steps, width=1024,
                               height=1024)  # fmt: skip
         assert call == pytest.approx(measured * steps, rel=0.01), (path, call)

@@ -16,7 +16,7 @@ import torch
 from lora_inference.pipeline import DiffusionBackend, ImageJob, ParsedAdapter
 from lora_inference.slots import LayerWeights, Slots
 
-from tests.unit.inference.conftest import Assets
+from tests.unit.inference.conftest import Assets, BatchShape
 
 R_MAX = 8
 
@@ -48,6 +48,7 @@ def random_weights(module: torch.nn.Module, rank: int, alpha: float) -> LayerWei
         down = torch.randn(rank, module.in_channels, 3, 3, dtype=torch.float64)
         up = torch.randn(module.out_channels, rank, 1, 1, dtype=torch.float64)
     else:
+        assert isinstance(module, torch.nn.Linear)
         down = torch.randn(rank, module.in_features, dtype=torch.float64)
         up = torch.randn(module.out_features, rank, dtype=torch.float64)
     return LayerWeights(down=down, up=up, alpha=alpha, rslora=False)
@@ -77,7 +78,7 @@ def test_a_gathered_call_gives_every_image_its_own_adapter_exactly(repeats: int)
         slots.place(slot, adapters[slot])
     per_image = ["a", "b", None, "a"]
     scales = {"a": 1.5, "b": -0.5}
-    inputs = {
+    inputs: dict[str, list[tuple[int, ...]]] = {
         "linear": [(repeats * 4, 7, 16), (repeats * 4, 16)],
         "conv": [(repeats * 4, 6, 9, 9)],
     }
@@ -88,12 +89,12 @@ def test_a_gathered_call_gives_every_image_its_own_adapter_exactly(repeats: int)
             with slots.call(per_image, scales):
                 got = module(x)
             for row in range(shape[0]):
-                slot = per_image[row % 4]
+                owner = per_image[row % 4]
                 one = x[row : row + 1]
                 want = (
                     module(one)
-                    if slot is None
-                    else by_definition(module, one, adapters[slot][("probe", name)], scales[slot])
+                    if owner is None
+                    else by_definition(module, one, adapters[owner][("probe", name)], scales[owner])
                 )
                 torch.testing.assert_close(got[row : row + 1], want, rtol=0, atol=1e-10)
             assert torch.equal(got[2::4], module(x)[2::4])  # the base image, bit for bit
@@ -131,12 +132,12 @@ def test_the_packed_layout_round_trips_every_layer_and_a_refill_touches_no_other
     backend.place("kept", a)
     backend.place("moving", b)
     job = ImageJob(prompt="a red square", negative_prompt=None, seeds=(3,))
-    shape = {"width": 32, "height": 32, "steps": 2, "guidance_scale": 5.0}
+    shape: BatchShape = {"width": 32, "height": 32, "steps": 2, "guidance_scale": 5.0}
 
     def mixed() -> list[np.ndarray]:
         outcome = backend.run_batch(
             [job, job], ["kept", "moving"], {"kept": 1.0, "moving": 1.0}, **shape
-        )  # type: ignore[arg-type]
+        )
         return [np.asarray(image) for image in outcome.images]
 
     kept_before, moving_before = mixed()
@@ -201,9 +202,11 @@ def test_merged_weights_come_back_bit_for_bit_where_subtracting_would_drift(
 ) -> None:
     slots, layers = probe(dtype)
     key = ("probe", "linear")
-    weights = random_weights(layers["linear"], 8, alpha=8)
+    linear = layers["linear"]
+    assert isinstance(linear, torch.nn.Linear)
+    weights = random_weights(linear, 8, alpha=8)
     slots.place("s", {key: LayerWeights(weights.down.to(dtype), weights.up.to(dtype), 8, False)})
-    weight = layers["linear"].weight
+    weight = linear.weight
     before = weight.clone()
     subtracted = weight.clone()
     for scale in [1.0, 0.3, -2.0, 0.7] * 3:
@@ -220,8 +223,10 @@ def test_merged_weights_come_back_bit_for_bit_where_subtracting_would_drift(
 def test_a_call_that_fails_inside_a_merge_still_restores_and_ends_the_call() -> None:
     slots, layers = probe(torch.float32)
     key = ("probe", "linear")
-    slots.place("s", {key: random_weights(layers["linear"], 4, alpha=4)})
-    weight = layers["linear"].weight
+    linear = layers["linear"]
+    assert isinstance(linear, torch.nn.Linear)
+    slots.place("s", {key: random_weights(linear, 4, alpha=4)})
+    weight = linear.weight
     before = weight.clone()
     x = torch.randn(1, 16)
     plain = layers["linear"](x)

@@ -27,7 +27,9 @@ from tests.unit.inference.conftest import Assets, Reference, Server
 LEVEL = 1
 
 
-def _weights(rank: int, inner: int, outer: int, *, seed: int, alpha: float, conv: bool = False):
+def _weights(
+    rank: int, inner: int, outer: int, *, seed: int, alpha: float, conv: bool = False
+) -> LayerWeights:
     g = torch.Generator().manual_seed(seed)
     kernel = (3, 3) if conv else ()
     down = torch.randn((rank, inner, *kernel), generator=g)

@@ -113,7 +113,7 @@ def test_the_working_set_is_the_distinct_adapters_of_the_recent_requests() -> No
 def test_the_fewest_slots_of_the_pods_reporting_now() -> None:
     fleet = Fleet(stale_after_s=5.0)
     assert fleet.fewest_slots(10.0) is None
-    base = {"data": []}
+    base: dict[str, Any] = {"data": []}
     fleet.reports["a"] = parse_report({**base, "max_loras": 4}, at=9.0)
     fleet.reports["b"] = parse_report({**base, "max_loras": 2}, at=1.0)  # stale at 10
     fleet.reports["c"] = parse_report(base, at=9.0)  # says nothing

@@ -63,8 +63,10 @@ def test_inside_a_resident_rank_the_hash_not_the_queue_chooses() -> None:
         names = [f"p{i}" for i in range(4)]
         chosen = set()
         for loads in ((0, 1, 1, 1), (1, 0, 1, 1), (1, 1, 0, 1), (1, 1, 1, 0)):
+            resident: dict[str, tuple[str, ...]] = {"gpu": (), "cpu": (), tier: ("x",)}
             backends = [
-                pod(n, load=load, **{tier: ("x",)}) for n, load in zip(names, loads, strict=True)
+                pod(n, load=load, gpu=resident["gpu"], cpu=resident["cpu"])
+                for n, load in zip(names, loads, strict=True)
             ]
             decision = route("x", backends, ALL, known=True, load_factor=1.0)
             assert decision is not None and decision.reason.affinity
