@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 import tomllib
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -43,13 +44,13 @@ def copied_sources(image: str) -> set[str]:
     }
 
 
-def pyproject() -> dict[str, object]:
+def pyproject() -> dict[str, Any]:
     return tomllib.loads((ROOT / "pyproject.toml").read_text())
 
 
 @pytest.mark.parametrize(("image", "extra"), [("operator", "operator"), ("inference", "inference")])
 def test_image_installs_its_extra_from_pyproject(image: str, extra: str) -> None:
-    extras = pyproject()["project"]["optional-dependencies"]  # type: ignore[index]
+    extras = pyproject()["project"]["optional-dependencies"]
     assert extra in extras
     runs = " ".join(
         arg for word, arg in instructions(DOCKER / f"{image}.Dockerfile") if word == "RUN"
@@ -62,7 +63,7 @@ def test_image_installs_its_extra_from_pyproject(image: str, extra: str) -> None
 
 def test_operator_image_has_no_torch() -> None:
     text = (DOCKER / "operator.Dockerfile").read_text()
-    extras = pyproject()["project"]["optional-dependencies"]  # type: ignore[index]
+    extras = pyproject()["project"]["optional-dependencies"]
     assert not any(dep.startswith("torch") for dep in extras["operator"])
     install_lines = [
         arg for word, arg in instructions(DOCKER / "operator.Dockerfile") if word == "RUN"
@@ -72,7 +73,7 @@ def test_operator_image_has_no_torch() -> None:
 
 
 def test_inference_image_pins_the_torch_of_pyproject() -> None:
-    extras = pyproject()["project"]["optional-dependencies"]  # type: ignore[index]
+    extras = pyproject()["project"]["optional-dependencies"]
     pinned = next(dep for dep in extras["inference"] if dep.startswith("torch=="))
     runs = [arg for word, arg in instructions(DOCKER / "inference.Dockerfile") if word == "RUN"]
     assert any(f'"{pinned}"' in run or f" {pinned}" in run for run in runs), pinned

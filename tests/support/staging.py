@@ -7,6 +7,7 @@ Imports no torch (the operator's unit tests collect without it).
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from lora_operator import fetchers, staging
 from lora_volume import layout
@@ -15,8 +16,8 @@ FAST = fetchers.RetryPolicy(attempts=3, backoff_s=0.01, max_backoff_s=0.02)
 NS = "team-a"
 
 
-def make_store(root: Path, **kwargs: object) -> staging.Store:
-    return staging.Store(root, policy=FAST, **kwargs)  # type: ignore[arg-type]
+def make_store(root: Path, **kwargs: Any) -> staging.Store:
+    return staging.Store(root, policy=FAST, **kwargs)
 
 
 def visible(root: Path) -> list[str]:

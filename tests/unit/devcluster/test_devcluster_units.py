@@ -6,6 +6,7 @@ import base64
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -82,7 +83,7 @@ def test_leftovers_of_a_directory_that_never_ran_is_empty(tmp_path: Path) -> Non
     assert cluster.down(tmp_path / "never") is False
 
 
-HEALTHY_KERNEL = {
+HEALTHY_KERNEL: dict[str, Any] = {  # kernel_gap's keywords
     "filesystems": "nodev\tproc\nnodev\toverlay\n\text4\n",
     "bridge_netfilter": True,
     "cgroup_hierarchies": True,
@@ -98,10 +99,10 @@ HEALTHY_KERNEL = {
     ],
 )
 def test_a_missing_kernel_feature_is_named_with_what_to_do(
-    missing: dict[str, object], says: str
+    missing: dict[str, Any], says: str
 ) -> None:
-    assert cluster.kernel_gap(**HEALTHY_KERNEL) is None  # type: ignore[arg-type]
-    gap = cluster.kernel_gap(**{**HEALTHY_KERNEL, **missing})  # type: ignore[arg-type]
+    assert cluster.kernel_gap(**HEALTHY_KERNEL) is None
+    gap = cluster.kernel_gap(**{**HEALTHY_KERNEL, **missing})
     assert gap is not None and says in gap
 
 

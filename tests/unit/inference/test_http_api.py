@@ -14,12 +14,12 @@ def assert_error(
     status: int, body: Any, expected: int, *, param: str | None = "unset"
 ) -> dict[str, Any]:
     assert status == expected, body
-    error = body["error"]
+    error: dict[str, Any] = body["error"]
     assert set(error) == {"message", "type", "param", "code"}
     assert error["code"] == expected and error["message"]
     if param != "unset":
         assert error["param"] == param
-    return error  # type: ignore[no-any-return]
+    return error
 
 
 async def test_load_returns_vllm_success_text(server: Server, assets: Assets) -> None:

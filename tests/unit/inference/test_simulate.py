@@ -198,6 +198,8 @@ async def start_simulated(config: ServerConfig) -> AsyncIterator[Callable[..., A
         profile: Profile = PROFILE, sleep: Callable[[float], None] | None = None, **overrides: Any
     ) -> tuple[Server, sim_backend.SimulatedBackend]:
         backend = sim_backend.SimulatedBackend(profile, sleep=sleep or Charges())
+        # The simulated backend stands in for a DiffusionBackend by duck typing, as the CLI's
+        # --simulate passes it; create_app's annotation names the real one.
         app = create_app(replace(config, simulate=profile.name, **overrides), backend=backend)  # type: ignore[arg-type]
         server = TestServer(app, host="127.0.0.1")
         await server.start_server()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from lora_inference import errors
 from lora_inference.adapters.validation import LayerShape, check_adapter_fits
@@ -62,7 +64,7 @@ def test_a_fitting_adapter_reports_rank_and_components() -> None:
         pytest.param({"unet": {}}, "no LoRA pairs", id="empty"),
     ],
 )
-def test_misfits_are_refused_with_the_reason(adapter: dict, message: str) -> None:  # type: ignore[type-arg]
+def test_misfits_are_refused_with_the_reason(adapter: dict[str, Any], message: str) -> None:
     with pytest.raises(errors.IncompatibleAdapter, match=message):
         check_adapter_fits(adapter, MODEL, max_rank=8, name="x")
 
