@@ -14,7 +14,7 @@ import re
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import PurePosixPath
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from lora_volume import layout
 
@@ -198,10 +198,10 @@ class PlacedOn(Protocol):
     def pods(self) -> Collection[str]: ...
 
 
-@dataclass(frozen=True)
-class Candidate:
+class Candidate(NamedTuple):
     """An adapter of the pod's namespace as the controller knows it: its spec, the revision it
-    staged (None: not yet), the rollout under way, and whether a deletion has unpublished it."""
+    staged (None: not yet), the rollout under way, and whether a deletion has unpublished it.
+    A tuple: a pass builds one per adapter of the namespace."""
 
     info: AdapterInfo
     staged: StagedRef | None

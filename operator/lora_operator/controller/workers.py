@@ -174,19 +174,21 @@ class Workers(Actor):
         self, pod: PodInfo, base_model: str | None
     ) -> tuple[dict[str, planning.Want], set[str]]:
         """What the pod should hold, and what it may keep as it is (planning.plan_wants)."""
-        candidates = []
+        # A pass runs this for every adapter of the namespace: plain lookups, one tuple each.
+        adapters, candidates, any_placed = self.cache.adapters, [], False
         for i in self.cache.indexed(pod.namespace):
-            info, rec = self.cache.current(i)
+            rec = adapters.get(i.key)
             if rec is None:
-                candidates.append(planning.Candidate(info, info.staged))
+                c = planning.Candidate(i, i.staged)
             else:
                 staged = rec.staging.state.staged
-                unpublished = rec.deletion.unpublished
-                candidates.append(planning.Candidate(info, staged, rec.rollout, unpublished))
+                c = planning.Candidate(
+                    rec.info, staged, rec.rolling.rollout, rec.deletion.unpublished
+                )
+            any_placed = any_placed or c.info.placed
+            candidates.append(c)
         # Placement is read only where an adapter asks for it (it reads the whole namespace).
-        chosen = (
-            self.placer.refresh(pod.namespace) if any(c.info.placed for c in candidates) else None
-        )
+        chosen = self.placer.refresh(pod.namespace) if any_placed else None
         placed = chosen.adapters if chosen is not None else None
         return planning.plan_wants(pod, base_model, candidates, placed)
 
