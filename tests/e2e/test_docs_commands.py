@@ -34,6 +34,7 @@ from lora_operator import model
 
 from tests.support import ROOT
 from tests.support.chart import MONITORING_CRDS, server_dry_run
+from tests.support.docs import Block, commands, parse_blocks
 
 DOCS = [
     ROOT / "README.md",
@@ -43,8 +44,6 @@ DOCS = [
     ),
 ]
 CHECKED = {"sh", "bash", "yaml", "python"}
-_FENCE = re.compile(r"^(\s*)```(\w*)\s*$")
-_MARKER = re.compile(r"^\s*<!-- docs-test: (run|dry-run|skip)(?: \((.+)\))? -->\s*$")
 ALIASES = {
     "deploy": "Deployment",
     "svc": "Service",
@@ -54,64 +53,6 @@ ALIASES = {
 }
 
 Obj = dict[str, Any]
-
-
-@dataclass(frozen=True)
-class Block:
-    doc: Path
-    line: int
-    lang: str
-    mode: str | None
-    reason: str | None
-    text: str
-
-    @property
-    def id(self) -> str:
-        return f"{self.doc.relative_to(ROOT)}:{self.line}"
-
-
-def parse_blocks(doc: Path, text: str) -> list[Block]:
-    """The fenced blocks of a Markdown file with their markers (pure)."""
-    lines = text.splitlines()
-    blocks, i = [], 0
-    while i < len(lines):
-        fence = _FENCE.match(lines[i])
-        if not fence:
-            i += 1
-            continue
-        start, indent = i, len(fence.group(1))
-        i += 1
-        body = []
-        while i < len(lines) and not _FENCE.match(lines[i]):
-            body.append(lines[i][indent:])
-            i += 1
-        above = next((lines[j] for j in range(start - 1, -1, -1) if lines[j].strip()), "")
-        marker = _MARKER.match(above)
-        blocks.append(
-            Block(
-                doc,
-                start + 1,
-                fence.group(2),
-                marker.group(1) if marker else None,
-                marker.group(2) if marker else None,
-                "\n".join(body) + "\n",
-            )
-        )
-        i += 1
-    return blocks
-
-
-def commands(text: str) -> Iterator[list[str]]:
-    """Shell lines as argument lists: continuations joined, comments dropped, a trailing `&`
-    and anything after a pipe left out (pure)."""
-    for line in text.replace("\\\n", " ").splitlines():
-        words = shlex.split(line, comments=True)
-        if "|" in words:
-            words = words[: words.index("|")]
-        if words and words[-1] == "&":
-            words = words[:-1]
-        if words:
-            yield words
 
 
 ALL_BLOCKS = [b for doc in DOCS for b in parse_blocks(doc, doc.read_text()) if b.lang in CHECKED]

@@ -29,6 +29,8 @@ from lora_demo.release import CHART, INFERENCE_PORT, ROOT
 from lora_devcluster import images, netpolicy
 from lora_devcluster.harness import Harness
 
+from tests.support.docs import commands, parse_blocks
+
 Obj = dict[str, Any]
 
 # On the local cluster the tests name the `devcluster` fixture, so the session keeps the cluster
@@ -583,8 +585,6 @@ def test_the_backup_task_restores_adapters_without_downloading(
     """docs/tasks/back-up-the-adapter-volume.md as written (its namespace and the images this
     cluster has aside): back up, lose the release and its claim, restore, and the adapter is
     Ready again with nothing staged."""
-    from tests.e2e.test_docs_commands import commands, parse_blocks
-
     h, ns = secured.h, secured.ns
     doc = ROOT / "docs" / "tasks" / "back-up-the-adapter-volume.md"
     backup, restore = [

@@ -2,14 +2,17 @@
 (`origin`), HTTP calls and one image generation from the test process (`http`), LoRA-shaped
 safetensors bytes (`loras`), the `phase` fixture that names the phase of a long scenario that
 failed (`phases`, a plugin tests/conftest.py loads), the suite's kinds and their markers
-(`kinds`), and the operator with inference pods on the local cluster (`cluster`).
+(`kinds`), the operator with inference pods on the local cluster (`cluster`), the docs' fenced
+blocks and their commands (`docs`), stand-in pods for the router (`stand_ins`), live servers behind
+a live router (`fleet`), and adapter files of every served format with their deltas (`formats`).
 
 Waiting for pods and adapters, and talking to a release through the API server, are the shipped
 demo's (`lora_demo.release`): the tests use those rather than keep their own.
 
 Must not: import torch, except in `cluster` (imported only by the cluster tests and the
-benchmarks). The operator's, the router's and the volume's unit tests import from here and must
-collect without torch (tests/unit/test_layout.py checks it).
+benchmarks) and `formats` (only by the inference tests). The operator's, the router's and the
+volume's unit tests import from here and must collect without torch (tests/unit/test_layout.py
+checks it).
 """
 
 from __future__ import annotations

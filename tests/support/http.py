@@ -1,5 +1,6 @@
 """HTTP from the test process: a free port on 127.0.0.1, a JSON call that returns errors instead of
-raising them, and one image generation from an inference server by its address."""
+raising them, one image generation from an inference server by its address, and the check of an
+error answer's OpenAI-style body (`assert_error`)."""
 
 from __future__ import annotations
 
@@ -73,3 +74,16 @@ def generate(base_url: str, model: str | None, **extra: Any) -> np.ndarray:
     assert status == 200, body
     png = base64.b64decode(body["data"][0]["b64_json"])
     return np.asarray(Image.open(io.BytesIO(png)).convert("RGB"))
+
+
+def assert_error(
+    status: int, body: Any, expected: int, *, param: str | None = "unset"
+) -> dict[str, Any]:
+    """The body is the API's error with status `expected` (and `param`, when given); returns it."""
+    assert status == expected, body
+    error: dict[str, Any] = body["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["code"] == expected and error["message"]
+    if param != "unset":
+        assert error["param"] == param
+    return error

@@ -2,7 +2,7 @@
 
 The model and its pipeline are built once per session (building takes seconds); each test gets
 a fresh engine and HTTP server on 127.0.0.1 around the shared pipeline, and the engine removes
-its adapters from the pipeline when it stops.
+its adapters from the pipeline when it stops. `browser` is headless Chromium for the playground.
 """
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ import asyncio
 import base64
 import contextlib
 import io
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+import shutil
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TypedDict
@@ -30,8 +31,11 @@ from lora_inference.tools.random_adapters import write_random_adapter
 from lora_inference.tools.tiny_models import write_tiny_model
 from lora_volume.targeting import Target
 from PIL import Image
+from selenium import webdriver
+from selenium.webdriver.chrome.service import Service
 
 ADMIN_TOKEN = "test-admin-token"
+CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
 
 
 @dataclass(frozen=True)
@@ -264,3 +268,19 @@ def bad_adapters(assets: Assets, tmp_path_factory: pytest.TempPathFactory) -> li
 
     outside = tmp_path_factory.mktemp("outside")
     return write_bad_adapters(assets.root / "bad", assets.adapter_a, assets.adapter_b, outside)
+
+
+@pytest.fixture
+def browser() -> Iterator[webdriver.Chrome]:
+    """Headless Chromium (Debian's, driven by its chromedriver), for the playground's tests."""
+    if not (shutil.which(CHROMIUM) and shutil.which(CHROMEDRIVER)):
+        pytest.fail("Debian's chromium and chromium-driver are missing: run `make install`")
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--window-size=1000,1150"):
+        options.add_argument(flag)
+    driver = webdriver.Chrome(options=options, service=Service(CHROMEDRIVER))
+    try:
+        yield driver
+    finally:
+        driver.quit()

@@ -16,11 +16,8 @@ from selenium import webdriver
 from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import WebDriverWait
 
+from tests.support.formats import sd_loha, write
 from tests.unit.inference.conftest import Assets, Server
-from tests.unit.inference.test_formats import sd_loha, write
-from tests.unit.inference.test_playground import browser
-
-__all__ = ["browser"]  # the playground's fixture, used here too
 
 TAGS = {"10_lighthouse": {"lighthouse": 5, "cliff": 3, "glowing": 2}, "5_more": {"cliff": 1}}
 METADATA = {"modelspec.trigger_phrase": "lhstyle, glowing", "ss_tag_frequency": json.dumps(TAGS)}

@@ -6,20 +6,9 @@ from typing import Any
 
 import pytest
 
+from tests.support.http import assert_error
 from tests.unit.inference.bad_adapters import BadAdapter
 from tests.unit.inference.conftest import Assets, Server, publish
-
-
-def assert_error(
-    status: int, body: Any, expected: int, *, param: str | None = "unset"
-) -> dict[str, Any]:
-    assert status == expected, body
-    error: dict[str, Any] = body["error"]
-    assert set(error) == {"message", "type", "param", "code"}
-    assert error["code"] == expected and error["message"]
-    if param != "unset":
-        assert error["param"] == param
-    return error
 
 
 async def test_load_returns_vllm_success_text(server: Server, assets: Assets) -> None:

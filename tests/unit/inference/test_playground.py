@@ -9,41 +9,21 @@ import asyncio
 import base64
 import io
 import os
-import shutil
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
-import pytest
 from lora_inference.tools import shapes
 from PIL import Image
 from selenium import webdriver
-from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import WebDriverWait
 
 from tests.support import ROOT
 from tests.unit.inference.conftest import Assets, Server, serving
 
-CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
 # Where the screenshot in the docs comes from: PLAYGROUND_SCREENSHOT=docs/images/playground.png
 SCREENSHOT = os.environ.get("PLAYGROUND_SCREENSHOT")
 SHAPES = ROOT / "models" / "shapes"  # the demo's trained model and adapters
-
-
-@pytest.fixture
-def browser() -> Iterator[webdriver.Chrome]:
-    if not (shutil.which(CHROMIUM) and shutil.which(CHROMEDRIVER)):
-        pytest.fail("Debian's chromium and chromium-driver are missing: run `make install`")
-    options = webdriver.ChromeOptions()
-    options.binary_location = CHROMIUM
-    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--window-size=1000,1150"):
-        options.add_argument(flag)
-    driver = webdriver.Chrome(options=options, service=Service(CHROMEDRIVER))
-    try:
-        yield driver
-    finally:
-        driver.quit()
 
 
 def pixels(src: str) -> np.ndarray:

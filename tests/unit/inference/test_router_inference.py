@@ -12,9 +12,10 @@ import numpy as np
 import openai
 from PIL import Image
 
-from tests.unit.inference.conftest import Assets, Server
+from tests.support.fleet import fleet_of
+from tests.unit.inference.conftest import Assets
 from tests.unit.router import conftest as router_suite
-from tests.unit.router.conftest import Router, StartRouter
+from tests.unit.router.conftest import StartRouter
 
 # Here with the inference suite, whose fixtures it uses (the tiny model, its adapters, live
 # servers around it), so that the router's own unit tests never import torch; the router
@@ -22,21 +23,6 @@ from tests.unit.router.conftest import Router, StartRouter
 start_router = router_suite.start_router
 
 EXTRA = {"num_inference_steps": 2, "seed": 7}
-
-
-async def fleet_of(
-    start_server: Callable[..., Any], start_router: StartRouter, assets: Assets, n: int
-) -> tuple[Router, list[Server]]:
-    servers = [await start_server() for _ in range(n)]
-    for server in servers:
-        await server.load("pixel-art", assets.adapter_a)
-        await server.load("watercolor", assets.adapter_b)
-    router = await start_router()
-    router.set_pods({f"pod-{i}": f"127.0.0.1:{s.server.port}" for i, s in enumerate(servers)})
-    for name in ("pixel-art", "watercolor"):
-        router.place(name, None)
-    await router.wait_reports({f"pod-{i}" for i in range(n)})
-    return router, servers
 
 
 def pixels(b64: str | None) -> np.ndarray:

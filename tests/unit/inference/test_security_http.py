@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 from lora_volume.targeting import Target, parse_selector
 
+from tests.support.http import assert_error
 from tests.unit.inference.conftest import ADMIN_TOKEN, Assets, Server, publish
-from tests.unit.inference.test_http_api import assert_error
 
 
 async def test_an_admin_load_replaces_a_request_registration(

@@ -7,8 +7,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from tests.support.fleet import fleet_of
 from tests.unit.inference.conftest import Assets, Server
-from tests.unit.inference.test_router_inference import fleet_of
 from tests.unit.router import conftest as router_suite
 from tests.unit.router.conftest import StartRouter
 

@@ -13,8 +13,8 @@ import pytest
 from lora_inference.cli import build_parser, token_problem
 from lora_volume.targeting import Target
 
+from tests.support.http import assert_error
 from tests.unit.inference.conftest import ADMIN_TOKEN, Assets, publish
-from tests.unit.inference.test_http_api import assert_error
 
 SECRET = "Secret lora/rel-admin-token, key token"
 

@@ -9,6 +9,8 @@ from typing import Any
 import pytest
 from lora_router import config, paths
 
+from tests.support.stand_ins import Pod, pods
+
 
 @pytest.mark.parametrize(
     ("method", "path", "ok"),
@@ -62,8 +64,6 @@ def test_an_empty_client_token_refuses_to_start_naming_the_secret(
 async def test_paths_outside_the_allowlist_never_reach_a_pod(
     start_router: Any, start_backend: Any
 ) -> None:
-    from tests.unit.router.test_proxy import Pod, pods
-
     router = await start_router()
     pod = Pod("a")
     await pods(start_backend, router, pod)
