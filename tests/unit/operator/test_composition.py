@@ -8,13 +8,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from lora_operator import composition, errors, staging
+from lora_operator import composition, errors, sources, staging
 from lora_operator.controller import needs_staging
 from lora_operator.model import StagedRef, adapter_info
 from lora_volume import layout, stacks
 
+from tests.support.controller import NS, Rig, adapter, pod
 from tests.support.loras import lora_bytes
-from tests.unit.operator.test_controller import NS, Rig, adapter, pod, until
+from tests.support.polling import until
 
 A, B = "a" * 64, "b" * 64
 
@@ -117,7 +118,7 @@ async def test_a_composed_revision_holds_its_manifest_and_links_to_the_members_w
         src = tmp_path / NS / "src" / f"{name}.safetensors"
         src.parent.mkdir(parents=True, exist_ok=True)
         src.write_bytes(lora_bytes(seed))
-        staged[name] = await store.stage(NS, name, staging.sources.VolumeSource(src))
+        staged[name] = await store.stage(NS, name, sources.VolumeSource(src))
     entries = (
         stacks.StackEntry("b", staged["b"].sha256, 0.5),
         stacks.StackEntry("a", staged["a"].sha256, 1.0),

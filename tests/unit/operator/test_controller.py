@@ -10,212 +10,30 @@ import asyncio
 import dataclasses
 import datetime
 import os
-from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
-from lora_operator import consent, errors, kube, planning, staging
+from lora_operator import consent, errors, kube, staging
 from lora_operator.config import OperatorConfig
 from lora_operator.controller import Controller, needs_staging
-from lora_operator.model import PodInfo, adapter_info, pod_info
+from lora_operator.model import adapter_info
 from lora_operator.podclient import PodError
 from lora_operator.status import summarise
 from lora_volume import layout, targeting
 
-from tests.support.loras import lora_bytes
-from tests.support.polling import until
-
-SHA = "d" * 64
-NS = "ns"
-FAST = dict(
-    resync_s=0.3,
-    max_backoff_s=0.02,
-    verify_every_s=0.05,
-    status_settle_s=3.0,
-    status_progress_s=10.0,
-    retry_bound=3,
+from tests.support.controller import (
+    NS,
+    SHA,
+    FakeApi,
+    FakePods,
+    RecordingStore,
+    Rig,
+    adapter,
+    pod,
 )
-
-
-class FakePods:
-    """Inference pods in memory: /v1/models from what was loaded, failures on cue."""
-
-    def __init__(self, log: list[tuple[str, ...]]) -> None:
-        self.held: dict[str, dict[str, planning.Card]] = {}
-        self.log = log
-        self.fail: dict[tuple[str, str], list[PodError]] = {}
-        self.blocked: dict[str, asyncio.Event] = {}
-        self.in_flight: set[tuple[str, str]] = set()
-        self.delay = 0.0  # seconds per load call
-        self.reads: dict[str, int] = {}  # pod -> /v1/models calls
-
-    async def models(self, pod: PodInfo) -> planning.PodReport:
-        self.reads[pod.name] = self.reads.get(pod.name, 0) + 1
-        if pod.name in self.blocked:
-            await self.blocked[pod.name].wait()
-        return planning.PodReport("sd", dict(self.held.setdefault(pod.name, {})))
-
-    async def load(self, pod: PodInfo, want: planning.Want, *, inplace: bool) -> None:
-        key = (pod.name, want.name)
-        assert key not in self.in_flight, f"{key} loaded twice at once"
-        self.in_flight.add(key)
-        try:
-            await asyncio.sleep(self.delay)
-            self.log.append(("load", pod.name, want.name))
-            if self.fail.get(key):
-                raise self.fail[key].pop(0)
-            self.held.setdefault(pod.name, {})[want.name] = planning.Card(
-                want.name, want.sha256, want.scale, want.pinned, adapter=want.adapter
-            )
-        finally:
-            self.in_flight.discard(key)
-
-    async def unload(self, pod: PodInfo, name: str) -> None:
-        self.log.append(("unload", pod.name, name))
-        self.held.setdefault(pod.name, {}).pop(name, None)
-
-    async def close(self) -> None:
-        pass
-
-
-class FakeApi:
-    """Records status patches and Events; serves a peering object from a queue of states."""
-
-    def __init__(self) -> None:
-        self.status: dict[str, list[dict[str, Any]]] = {}
-        self.events: list[tuple[str, str, str, str]] = []  # (object, type, reason, note)
-        self.counted: list[tuple[str, int]] = []
-        self.peering: dict[str, Any] = {}
-        self.peering_changes: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
-        self.secret_errors: list[Exception] = []  # raised by the next reads of a Secret
-        self.secrets: dict[str, kube.SecretRead] = {}  # by name; else an empty one that consents
-        self.removed: list[tuple[str, str, str]] = []  # (object, annotation, resourceVersion)
-        self.remove_errors: list[Exception] = []  # raised by the next annotation removals
-
-    async def patch_adapter_status(
-        self, namespace: str, name: str, status: Mapping[str, Any]
-    ) -> None:
-        self.status.setdefault(name, []).append(dict(status))
-
-    async def read_secret(self, namespace: str, name: str) -> kube.SecretRead:
-        if self.secret_errors:
-            raise self.secret_errors.pop(0)
-        return self.secrets.get(name, kube.SecretRead({}, {consent.CONSENT_KEY: "true"}, {}))
-
-    async def create_event(
-        self, regarding: Mapping[str, str], name: str, type_: str, reason: str, note: str
-    ) -> None:
-        self.events.append((regarding["name"], type_, reason, note))
-
-    async def count_event(self, namespace: str, name: str, count: int) -> None:
-        self.counted.append((name, count))
-
-    async def remove_annotation(
-        self, namespace: str, name: str, key: str, resource_version: str
-    ) -> None:
-        if self.remove_errors:
-            raise self.remove_errors.pop(0)
-        if (name, key, resource_version) in self.removed:  # that version is gone
-            raise kube.ApiError(409, "the object has been modified")
-        self.removed.append((name, key, resource_version))
-
-    async def request(self, method: str, path: str) -> Any:
-        items = [{"status": self.peering}] if self.peering else []
-        return {"metadata": {"resourceVersion": "1"}, "items": items}
-
-    async def watch(
-        self, collection: str, params: Mapping[str, str]
-    ) -> AsyncIterator[tuple[str, dict[str, Any]]]:
-        while True:
-            self.peering = await self.peering_changes.get()
-            yield "MODIFIED", {"metadata": {"resourceVersion": "2"}, "status": self.peering}
-
-    async def close(self) -> None:
-        pass
-
-    def phases(self, name: str) -> list[str]:
-        return [s["phase"] for s in self.status.get(name, [])]
-
-    def reasons(self, name: str) -> list[str]:
-        return [reason for obj, _, reason, _ in self.events if obj == name]
-
-
-class RecordingStore(staging.Store):
-    """The real store, noting when an adapter is unpublished (to order it against unloads)."""
-
-    def __init__(self, root: Path, log: list[tuple[str, ...]]) -> None:
-        super().__init__(root)
-        self.log = log
-
-    async def unpublish(self, namespace: str, name: str) -> bool:
-        self.log.append(("unpublish", name))
-        return await super().unpublish(namespace, name)
-
-
-def pod(name: str) -> PodInfo:
-    return pod_info(
-        {
-            "metadata": {
-                "namespace": NS,
-                "name": name,
-                "uid": name,
-                "labels": {"lora.dev/inference": "true"},
-            },
-            "status": {"podIP": "10.0.0.1", "conditions": [{"type": "Ready", "status": "True"}]},
-        }
-    )
-
-
-def adapter(volume: Path, name: str, seed: int = 0, **spec: Any) -> dict[str, Any]:
-    src = volume / NS / "src" / f"{name}.safetensors"
-    if not src.exists():
-        src.parent.mkdir(parents=True, exist_ok=True)
-        src.write_bytes(lora_bytes(seed))
-    return {
-        "metadata": {"namespace": NS, "name": name, "uid": f"uid-{name}", "generation": 1},
-        "spec": {"baseModel": "sd", "source": {"uri": str(src)}, **spec},
-    }
-
-
-class Rig:
-    def __init__(self, tmp_path: Path, **config: Any) -> None:
-        self.log: list[tuple[str, ...]] = []
-        self.volume = tmp_path / "volume"
-        self.volume.mkdir()
-        self.pods = FakePods(self.log)
-        self.api = FakeApi()
-        self.store = RecordingStore(self.volume, self.log)
-        self.controller = Controller(
-            OperatorConfig(volume_root=self.volume, **{**FAST, **config}),
-            pods=self.pods,
-            volume=self.store,
-            api=self.api,
-            identity="me",
-        )
-
-    def ready(self, name: str) -> bool:
-        return "Ready" in self.api.phases(name)
-
-    def restarted(self) -> tuple[Controller, FakeApi]:
-        """A second controller on the same pods, volume and store, with an API of its own:
-        the operator after a restart. Its caller starts and stops it."""
-        api = FakeApi()
-        controller = Controller(
-            OperatorConfig(volume_root=self.volume, **FAST),
-            pods=self.pods,
-            volume=self.store,
-            api=api,
-            identity="me",
-        )
-        return controller, api
-
-    async def __aenter__(self) -> Rig:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.controller.stop()
+from tests.support.polling import until
 
 
 async def test_apply_loads_every_pod_with_one_status_write_and_one_event(tmp_path: Path) -> None:
@@ -271,7 +89,11 @@ async def test_a_pod_restart_reloads_and_a_repeated_ready_counts_into_its_series
         for restarts in (1, 2):
             rig.pods.held["p1"] = {}  # the server restarted empty
             c.pod_changed(dataclasses.replace(pod("p1"), restarts=restarts))
-            await until("loaded again", lambda n=1 + restarts: len(rig.log) == n)
+
+            def loaded(n: int = 1 + restarts) -> bool:
+                return len(rig.log) == n
+
+            await until("loaded again", loaded)
             await until("Ready again", lambda: rig.api.phases("a")[-1] == "Ready")
         # Each Event is created once, and its repeats counted into its series.
         assert rig.api.reasons("a") == ["Ready", "Loading"]

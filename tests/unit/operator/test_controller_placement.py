@@ -7,49 +7,16 @@ with its reason, and the request rate the pods count widens and narrows the set.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 from pathlib import Path
 from typing import Any
 
-from lora_operator import planning
-from lora_operator.model import PodInfo
-
-from tests.unit.operator.test_controller import FakePods, Rig, adapter, pod, until
-
-
-class CountingPods(FakePods):
-    """Pods that advertise their tiers and count requests per adapter, as the server does."""
-
-    def __init__(self, log: list[tuple[str, ...]], max_loras: int = 4, max_cpu: int = 8) -> None:
-        super().__init__(log)
-        self.max_loras, self.max_cpu = max_loras, max_cpu
-        self.hits: dict[tuple[str, str], int] = {}
-
-    async def models(self, pod: PodInfo) -> planning.PodReport:
-        report = await super().models(pod)
-        cards = {
-            name: dataclasses.replace(card, hits=self.hits.get((pod.name, name), 0))
-            for name, card in report.cards.items()
-        }
-        return planning.PodReport(
-            report.base_model, cards, max_loras=self.max_loras, max_cpu_loras=self.max_cpu
-        )
+from tests.support.controller import Rig, adapter, holders, placed_rig, pod
+from tests.support.polling import until
 
 
 def created(body: dict[str, Any], minute: int) -> dict[str, Any]:
     body["metadata"]["creationTimestamp"] = f"2026-01-01T00:{minute:02d}:00Z"
     return body
-
-
-def placed_rig(tmp_path: Path, **config: Any) -> Rig:
-    rig = Rig(tmp_path, **config)
-    rig.pods = CountingPods(rig.log)
-    rig.controller.pod_client = rig.pods
-    return rig
-
-
-def holders(rig: Rig, name: str) -> set[str]:
-    return {p for p, cards in rig.pods.held.items() if name in cards}
 
 
 def last_status(rig: Rig, name: str) -> dict[str, Any]:

@@ -16,15 +16,9 @@ from lora_operator.model import PodInfo
 from lora_operator.podclient import PodError
 from lora_volume import layout, stacks
 
+from tests.support.controller import NS, CountingPods, Rig, adapter, holders, placed_rig, pod
 from tests.support.loras import lora_bytes
-from tests.unit.operator.test_controller import (
-    NS,
-    Rig,
-    adapter,
-    pod,
-    until,
-)
-from tests.unit.operator.test_controller_placement import CountingPods, holders, placed_rig
+from tests.support.polling import until
 
 STEPS = {"steps": [{"weight": 25}, {"weight": 60, "pauseSeconds": 1}]}
 
@@ -63,6 +57,13 @@ def held(rig: Rig, pod_name: str) -> dict[str, str]:
 
 def rollout_status(rig: Rig) -> dict[str, Any] | None:
     return merged(rig.api.status.get("a", [])).get("rollout")
+
+
+def written_rollout(rig: Rig) -> dict[str, Any]:
+    """The rollout status written so far; fails the test when none was."""
+    written = rollout_status(rig)
+    assert written is not None, "no rollout status was written"
+    return written
 
 
 def revisions_on_volume(volume: Path) -> set[str]:
@@ -113,7 +114,7 @@ async def test_a_rollout_holds_both_revisions_steps_on_promotes_and_collects(
         await until("step 2", lambda: (rollout_status(rig) or {}).get("step") == 2)
         c.adapter_changed(annotated(body, "promote", "7"))  # a stale event of that version
         assert rig.api.removed == [("a", rollout.COMMAND_ANNOTATION, "7")]
-        assert rollout_status(rig)["canary"]["weight"] == 60
+        assert written_rollout(rig)["canary"]["weight"] == 60
         assert ("a", "Normal", "RolloutPromoted") in {(o, t, r) for o, t, r, _ in rig.api.events}
 
         # The last step's pause ends: promoting, then the name serves v2 and the alias goes.
@@ -133,8 +134,8 @@ async def test_an_abort_sends_everything_back_and_keeps_the_stable_revision(
 
         c.adapter_changed(annotated(body, "abort", "9"))
         await until("aborted", lambda: (rollout_status(rig) or {}).get("state") == "Aborted")
-        assert rollout_status(rig)["canary"]["weight"] == 0
-        assert rollout_status(rig)["stable"]["weight"] == 100
+        assert written_rollout(rig)["canary"]["weight"] == 0
+        assert written_rollout(rig)["stable"]["weight"] == 100
         await until("alias unloaded", lambda: held(rig, "p1") == {"a": v1})
         # The stable revision stays on the volume whatever collects, as does the new one
         # (`current`): staging the stable one again, or a fix, goes on from here.
@@ -147,7 +148,7 @@ async def test_an_abort_sends_everything_back_and_keeps_the_stable_revision(
             "refused",
             lambda: ("a", "RolloutCommandIgnored") in {(o, r) for o, _, r, _ in rig.api.events},
         )
-        assert rollout_status(rig)["state"] == "Aborted"
+        assert written_rollout(rig)["state"] == "Aborted"
 
 
 async def test_a_restarted_operator_continues_the_rollout_where_it_was(tmp_path: Path) -> None:

@@ -3,6 +3,9 @@ what a restart reads back."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -13,7 +16,14 @@ OLD, NEW, NEWER = "a" * 64, "b" * 64, "c" * 64
 PLAN = Plan((Step(10, 60), Step(50), Step(100, 30)))
 
 
-def advance(r: Rollout, now: float, *, ready: bool = True, promoted: bool = False, command=None):
+def advance(
+    r: Rollout,
+    now: float,
+    *,
+    ready: bool = True,
+    promoted: bool = False,
+    command: str | None = None,
+) -> rollout.Progress:
     return rollout.advance(
         r, PLAN, now, canary_ready=ready, promoted_everywhere=promoted, command=command
     )
@@ -107,7 +117,9 @@ def test_removing_spec_rollout_promotes() -> None:
         max_size=30,
     )
 )
-def test_any_sequence_keeps_the_weight_in_range_and_abort_final(events) -> None:
+def test_any_sequence_keeps_the_weight_in_range_and_abort_final(
+    events: list[tuple[float, bool, bool, str | None]],
+) -> None:
     r: Rollout | None = Rollout(OLD, NEW)
     now = 0.0
     for dt, ready, promoted, command in events:
@@ -153,7 +165,9 @@ def test_the_status_shows_both_revisions_and_reads_back() -> None:
         (lambda s: None, True),
     ],
 )
-def test_only_what_the_routers_read_forces_a_write(change, routes: bool) -> None:
+def test_only_what_the_routers_read_forces_a_write(
+    change: Callable[[dict[str, Any]], dict[str, Any] | None], routes: bool
+) -> None:
     r = Rollout(OLD, NEW, State.PROGRESSING, 1, 1_800_000_000.0)
     before = rollout.render(r, PLAN, "px", stable_ready=2, canary_ready=3, pods=3)
     assert rollout.routing_changed(before, change(before)) is routes

@@ -255,12 +255,14 @@ async def test_a_cancelled_staging_stops_downloading(origin: Origin, tmp_path: P
 
     origin.routes["/endless.safetensors"] = endless
     started = asyncio.Event()
+
+    def progress(n: int) -> None:  # runs on the fetcher's thread
+        if n > 1 << 20:
+            loop.call_soon_threadsafe(started.set)
+
     task = asyncio.create_task(
         make_store(tmp_path).stage(
-            NS,
-            "x",
-            sources.HttpsSource(origin.url("/endless.safetensors")),
-            progress=lambda n: n > 1 << 20 and loop.call_soon_threadsafe(started.set),
+            NS, "x", sources.HttpsSource(origin.url("/endless.safetensors")), progress=progress
         )
     )
     await asyncio.wait_for(started.wait(), 10)

@@ -134,7 +134,7 @@ def test_the_sink_keeps_each_chunk_as_it_was_when_the_caller_reuses_its_buffer(
     ):
         for i in range(5000):  # past a batch: handed over to the sink's thread
             buffer[:] = bytes([i % 256]) * 1000
-            sink.write(buffer)
+            sink.write(bytes(buffer))
             expected.update(buffer)
         assert sink.finish() == expected.hexdigest()
     assert (tmp_path / "f").read_bytes()[-1000:] == bytes([4999 % 256]) * 1000
