@@ -87,8 +87,8 @@ class OperatorConfig:
     # How long deletion waits for pods to unload before it lets the adapter go anyway.
     unload_grace_s: float = 60.0
     hf_endpoint: str | None = None
-    # How often status is written (status.WritePolicy), and how long a pod's worker acts before
-    # it reads the pod's /v1/models again, so status follows a long series of loads.
+    # How often status is written (statuswrite.WritePolicy), and how long a pod's worker acts
+    # before it reads the pod's /v1/models again, so status follows a long series of loads.
     status_settle_s: float = 3.0
     status_progress_s: float = 10.0
     verify_every_s: float = 2.0

@@ -1,9 +1,9 @@
 """From what the operator knows about one adapter to its `.status`, and when to write it (pure).
 
 The controller keeps a `StagingState` per adapter and a `podstate.PodEntry` per (adapter, pod);
-`summarise` turns them into the phase, its reason and the conditions, `render` into the status
-object, `write_delay` decides when that object is worth an API write. A pod counts as ready only
-when its own `/v1/models` reported the adapter at the staged revision.
+`summarise` turns them into the phase, its reason and the conditions (a `Summary`). A pod counts
+as ready only when its own `/v1/models` reported the adapter at the staged revision.
+`statuswrite` renders a `Summary` into the `.status` object and decides when to write it.
 
 Phases, in the order `summarise` decides them (the first that applies wins; reasons in
 parentheses):
@@ -30,17 +30,15 @@ The Degraded condition says the first of: staging past the bound, a pod's loads 
 a placement shortfall, staging retried below the bound (False, Retrying), nothing (False,
 AsExpected).
 
-The status stays small at any number of pods: `status.pods` lists at most `MAX_LISTED_PODS`
-(the ones not loaded first), `status.unlistedPods` counts the rest by state, and messages name
-at most `MAX_NAMED_PODS` pods.
+Messages stay small at any number of pods: they name at most `MAX_NAMED_PODS` pods
+(`name_list`) and cut errors to `MAX_ERROR_CHARS` (`cut_error`).
 """
 
 from __future__ import annotations
 
-from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, get_args
+from typing import Literal, get_args
 
 from lora_operator.model import AdapterInfo, PodInfo, StagedRef
 from lora_operator.placement import Placed, Shortfall
@@ -52,7 +50,6 @@ WARNING_PHASES = ("Degraded", "Failed")
 # Reasons of a phase that are news but no trouble; every other reason is a Warning.
 NORMAL_REASONS = ("NotStaged", "Staging", "NoPods", "Loading", "Ready")
 
-MAX_LISTED_PODS = 32
 MAX_NAMED_PODS = 5
 MAX_ERROR_CHARS = 400
 
@@ -338,126 +335,3 @@ def cut_error(text: str | None) -> str:
     """An error message cut to what a status or an Event carries."""
     text = text or "no detail"
     return text if len(text) <= MAX_ERROR_CHARS else text[: MAX_ERROR_CHARS - 3] + "..."
-
-
-def render(
-    info: AdapterInfo,
-    staging: StagingState,
-    targeted: Targeted,
-    summary: Summary,
-    previous_conditions: Sequence[Mapping[str, Any]],
-    now: str,
-    placed: Placed | None = None,
-) -> dict[str, Any]:
-    """The whole `.status` object; a condition keeps its lastTransitionTime while its status
-    is unchanged."""
-    before = {c.get("type"): c for c in previous_conditions}
-    conditions = []
-    for c in summary.conditions:
-        old = before.get(c.type)
-        since = old.get("lastTransitionTime") if old and old.get("status") == c.status else None
-        conditions.append(
-            {
-                "type": c.type,
-                "status": c.status,
-                "reason": c.reason,
-                "message": c.message,
-                "lastTransitionTime": since or now,
-                "observedGeneration": info.generation,
-            }
-        )
-    listed, unlisted = _list_pods(targeted)
-    status: dict[str, Any] = {
-        "phase": summary.phase,
-        "ready": f"{summary.ready}/{summary.desired}",
-        "desiredPods": summary.desired,
-        "readyPods": summary.ready,
-        "conditions": conditions,
-        "pods": [_pod_status(pod, entry) for pod, entry in listed],
-        "unlistedPods": unlisted or None,
-        "stagingBytes": staging.bytes_so_far if staging.in_progress else None,
-        "staged": None,
-        "replicas": placed.wanted if placed is not None else None,
-        "placedPods": sorted(placed.pods) if placed is not None else None,
-    }
-    if staging.observed_generation is not None:
-        status["observedGeneration"] = staging.observed_generation
-    if staging.staged is not None:
-        status["staged"] = {
-            "sha256": staging.staged.sha256,
-            "sizeBytes": staging.staged.size,
-            "path": staging.path,
-            "stagedAt": staging.staged_at,
-        }
-    return status
-
-
-_LISTING_ORDER = {"Failed": 0, "Loading": 1, "Pending": 2, "Loaded": 3}
-
-
-def _list_pods(
-    targeted: Targeted,
-) -> tuple[list[tuple[PodInfo, PodEntry]], dict[str, int]]:
-    """The pods `status.pods` lists (the not-loaded ones first, at most MAX_LISTED_PODS, by
-    name) and the count of the others by state."""
-    ranked = sorted(targeted, key=lambda t: (_LISTING_ORDER[t[1].state], t[0].name))
-    listed = sorted(ranked[:MAX_LISTED_PODS], key=lambda t: t[0].name)
-    return listed, dict(sorted(Counter(e.state for _, e in ranked[MAX_LISTED_PODS:]).items()))
-
-
-def _pod_status(pod: PodInfo, entry: PodEntry) -> dict[str, Any]:
-    out: dict[str, Any] = {"name": pod.name, "state": entry.state}
-    for key, value in (
-        ("ip", pod.ip),
-        ("revision", entry.revision),
-        ("lastError", cut_error(entry.last_error) if entry.last_error else None),
-        ("loadedAt", entry.loaded_at),
-        ("loadSeconds", entry.load_seconds),
-    ):
-        if value is not None:
-            out[key] = value
-    return out
-
-
-# -- when to write ---------------------------------------------------------------------------
-
-# Phases that end a piece of work (or need the user): written as soon as they are known.
-SETTLED_PHASES = ("Ready", "Degraded", "Failed")
-
-
-@dataclass(frozen=True)
-class WritePolicy:
-    """How often an adapter's status is written (seconds).
-
-    Work in progress (Pending, Staging, Loading) is written once it has lasted `settle_s`, so an
-    adapter that becomes Ready quickly costs one write; a change of progress only (the same
-    phase and reason: another pod loaded it, more bytes downloaded) at most every `progress_s`.
-    """
-
-    settle_s: float = 3.0
-    progress_s: float = 10.0
-
-
-def write_delay(
-    written: Mapping[str, Any] | None,
-    written_headline: Headline | None,
-    body: Mapping[str, Any],
-    summary: Summary,
-    *,
-    since_headline: float,
-    since_write: float,
-    policy: WritePolicy,
-) -> float | None:
-    """Seconds to wait before writing `body`, 0 for now, or None when it says nothing new.
-
-    `written`: the status on the object (None: none yet); `written_headline`: its headline;
-    `since_headline`: how long the adapter has been in `summary`'s (phase, reason);
-    `since_write`: since the status was last written (or first seen).
-    """
-    if written is not None and dict(body) == dict(written):
-        return None
-    if same_headline(written_headline, summary):
-        return max(0.0, policy.progress_s - since_write)
-    if summary.phase in SETTLED_PHASES or summary.warning or summary.reason == "NoPods":
-        return 0.0
-    return max(0.0, policy.settle_s - since_headline)

@@ -1,5 +1,5 @@
 """The status writer: writes each changed adapter's status, coalesced and paced
-(status.write_delay), each change of headline announced by at most one Event
+(statuswrite.write_delay), each change of headline announced by at most one Event
 (events.plan_event). It owns which adapters are due (`mark`), the record's `status` sub-record
 (what the object has, what summarise says now) and the phase gauge. Before it summarises an
 adapter it has the placer bring the namespace's placement up to date and rollouts step the
@@ -15,7 +15,7 @@ import time
 from collections import Counter
 from typing import Any
 
-from lora_operator import events, kube, rollout
+from lora_operator import events, kube, rollout, statuswrite
 from lora_operator import status as status_mod
 from lora_operator.controller.placer import Placer
 from lora_operator.controller.records import AdapterRecord
@@ -34,7 +34,7 @@ class StatusWriter(Actor):
     def __init__(self, shared: Shared, placer: Placer, rollouts: Rollouts) -> None:
         super().__init__(shared)
         self.placer, self.rollouts = placer, rollouts
-        self.policy = status_mod.WritePolicy(
+        self.policy = statuswrite.WritePolicy(
             self.config.status_settle_s, self.config.status_progress_s
         )
         self._dirty: set[Key] = set()
@@ -118,7 +118,7 @@ class StatusWriter(Actor):
                 # new then (rendering every change of a Loading adapter costs CPU).
                 self._due[key] = due
                 continue
-            body = status_mod.render(
+            body = statuswrite.render(
                 rec.info,
                 rec.staging.state,
                 targeted,
@@ -128,7 +128,7 @@ class StatusWriter(Actor):
                 placed,
             )
             body["rollout"] = rollout_body
-            delay = status_mod.write_delay(
+            delay = statuswrite.write_delay(
                 written.body,
                 written.headline,
                 body,

@@ -9,15 +9,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 from lora_operator import model
 from lora_operator.podstate import PodEntry, PodState
-from lora_operator.status import (
-    MAX_LISTED_PODS,
-    StagingState,
-    Summary,
-    WritePolicy,
-    render,
-    summarise,
-    write_delay,
-)
+from lora_operator.status import StagingState, Summary, summarise
+from lora_operator.statuswrite import MAX_LISTED_PODS, WritePolicy, render, write_delay
 
 SHA = "a" * 64
 POLICY = WritePolicy(settle_s=3.0, progress_s=10.0)
