@@ -2,7 +2,7 @@
 
 Every failure to stage is a `StagingError`; its `reason` is the reason of the `Staged`
 condition (and of the phase's Event). The controller maps them once
-(`Controller._staging_failed`, phases as `status.summarise` decides them):
+(`controller.stager.Stager._failed`, phases as `status.summarise` decides them):
 
     PermanentStagingError  the adapter is Failed; not staged again until the spec changes (a
                            new metadata.generation)
