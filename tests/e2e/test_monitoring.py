@@ -5,6 +5,7 @@ tests/unit/chart/test_monitoring.py's."""
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import shutil
@@ -78,6 +79,14 @@ def test_a_real_prometheus_returns_series_for_every_dashboard_and_alert_query(
         phase("Prometheus scrapes the operator, the inference pod and the routers")
         jobs = {"operator": OP_LIVE, "inference": INF_LIVE, "router": RT_LIVE}
         ports = {"operator": 9090, "inference": 8000, "router": 9090}
+
+        def ready(component: str) -> bool:
+            pods = h.pods(ns, f"app.kubernetes.io/component={component}")
+            return any(release.is_ready(p) for p in pods)
+
+        # An adapter can be Ready before the operator's own readiness probe has passed.
+        for component in jobs:
+            h.wait_for(f"a ready {component} pod", functools.partial(ready, component), timeout=60)
         targets = {
             jobs[c]: [
                 f"{p['status']['podIP']}:{ports[c]}"
