@@ -33,7 +33,7 @@ from lora_inference import cli as inference_cli
 from lora_operator import model
 
 from tests.support import ROOT
-from tests.support.chart import MONITORING_CRDS, server_dry_run
+from tests.support.chart import MONITORING_CRDS, in_cluster, server_dry_run
 from tests.support.docs import Block, commands, parse_blocks
 
 DOCS = [
@@ -115,21 +115,9 @@ def _helm_values_args(words: list[str]) -> list[str]:
     return out
 
 
-def _in_cluster(h: Harness, argv: list[str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        argv,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        env=h.cluster.env(),
-        timeout=120,
-        check=False,
-    )
-
-
 def _render_chart(h: Harness, release: str, chart: str, values: list[str], ns: str) -> str:
     argv = ["helm", "template", release, chart, "-n", ns, "--set", "crds.enabled=false"]
-    proc = _in_cluster(h, [*argv, *values])
+    proc = in_cluster(h, [*argv, *values])
     assert proc.returncode == 0, proc.stderr
     return proc.stdout
 
@@ -180,7 +168,7 @@ def _dry_run_command(h: Harness, page: Page, words: list[str], block: Block) -> 
         cmd = ["kubectl", "-n", ns, *args, "--dry-run=server"]
         if "--server-side" in args:
             return  # the CRD: the session cluster already has it (crds fixture)
-        proc = _in_cluster(h, cmd)
+        proc = in_cluster(h, cmd)
         assert proc.returncode == 0, (block.id, words, proc.stderr)
         return
     for ref in (a for a in args[1:] if re.match(r"^[a-z]+/[a-z0-9.-]+$", a)):

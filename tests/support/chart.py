@@ -144,16 +144,25 @@ def crds(devcluster: Harness, helm: str) -> Harness:
     return h
 
 
-def server_dry_run(h: Harness, namespace: str, rendered: str) -> str:
-    proc = subprocess.run(
-        ["kubectl", "apply", "--dry-run=server", "-n", namespace, "-f", "-"],
-        input=rendered,
+def in_cluster(
+    h: Harness, argv: list[str], *, input: str | None = None
+) -> subprocess.CompletedProcess[str]:
+    """Run `argv` from the checkout against the cluster (its kubeconfig and binaries); unchecked."""
+    return subprocess.run(
+        argv,
+        cwd=ROOT,
+        input=input,
         capture_output=True,
         text=True,
         env=h.cluster.env(),
         timeout=120,
         check=False,
     )
+
+
+def server_dry_run(h: Harness, namespace: str, rendered: str) -> str:
+    argv = ["kubectl", "apply", "--dry-run=server", "-n", namespace, "-f", "-"]
+    proc = in_cluster(h, argv, input=rendered)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc.stdout
 
