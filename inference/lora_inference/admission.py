@@ -48,7 +48,7 @@ from lora_inference.config import ServerConfig
 from lora_inference.pipeline import ParsedAdapter
 from lora_inference.reader import Reader, new_record
 from lora_inference.residency import Residency
-from lora_inference.stackkeys import Blocks, stack_name
+from lora_inference.stackkeys import stack_name
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +63,7 @@ class Admission:
         self._reader = reader
         # Stacks built for requests, by their members' versions and scales: a request naming the
         # same adapters at the same scales reuses one (see `resolve_stack`).
-        self._stacks: dict[tuple[tuple[str, int, float, Blocks], ...], AdapterRecord] = {}
+        self._stacks: dict[tuple[tuple[str, int, float, stacks.Blocks], ...], AdapterRecord] = {}
         self._name_locks: dict[str, asyncio.Lock] = {}
         self._name_users: collections.Counter[str] = collections.Counter()
         # Requests between arriving and reaching the queue because their adapter is being
@@ -127,14 +127,16 @@ class Admission:
         self, path: Path, name: str
     ) -> tuple[ParsedAdapter, tuple[tuple[AdapterRecord, float], ...]]:
         """Read the adapter at `path`: a file, or a composed revision (`lora_volume.stacks`),
-        whose members are read and checked against its manifest and built into one adapter;
+        whose members are read and checked against its manifest and built into one adapter (each
+        at its scale and block weights);
         then its members too."""
         if not await asyncio.to_thread(stacks.is_stack, path):
             return await self._reader.read(path, name), ()
         manifest = path / stacks.STACK_FILE
         data = await asyncio.to_thread(manifest.read_bytes)
         members, parts = [], []
-        for entry in stacks.parse_manifest(data, where=str(manifest)):
+        entries = stacks.parse_manifest(data, where=str(manifest))
+        for entry in entries:
             part = await self._reader.read(path / entry.file, entry.name)
             if part.sha256 != entry.sha256:
                 raise errors.IncompatibleAdapter(
@@ -146,7 +148,9 @@ class Admission:
                 (new_record(entry.name, path / entry.file, part, origin="stack"), entry.scale)
             )
             parts.append(part)
-        composed = await self._reader.compose(members, parts, param="lora_path")
+        composed = await self._reader.compose(
+            members, parts, blocks=[e.blocks for e in entries], param="lora_path"
+        )
         # Named by its manifest, as the volume names the revision: what /v1/models reports.
         parsed = dataclasses.replace(
             composed, sha256=hashlib.sha256(data).hexdigest(), weights_file=manifest

@@ -14,7 +14,6 @@ from typing import Any
 from lora_volume import stacks
 
 from lora_inference import errors
-from lora_inference.stackkeys import BLOCK_GROUPS, Blocks
 
 MAX_IMAGES = 10
 MAX_STEPS = 200
@@ -56,7 +55,7 @@ class StackMember:
 
     name: str
     scale: float | None
-    blocks: Blocks = ()
+    blocks: stacks.Blocks = ()
 
 
 @dataclass(frozen=True)
@@ -289,7 +288,7 @@ def _stack_choice(
     return AdapterChoice(name=None, local_path=None, param="lora", stack=tuple(members)), None
 
 
-def _blocks(body: dict[str, Any], param: str) -> Blocks:
+def _blocks(body: dict[str, Any], param: str) -> stacks.Blocks:
     """`blocks`: {group: multiplier} for some of stackkeys.BLOCK_GROUPS; () when absent."""
     given = body.get("blocks")
     if given is None:
@@ -300,16 +299,16 @@ def _blocks(body: dict[str, Any], param: str) -> Blocks:
             '{"down": 0.5, "up": 0}',
             param=param,
         )
-    unknown = sorted(set(given) - set(BLOCK_GROUPS))
+    unknown = sorted(set(given) - set(stacks.BLOCK_GROUPS))
     if unknown:
         raise errors.InvalidRequest(
             f"unknown block group(s) in '{param}': {', '.join(unknown)}; the groups are "
-            f"{', '.join(BLOCK_GROUPS)}",
+            f"{', '.join(stacks.BLOCK_GROUPS)}",
             param=param,
         )
     return tuple(
         (group, float(_number(given, group, 1.0, *SCALE_RANGE, param=f"{param}.{group}")))
-        for group in BLOCK_GROUPS
+        for group in stacks.BLOCK_GROUPS
         if group in given
     )
 

@@ -17,13 +17,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from lora_volume import files
+from lora_volume.stacks import Blocks
 
 from lora_inference import errors, stacking
 from lora_inference.adapters.registry import AdapterRecord, Origin, next_version
 from lora_inference.config import ServerConfig
 from lora_inference.metrics import Metrics
 from lora_inference.pipeline import ParsedAdapter
-from lora_inference.stackkeys import Blocks, stack_name, stack_sha256
+from lora_inference.stackkeys import stack_name, stack_sha256
 
 if TYPE_CHECKING:
     # Annotations only: a simulated server (`lora_inference.simulate`) never imports torch.

@@ -20,10 +20,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
+from lora_volume.stacks import Blocks
 
 from lora_inference import errors
 from lora_inference.slots import LayerKey, LayerWeights
-from lora_inference.stackkeys import Blocks, multiplier
+from lora_inference.stackkeys import multiplier
 
 # At most this many conflicting layers are named in an error; the rest are counted.
 _NAMED_CONFLICTS = 3

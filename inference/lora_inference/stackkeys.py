@@ -12,7 +12,8 @@ blocks, and at 0.8 everywhere else. The groups follow the denoiser's own layout:
   joint blocks) and Flux's `single_transformer_blocks`.
 
 A layer in none of them (a UNet's conv_in or time embedding, a transformer's embedders) keeps
-the adapter's scale. A request with blocks is served as a stack of that adapter (stacking), so
+the adapter's scale. A composition may give its members blocks too (`lora_volume.stacks`). A
+request with blocks is served as a stack of that adapter (stacking), so
 it is exact and cached like any stack; its name and identity include the blocks.
 
 The real stacking module and the simulated one both name stacks here, so their names and
@@ -24,10 +25,8 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 
-BLOCK_GROUPS = ("text_encoder", "down", "mid", "up", "double", "single")
-
-# (group, multiplier) pairs in group order; empty: the adapter's scale on every layer.
-Blocks = tuple[tuple[str, float], ...]
+# Named once, for requests and compositions (`spec.compose[].blocks`) alike.
+from lora_volume.stacks import Blocks
 
 _PREFIXES = (
     ("down_blocks.", "down"),

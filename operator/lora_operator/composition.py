@@ -1,11 +1,11 @@
 """Compositions (`spec.compose`): what a composed adapter is built from (pure).
 
-A composed LoRAAdapter names 2 to 4 other LoRAAdapters of its namespace, each at a scale. It is
-staged as a revision holding a manifest of the members' staged revisions and their weights
-(`lora_volume.stacks`), so its revision changes exactly when a member's revision or a scale
-does. `plan_composition` decides, from the composition's spec and what the controller knows of
-each member, which revisions it is built from, or raises the staging error saying which member
-stops it. `composed_revision` names the revision that staging would publish.
+A composed LoRAAdapter names 1 to 4 other LoRAAdapters of its namespace, each at a scale and
+optionally with block weights. It is staged as a revision holding a manifest of the members'
+staged revisions and their weights (`lora_volume.stacks`), so its revision changes exactly when
+a member's revision, a scale or a block weight does. `plan_composition` decides, from the
+composition's spec and what the controller knows of each member, which revisions it is built
+from, or raises the staging error saying which member stops it. `composed_revision` names the revision that staging would publish.
 """
 
 from __future__ import annotations
@@ -61,7 +61,12 @@ def plan_composition(
             unstaged.append(member.name)
         else:
             entries.append(
-                stacks.StackEntry(name=member.name, sha256=staged.sha256, scale=member.scale)
+                stacks.StackEntry(
+                    name=member.name,
+                    sha256=staged.sha256,
+                    scale=member.scale,
+                    blocks=member.blocks,
+                )
             )
     if unstaged:
         raise errors.MemberNotStaged(f"waiting for {_list(unstaged)} to be staged")

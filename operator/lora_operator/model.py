@@ -21,7 +21,7 @@ from typing import Any
 
 # Label selectors are shared with the inference server, which checks the same selectors against
 # its own labels before it resolves an adapter from the volume.
-from lora_volume import targeting
+from lora_volume import stacks, targeting
 
 from lora_operator.rollout import COMMAND_ANNOTATION, Plan, parse_plan
 
@@ -132,10 +132,12 @@ class SourceSpec:
 
 @dataclass(frozen=True)
 class ComposeMember:
-    """One entry of `spec.compose`: another LoRAAdapter of the namespace, at a scale."""
+    """One entry of `spec.compose`: another LoRAAdapter of the namespace, at a scale, varied per
+    block group by `blocks` (empty: the scale on every layer)."""
 
     name: str
     scale: float = 1.0
+    blocks: stacks.Blocks = ()
 
 
 @dataclass(frozen=True)
@@ -232,7 +234,12 @@ def adapter_info(body: Mapping[str, Any]) -> AdapterInfo:
         replicas=int(replicas) if replicas is not None else None,
         created=str(meta.get("creationTimestamp") or ""),
         compose=tuple(
-            ComposeMember(name=str(m.get("name", "")), scale=float(m.get("scale", 1.0)))
+            ComposeMember(
+                name=str(m.get("name", "")),
+                scale=float(m.get("scale", 1.0)),
+                # The CRD's schema admits only the groups and numbers in range.
+                blocks=stacks.ordered_blocks(m.get("blocks") or {}),
+            )
             for m in spec.get("compose") or ()
             if isinstance(m, Mapping)
         ),

@@ -1,7 +1,8 @@
 """A composed adapter on the volume: staged adapters at their scales, published as one revision.
 
 A LoRAAdapter with `spec.compose` is staged as a revision directory that holds `stack.json` (each
-member's name, the sha256 of the revision it was composed from, and its scale) and each member's
+member's name, the sha256 of the revision it was composed from, its scale, and the block groups
+its scale varies by, if any) and each member's
 weights under `members/` (hard links to the stored objects). So a composed revision is
 self-contained and immutable like any other: collecting a member's old revision never takes the
 weights from under it, and a member's new revision makes a new manifest, so a new revision of the
@@ -20,13 +21,21 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
+from typing import TypeGuard
 
 from lora_volume import errors, layout
 
 STACK_FILE = "stack.json"
 MEMBERS_DIR = "members"
-MIN_MEMBERS, MAX_MEMBERS = 2, 4
+# One member is a composition too: an adapter at another scale, or with block weights.
+MIN_MEMBERS, MAX_MEMBERS = 1, 4
 SCALE_RANGE = (-10.0, 10.0)
+
+# The block groups a member's scale may vary by ("LoRA block weights"; what each group covers is
+# `lora_inference.stackkeys`'): requests and compositions name the same groups.
+BLOCK_GROUPS = ("text_encoder", "down", "mid", "up", "double", "single")
+# (group, multiplier) pairs in BLOCK_GROUPS order; empty: the member's scale on every layer.
+Blocks = tuple[tuple[str, float], ...]
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
 
@@ -37,6 +46,7 @@ class StackEntry:
     name: str
     sha256: str
     scale: float
+    blocks: Blocks = ()
 
     @property
     def file(self) -> PurePosixPath:
@@ -47,11 +57,31 @@ class StackEntry:
 def manifest_bytes(entries: Sequence[StackEntry]) -> bytes:
     """The manifest of a composition, canonical (members in name order, fixed layout), so equal
     compositions have equal bytes and so one revision."""
-    members = [
-        {"name": e.name, "sha256": e.sha256, "scale": e.scale}
-        for e in sorted(entries, key=lambda e: e.name)
-    ]
+    members = [_member_json(e) for e in sorted(entries, key=lambda e: e.name)]
     return (json.dumps({"members": members}, sort_keys=True, indent=1) + "\n").encode()
+
+
+def _member_json(entry: StackEntry) -> dict[str, object]:
+    member: dict[str, object] = {"name": entry.name, "sha256": entry.sha256, "scale": entry.scale}
+    if entry.blocks:  # absent when none, so a manifest without blocks keeps its bytes
+        member["blocks"] = dict(entry.blocks)
+    return member
+
+
+def ordered_blocks(given: dict[str, float]) -> Blocks:
+    """`given` ({group: multiplier}, groups already checked) in BLOCK_GROUPS order."""
+    return tuple((group, float(given[group])) for group in BLOCK_GROUPS if group in given)
+
+
+def in_scale_range(value: object) -> TypeGuard[int | float]:
+    """Whether `value` is a number a scale or block multiplier may be (finite, within
+    SCALE_RANGE)."""
+    return (
+        not isinstance(value, bool)
+        and isinstance(value, int | float)
+        and math.isfinite(value)
+        and SCALE_RANGE[0] <= value <= SCALE_RANGE[1]
+    )
 
 
 def parse_manifest(data: bytes, *, where: str) -> tuple[StackEntry, ...]:
@@ -78,14 +108,23 @@ def parse_manifest(data: bytes, *, where: str) -> tuple[StackEntry, ...]:
             raise invalid(e.message) from e
         if not isinstance(sha, str) or not _SHA256.match(sha):
             raise invalid(f"member {name!r} has no sha256")
-        if (
-            isinstance(scale, bool)
-            or not isinstance(scale, int | float)
-            or not math.isfinite(scale)
-            or not SCALE_RANGE[0] <= scale <= SCALE_RANGE[1]
-        ):
+        if not in_scale_range(scale):
             raise invalid(f"member {name!r} has no scale between -10 and 10")
-        entries.append(StackEntry(name=str(name), sha256=sha, scale=float(scale)))
+        blocks = member.get("blocks", {})
+        if (
+            not isinstance(blocks, dict)
+            or not set(blocks) <= set(BLOCK_GROUPS)
+            or not all(in_scale_range(v) for v in blocks.values())
+        ):
+            raise invalid(
+                f"member {name!r} has blocks that are not {{group: multiplier}} with groups "
+                f"among {', '.join(BLOCK_GROUPS)} and multipliers between -10 and 10"
+            )
+        entries.append(
+            StackEntry(
+                name=str(name), sha256=sha, scale=float(scale), blocks=ordered_blocks(blocks)
+            )
+        )
     if len({e.name for e in entries}) < len(entries):
         raise invalid("a member is named twice")
     return tuple(entries)

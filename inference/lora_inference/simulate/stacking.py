@@ -11,8 +11,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from lora_volume.stacks import Blocks
+
 from lora_inference.simulate.backend import SimulatedWeights, simulated_mb
-from lora_inference.stackkeys import Blocks
 
 
 @dataclass(frozen=True)

@@ -118,7 +118,22 @@ INVALID = [
         "set either source",
         id="source-and-compose",
     ),
-    pytest.param(composed([{"name": "a"}]), "should have at least 2 items", id="compose-one"),
+    pytest.param(composed([]), "should have at least 1 items", id="compose-empty"),
+    pytest.param(
+        composed([{"name": "a", "blocks": {"middle": 1}}]),
+        'unknown field "spec.compose[0].blocks.middle"',
+        id="compose-block-group",
+    ),
+    pytest.param(
+        composed([{"name": "a", "blocks": {"up": 11}}]),
+        "should be less than or equal to 10",
+        id="compose-block-weight",
+    ),
+    pytest.param(
+        composed([{"name": "a", "blocks": {}}]),
+        "should have at least 1 properties",
+        id="compose-no-blocks",
+    ),
     pytest.param(
         composed([{"name": n} for n in "abcde"]), "must have at most 4 items", id="compose-five"
     ),
@@ -248,9 +263,22 @@ def test_a_rollout_is_accepted(crd: Any, devcluster_namespace: str) -> None:
     assert result.returncode == 0, result.stderr
 
 
-def test_a_composition_is_accepted(crd: Any, devcluster_namespace: str) -> None:
-    manifest = composed([{"name": "a", "scale": 0.8}, {"name": "b"}, {"name": "c", "scale": -1}])
-    result = dry_run(crd, devcluster_namespace, manifest)
+@pytest.mark.parametrize(
+    "members",
+    [
+        [{"name": "a", "scale": 0.8}, {"name": "b"}, {"name": "c", "scale": -1}],
+        [{"name": "a", "scale": 0.8, "blocks": {"down": 0.2, "mid": 0.5, "up": 1.0}}],
+        [
+            {"name": "a", "blocks": {"text_encoder": 0, "double": 1.5, "single": -0.5}},
+            {"name": "b", "blocks": {"up": 10}},
+        ],
+    ],
+    ids=["stack", "one-member-with-blocks", "transformer-blocks"],
+)
+def test_a_composition_is_accepted(
+    crd: Any, devcluster_namespace: str, members: list[dict[str, Any]]
+) -> None:
+    result = dry_run(crd, devcluster_namespace, composed(members))
     assert result.returncode == 0, result.stderr
 
 

@@ -322,6 +322,20 @@ def test_a_composition_serves_the_sum_follows_its_members_and_degrades_without_o
     # Clients name it; it draws what the same stack asked for in a request draws.
     assert np.array_equal(generate(url, "duo"), generate(url, None, lora=compose))
 
+    phase("one member with block weights: a block-weighted variant under its own name")
+    weighted = [{"name": "a", "scale": 0.7, "blocks": {"down": 0.5, "up": 0}}]
+    variant = {
+        **duo,
+        "metadata": {"name": "a-blocks"},
+        "spec": {"baseModel": MODEL_NAME, "compose": weighted},
+    }
+    h.apply(variant, ns)
+    cluster.wait_phase(h, ns, "a-blocks", "Ready", "1/1", timeout=120)
+    drawn = generate(url, "a-blocks")
+    assert np.array_equal(drawn, generate(url, None, lora=weighted[0]))
+    assert not np.array_equal(drawn, generate(url, None, lora={"name": "a", "scale": 0.7}))
+    h.kubectl("delete", "loraadapter", "a-blocks", "-n", ns, "--timeout=90s")
+
     phase("a member's new revision makes a new composition, loaded in place")
     a2, _ = cluster.write_adapter(models, volume / ns / "src" / "a2", seed=3)
     h.apply(cluster.adapter("a", str(a2)), ns)

@@ -8,7 +8,9 @@ built once and rebuilt when a member is reloaded, unknown members and bad lists 
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import json
 import shutil
 from pathlib import Path
 from typing import Any
@@ -19,6 +21,7 @@ import torch
 from lora_inference import errors, stacking
 from lora_inference.slots import LayerWeights
 from lora_inference.stackkeys import stack_name, stack_sha256
+from lora_volume import errors as volume_errors
 from lora_volume import files, stacks
 
 from tests.unit.inference.conftest import Assets, Reference, Server
@@ -199,14 +202,22 @@ async def test_a_list_of_one_is_the_object_form(server: Server, assets: Assets) 
 
 
 def _composed_revision(
-    directory: Path, members: list[tuple[str, Path, float]], *, sha: str | None = None
+    directory: Path,
+    members: list[tuple[str, Path, float]],
+    *,
+    sha: str | None = None,
+    blocks: dict[str, stacks.Blocks] | None = None,
 ) -> Path:
-    """Lay out a composed revision as the operator stages it: manifest and members' weights."""
+    """Lay out a composed revision as the operator stages it: manifest and members' weights
+    (`blocks`: by member name, the block weights its entry carries)."""
     entries = []
     for name, adapter, scale in members:
         weights = files.find_weights_file(adapter)
         entry = stacks.StackEntry(
-            name=name, sha256=sha or hashlib.sha256(weights.read_bytes()).hexdigest(), scale=scale
+            name=name,
+            sha256=sha or hashlib.sha256(weights.read_bytes()).hexdigest(),
+            scale=scale,
+            blocks=(blocks or {}).get(name, ()),
         )
         (directory / entry.file).parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(weights, directory / entry.file)
@@ -233,6 +244,46 @@ async def test_a_composed_revision_serves_what_the_same_stack_in_a_request_draws
     assert card["sha256"] == hashlib.sha256(manifest).hexdigest()
 
 
+async def test_a_composition_of_one_member_with_block_weights_draws_what_the_request_draws(
+    server: Server, assets: Assets
+) -> None:
+    """`spec.compose: [{name: b, scale: 0.8, blocks: {down: 0.5, up: 0}}]` (one member is
+    enough for a block-weighted variant) serves what `lora.blocks` in a request draws."""
+    weights = {"down": 0.5, "up": 0.0, "text_encoder": 1.5}
+    variant = _composed_revision(
+        assets.root / "b-blocks",
+        [("b", assets.adapter_b, 0.8)],
+        blocks={"b": stacks.ordered_blocks(weights)},
+    )
+    manifest = stacks.parse_manifest((variant / stacks.STACK_FILE).read_bytes(), where="t")
+    assert manifest[0].blocks == (("text_encoder", 1.5), ("down", 0.5), ("up", 0.0))
+    await server.load("b-blocks", variant, scale=1.0)
+    await server.load("b", assets.adapter_b)
+    for steps in (4, 20):
+        named = await server.image(model="b-blocks", num_inference_steps=steps)
+        asked = await server.image(
+            lora={"name": "b", "scale": 0.8, "blocks": weights}, num_inference_steps=steps
+        )
+        assert np.array_equal(named, asked), steps
+        plain = await server.image(lora={"name": "b", "scale": 0.8}, num_inference_steps=steps)
+        assert not np.array_equal(named, plain), steps  # the blocks changed the image
+
+
+def test_a_manifest_without_blocks_keeps_its_bytes_and_bad_blocks_are_refused() -> None:
+    """Compositions staged before block weights keep their revision (the manifest's sha256)."""
+    entry = stacks.StackEntry(name="a", sha256="a" * 64, scale=0.5)
+    assert b"blocks" not in stacks.manifest_bytes([entry])
+    weighted = dataclasses.replace(entry, blocks=(("up", 0.0),))
+    data = stacks.manifest_bytes([weighted])
+    assert stacks.parse_manifest(data, where="m") == (weighted,)
+    assert stacks.manifest_bytes([weighted]) != stacks.manifest_bytes([entry])
+    for bad in ({"middle": 1}, {"up": 11}, {"up": True}, ["up"]):
+        raw = json.loads(data)
+        raw["members"][0]["blocks"] = bad
+        with pytest.raises(volume_errors.InvalidAdapter, match="has blocks that are not"):
+            stacks.parse_manifest(json.dumps(raw).encode(), where="m")
+
+
 @pytest.mark.parametrize(
     ("write", "says"),
     [
@@ -242,9 +293,9 @@ async def test_a_composed_revision_serves_what_the_same_stack_in_a_request_draws
             id="member-changed",
         ),
         pytest.param(
-            lambda d, a: (d / stacks.STACK_FILE).write_text('{"members": [{"name": "a"}]}'),
-            "2 to 4 adapters",
-            id="one-member",
+            lambda d, a: (d / stacks.STACK_FILE).write_text('{"members": []}'),
+            "1 to 4 adapters",
+            id="no-member",
         ),
         pytest.param(
             lambda d, a: (d / stacks.STACK_FILE).write_text("{"), "not JSON", id="not-json"

@@ -55,6 +55,19 @@ def test_a_composition_is_built_from_its_members_staged_revisions() -> None:
     assert composition.composed_revision(other) != again
 
 
+def test_block_weights_are_carried_in_spec_order_and_make_their_own_revision() -> None:
+    """One member with blocks is a composition (a block-weighted variant of an adapter); its
+    blocks reach the manifest in group order, and changing one stages a new revision."""
+    spec = {"baseModel": "sd", "compose": [{"name": "a", "blocks": {"up": 0, "down": 0.5}}]}
+    (entry,) = composition.plan_composition(info("a-blocks", spec), members(a=A))
+    assert entry == stacks.StackEntry("a", A, 1.0, blocks=(("down", 0.5), ("up", 0.0)))
+    plain = stacks.StackEntry("a", A, 1.0)
+    assert composition.composed_revision((entry,)) != composition.composed_revision((plain,))
+    spec["compose"][0]["blocks"] = {"up": 0, "down": 0.25}  # type: ignore[index]
+    (moved,) = composition.plan_composition(info("a-blocks", spec), members(a=A))
+    assert composition.composed_revision((moved,)) != composition.composed_revision((entry,))
+
+
 @pytest.mark.parametrize(
     ("state", "error", "says"),
     [
