@@ -68,15 +68,17 @@ images: packages
 # missing) to REGISTRY/operator:<appVersion> and REGISTRY/inference:<appVersion>;
 # `make chart-push REGISTRY=...`: the packaged chart to oci://REGISTRY/lora-operator:<version>.
 # Log in first (`buildah login`, `helm registry login`); PLAIN_HTTP=1 for a registry without TLS;
-# PUSH_IMAGES=operator pushes one image.
+# PUSH_IMAGES=operator pushes one image; NO_COMPRESS=1 sends the layers uncompressed (a registry
+# on this machine: gzipping the inference image's 5 GB takes minutes).
 REGISTRY ?=
 PLAIN_HTTP ?=
 PUSH_IMAGES ?=
+NO_COMPRESS ?=
 CHART_VERSION = $(shell sed -n 's/^version: *"\{0,1\}\([^"]*\)"\{0,1\}$$/\1/p' charts/lora-operator/Chart.yaml)
 HELM_PATH = PATH="$$PATH:$$(PYTHONPATH=devcluster $(IMAGES_PY) -m lora_devcluster.cli bin-dir 2>/dev/null)"
 push: packages
 	@test -n "$(REGISTRY)" || { echo "usage: make push REGISTRY=host[:port]/path [PLAIN_HTTP=1]" >&2; exit 2; }
-	PYTHONPATH=devcluster $(IMAGES_PY) -m lora_devcluster.images push $(REGISTRY) $(if $(PLAIN_HTTP),--plain-http) $(foreach i,$(PUSH_IMAGES),--only $(i))
+	PYTHONPATH=devcluster $(IMAGES_PY) -m lora_devcluster.images push $(REGISTRY) $(if $(PLAIN_HTTP),--plain-http) $(if $(NO_COMPRESS),--no-compress) $(foreach i,$(PUSH_IMAGES),--only $(i))
 
 chart-push:
 	@test -n "$(REGISTRY)" || { echo "usage: make chart-push REGISTRY=host[:port]/path [PLAIN_HTTP=1]" >&2; exit 2; }

@@ -36,3 +36,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         kind = kinds.kind_of(files[item.nodeid], TESTS)
         if kind is not None:  # always, once misplaced() found nothing
             item.add_marker(kind)
+    # A test that starts a cluster of its own runs after every test that shares the session's
+    # (which stops after its last user): two nodes with the inference image would not fit the
+    # disk. Stable, so the rest keeps its order.
+    items.sort(key=lambda item: item.get_closest_marker("own_cluster") is not None)

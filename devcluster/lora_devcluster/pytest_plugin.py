@@ -43,12 +43,14 @@ def _unavailable(message: str) -> None:
 
 
 @contextlib.contextmanager
-def running_cluster() -> Iterator[harness.Harness]:
-    """Start a cluster, join its network namespace, and undo both on exit."""
+def running_cluster(roles: tuple[str, ...] | None = None) -> Iterator[harness.Harness]:
+    """Start a cluster, join its network namespace, and undo both on exit. `roles`: the
+    project's images imported into its node (default: all; a test that pulls the pushed ones
+    from the cluster's registry imports only the node's own, `base` and `pause`)."""
     try:
         bins = cluster_mod.bin_dir()
         cluster_mod.check_host(bins)
-        node_images = images.built()
+        node_images = images.built(roles) if roles is not None else images.built()
     except (
         cluster_mod.ClusterError,
         images.ImageError,
