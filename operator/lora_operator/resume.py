@@ -2,10 +2,11 @@
 replica) staged, wrote, loaded and chose (pure).
 
 A restarted operator keeps nothing of its own; the LoRAAdapter's status is its memory. From it
-`plan_resume` restores the staging state (so nothing is staged twice, and a permanent failure of
-this generation is not retried), the rollout under way, the replicas spec.autoscale chose, the
-status last written (so no status goes backwards) and the load times recorded per pod. No I/O;
-the controller's record cache builds its record from the result.
+`plan_resume` restores the staging state (so nothing is staged twice, a permanent failure of
+this generation is not retried, and what the staged file declares is known without reading it),
+the rollout under way, the replicas spec.autoscale chose, the status last written (so no status
+goes backwards) and the load times recorded per pod. No I/O; the controller's record cache builds
+its record from the result.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
+
+from lora_volume import description
 
 from lora_operator import autoscale, rollout
 from lora_operator.model import AdapterInfo
@@ -41,6 +44,7 @@ def plan_resume(info: AdapterInfo, status: Mapping[str, Any] | None) -> Resumed:
         path=staged.get("path"),
         staged_at=staged.get("stagedAt"),
         observed_generation=st.get("observedGeneration"),
+        adapter=restore_adapter(st.get("adapter")) if info.staged is not None else None,
     )
     # observedGeneration moves only on success or a permanent failure: a Staged=False
     # condition of this generation is a permanent failure, not to be retried on resume.
@@ -65,6 +69,29 @@ def plan_resume(info: AdapterInfo, status: Mapping[str, Any] | None) -> Resumed:
             for p in st.get("pods") or []
             if isinstance(p, dict) and "name" in p
         },
+    )
+
+
+def restore_adapter(raw: object) -> description.Description | None:
+    """`status.adapter` as `statuswrite.adapter_status` wrote it; None when it is not one (the
+    stager then reads it from the volume again)."""
+    if not isinstance(raw, Mapping):
+        return None
+    key, rank = raw.get("format"), raw.get("rank")
+    targets, words = raw.get("targets") or [], raw.get("triggerWords") or []
+    if (
+        not isinstance(key, str)
+        or isinstance(rank, bool)
+        or not isinstance(rank, int)
+        or not isinstance(targets, list)
+        or not isinstance(words, list)
+    ):
+        return None
+    return description.Description(
+        format=description.format_by_key(key),
+        rank=rank,
+        targets=tuple(str(t) for t in targets),
+        trigger_words=tuple(str(w) for w in words),
     )
 
 

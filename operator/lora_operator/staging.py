@@ -8,7 +8,8 @@ counted; only a verified file is hard-linked into the content store
 atomic file operations of `volumefiles` (so a kill at any point leaves at most files under
 `.tmp/`, never a partial revision). A composition (`spec.compose`) is published the same way, its
 revision built from a manifest and hard links to its members' stored objects
-(`stage_composition`). The start-up check of the volume is `volumecheck`'s.
+(`stage_composition`). Each staged revision comes with what its weights declare, read from
+their headers (`describe_revision`). The start-up check of the volume is `volumecheck`'s.
 Fetching is injected (`fetchers.fetch` by default) and writes into a `sinks.Sink`; nothing here
 speaks a network protocol.
 """
@@ -24,8 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
+from lora_volume import description, files, layout, stacks, targeting
 from lora_volume import errors as volume_errors
-from lora_volume import files, layout, stacks, targeting
 
 from lora_operator import errors, fetchers, gc, limits, sinks, sources, volumefiles
 
@@ -41,6 +42,7 @@ class StagedRevision:
     size: int
     path: Path  # the revision directory, what a pod's load call names
     reused: bool  # the content was already in the store: nothing new was written
+    adapter: description.Description  # what its weights declare (`describe_revision`)
 
 
 class Store:
@@ -160,6 +162,16 @@ class Store:
     def clean_tmp(self) -> int:
         return volumefiles.clean_tmp(self.root)
 
+    def describe_current(self, namespace: str, name: str) -> description.Description | None:
+        """What the current revision of `namespace/name` declares (`describe_revision`); None
+        when it has none. Reads headers only: for an adapter staged before, by an operator that
+        did not record it."""
+        ns_root = layout.namespace_root(self.root, namespace)
+        sha256 = self.current_revision(namespace, name)
+        if sha256 is None:
+            return None
+        return describe_revision(layout.revision_dir(ns_root, name, sha256), name)
+
     def publish_target(self, namespace: str, name: str, target: targeting.Target) -> bool:
         """Replace the target of an adapter already staged (a selector changed, or a staging
         that published none); whether anything was written. Nothing when it has no `current`."""
@@ -230,6 +242,7 @@ class Store:
             size=obj.stat().st_size,
             path=revision,
             reused=reused,
+            adapter=describe_revision(revision, name),
         )
 
     async def stage_composition(
@@ -298,6 +311,7 @@ class Store:
             size=len(manifest) + sum(obj.stat().st_size for obj in objects.values()),
             path=revision,
             reused=reused,
+            adapter=describe_revision(revision, name),
         )
 
 
@@ -318,6 +332,31 @@ def verify_lora_file(path: Path, description: str) -> None:
     (`lora_volume.errors.InvalidAdapter`)."""
     header = files.read_safetensors_header(path, name=description)
     files.check_lora_keys(list(header.tensors), name=description)
+
+
+def describe_revision(revision: Path, name: str) -> description.Description:
+    """What the weights of a published revision declare, from their headers only (a few
+    kilobytes each, however large the file): a composition's is its members' stacked
+    (`description.stacked`), in the manifest's order. Raises only StagingErrors."""
+    try:
+        if stacks.is_stack(revision):
+            manifest = revision / stacks.STACK_FILE
+            entries = stacks.parse_manifest(manifest.read_bytes(), where=str(manifest))
+            return description.stacked(
+                [
+                    _describe_file(revision / e.file, f"member {e.name!r} of {name!r}")
+                    for e in entries
+                ]
+            )
+        return _describe_file(revision / layout.WEIGHTS_FILE, repr(name))
+    except volume_errors.VolumeError as e:
+        raise errors.from_volume(e) from e
+    except OSError as e:
+        raise sinks.disk_error(e) from e
+
+
+def _describe_file(path: Path, what: str) -> description.Description:
+    return description.describe(files.read_safetensors_header(path, name=what), name=what)
 
 
 def _check_not_other_namespace(volume_root: Path, path: Path, namespace: str) -> None:

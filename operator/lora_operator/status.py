@@ -40,6 +40,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
+from lora_volume import description
+
 from lora_operator.model import AdapterInfo, PodInfo, StagedRef
 from lora_operator.placement import Placed, Shortfall
 from lora_operator.podstate import PodEntry
@@ -70,6 +72,7 @@ class StagingState:
     path: str | None = None  # the revision directory on the operator's volume
     staged_at: str | None = None
     observed_generation: int | None = None
+    adapter: description.Description | None = None  # what the staged revision's weights declare
 
     def failed(
         self,
@@ -89,13 +92,21 @@ class StagingState:
             self.attempts += 1
             self.next_attempt_at = next_at
 
-    def succeeded(self, staged: StagedRef, path: str, at: str, generation: int) -> None:
+    def succeeded(
+        self,
+        staged: StagedRef,
+        path: str,
+        at: str,
+        generation: int,
+        adapter: description.Description,
+    ) -> None:
         self.in_progress = False
         self.attempts, self.permanent, self.next_attempt_at = 0, False, None
         self.degraded_at_once = False
         self.error_reason = self.error_message = None
         self.staged, self.path, self.staged_at = staged, path, at
         self.observed_generation = generation
+        self.adapter = adapter
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from lora_volume import description
+
 from lora_operator.model import AdapterInfo, PodInfo
 from lora_operator.placement import Placed
 from lora_operator.podstate import PodEntry
@@ -69,6 +71,7 @@ def render(
         "unlistedPods": unlisted or None,
         "stagingBytes": staging.bytes_so_far if staging.in_progress else None,
         "staged": None,
+        "adapter": adapter_status(staging.adapter) if staging.adapter is not None else None,
         "replicas": placed.wanted if placed is not None else None,
         "placedPods": sorted(placed.pods) if placed is not None else None,
     }
@@ -82,6 +85,16 @@ def render(
             "stagedAt": staging.staged_at,
         }
     return status
+
+
+def adapter_status(adapter: description.Description) -> dict[str, Any]:
+    """`status.adapter`: what the staged revision's weights declare (`resume` reads it back)."""
+    return {
+        "format": adapter.format.key,
+        "rank": adapter.rank,
+        "targets": list(adapter.targets),
+        "triggerWords": list(adapter.trigger_words),
+    }
 
 
 _LISTING_ORDER = {"Failed": 0, "Loading": 1, "Pending": 2, "Loaded": 3}

@@ -189,12 +189,12 @@ class Rig:
     def ready(self, name: str) -> bool:
         return "Ready" in self.api.phases(name)
 
-    def restarted(self) -> tuple[Controller, FakeApi]:
+    def restarted(self, **config: Any) -> tuple[Controller, FakeApi]:
         """A second controller on the same pods, volume and store, with an API of its own:
-        the operator after a restart. Its caller starts and stops it."""
+        the operator after a restart (`config` over FAST). Its caller starts and stops it."""
         api = FakeApi()
         controller = Controller(
-            OperatorConfig(volume_root=self.volume, **FAST),
+            OperatorConfig(volume_root=self.volume, **{**FAST, **config}),
             pods=self.pods,
             volume=self.store,
             api=api,

@@ -12,7 +12,8 @@ from the tensor shapes. For a plain LoRA (and LoCon, DoRA, XLabs) that is the ra
 serves. A LoHa's delta is a Hadamard product of two rank-r factors and a LoKr's a Kronecker
 product with a rank-r factor: the server serves them as plain pairs whose rank is r x r (LoHa)
 or up to r times the other factor's size (LoKr), less after an exact compression, so its rank
-for those can differ from this one.
+for those can differ from this one. A file with no low-rank factor (whole-matrix differences
+only) declares rank 0.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import kopf
-from lora_volume import stacks, targeting
+from lora_volume import description, stacks, targeting
 
 from lora_operator import gc, kube, peering, planning, sinks, sources, staging
 from lora_operator.model import PodInfo
@@ -59,6 +59,8 @@ class Volume(Protocol):
     async def collect(self, in_use: Collection[gc.RevisionRef]) -> tuple[gc.GcPlan, int]: ...
 
     def current_revision(self, namespace: str, name: str) -> str | None: ...
+
+    def describe_current(self, namespace: str, name: str) -> description.Description | None: ...
 
     def clean_tmp(self) -> int: ...
 

@@ -74,6 +74,8 @@ class Stager(Actor):
             # Staged already, perhaps by a release that published no target: the pods'
             # resolvers must still learn which of them it is for.
             self._publish_target(info)
+            if state.adapter is None:
+                self._describe(rec)
             return
         if state.observed_generation != info.generation:
             state.attempts, state.permanent = 0, False
@@ -158,6 +160,7 @@ class Stager(Actor):
             str(staged.path),
             kube.now_iso(),
             info.generation,
+            staged.adapter,
         )
         self.signals.staged(rec.key, serving, staged.sha256)
         self.metrics.stagings.labels("ok").inc()
@@ -212,6 +215,17 @@ class Stager(Actor):
         it waits to retry a failure, or its members now make another revision."""
         current = self.seams.volume.current_revision(rec.info.namespace, rec.info.name)
         return rec.staging.state.attempts > 0 or self._composed_revision(rec.info) != current
+
+    def _describe(self, rec: AdapterRecord) -> None:
+        """Read what the staged revision declares, for an adapter whose status does not say
+        (staged by a release that did not record it): its headers only, a few kilobytes."""
+        try:
+            rec.staging.state.adapter = self.seams.volume.describe_current(*rec.key)
+        except errors.StagingError as e:
+            # The status goes without it until the next staging; serving is unaffected.
+            log.warning("action=describe adapter=%s/%s error=%s", *rec.key, e)
+            return
+        self.signals.mark(rec.key)
 
     def _publish_target(self, info: AdapterInfo) -> None:
         try:

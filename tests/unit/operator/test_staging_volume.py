@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 from lora_operator import errors, sinks, sources, staging, volumefiles
-from lora_volume import files, layout, targeting
+from lora_volume import description, files, formats, layout, stacks, targeting
 
 from tests.support.loras import lora_bytes, sha
 from tests.support.staging import NS, make_store, tmp_entries, visible
@@ -199,3 +199,29 @@ async def test_the_target_is_published_before_current_and_follows_the_spec(
     assert layout.read_target(ns_root, "x") is None
     assert layout.resolve_on_root(ns_root, "x") is None
     assert store.publish_target(NS, "x", cpu) is False  # nothing to describe
+
+
+async def test_every_staged_revision_says_what_its_file_declares(tmp_path: Path) -> None:
+    """Fresh, reused from the store, composed, or read again later: the same description."""
+    store = staging.Store(tmp_path)
+    incoming = shared(tmp_path)
+    words = {"modelspec.trigger_phrase": "pixel, 8bit"}
+    (incoming / "a.safetensors").write_bytes(lora_bytes(30, rank=4, metadata=words))
+    (incoming / "b.safetensors").write_bytes(lora_bytes(31, rank=8))
+    a = await store.stage(NS, "a", sources.VolumeSource(incoming / "a.safetensors"))
+    assert a.adapter == description.Description(formats.LORA, 4, ("unet",), ("pixel", "8bit"))
+    again = await store.stage(
+        NS, "a2", sources.VolumeSource(incoming / "a.safetensors"), sha256=a.sha256
+    )
+    assert again.reused and again.adapter == a.adapter
+    b = await store.stage(NS, "b", sources.VolumeSource(incoming / "b.safetensors"))
+    stack = await store.stage_composition(
+        NS, "ab", [stacks.StackEntry("b", b.sha256, 1.0), stacks.StackEntry("a", a.sha256, 0.5)]
+    )
+    # Members in the manifest's (name) order: a's words first; ranks add up.
+    assert stack.adapter == description.Description(
+        description.STACK, 12, ("unet",), ("pixel", "8bit")
+    )
+    assert store.describe_current(NS, "ab") == stack.adapter
+    assert store.describe_current(NS, "a") == a.adapter
+    assert store.describe_current(NS, "never-staged") is None

@@ -7,20 +7,22 @@ import json
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from lora_operator import model
+from lora_operator import model, resume
 from lora_operator.podstate import PodEntry, PodState
 from lora_operator.status import StagingState, Summary, summarise
 from lora_operator.statuswrite import MAX_LISTED_PODS, WritePolicy, render, write_delay
+from lora_volume import description, formats
 
 SHA = "a" * 64
 POLICY = WritePolicy(settle_s=3.0, progress_s=10.0)
 
 
-def adapter(namespace: str = "ns") -> model.AdapterInfo:
+def adapter(namespace: str = "ns", status: dict[str, object] | None = None) -> model.AdapterInfo:
     return model.adapter_info(
         {
             "metadata": {"namespace": namespace, "name": "pixel", "generation": 2},
             "spec": {"baseModel": "sd"},
+            "status": status or {},
         }
     )
 
@@ -241,3 +243,48 @@ def test_an_unchanged_status_is_never_written() -> None:
         )
         is None
     )
+
+
+# -- what the file declares -------------------------------------------------------------------
+
+DECLARED = description.Description(formats.LOHA, 3, ("text_encoder", "unet"), ("pixel", "8bit"))
+
+
+def test_what_the_staged_file_declares_is_rendered_and_resumed_as_written() -> None:
+    state = staged()
+    state.adapter = DECLARED
+    targeted = [(pod("a"), loaded())]
+    body = render(adapter(), state, targeted, summarise(adapter(), state, targeted), [], "T")
+    assert body["adapter"] == {
+        "format": "loha",
+        "rank": 3,
+        "targets": ["text_encoder", "unet"],
+        "triggerWords": ["pixel", "8bit"],
+    }
+    assert resume.restore_adapter(body["adapter"]) == DECLARED
+    staged_status = {"staged": {"sha256": SHA, "sizeBytes": 100}, "adapter": body["adapter"]}
+    assert (
+        resume.plan_resume(adapter(status=staged_status), staged_status).staging.adapter == DECLARED
+    )
+    # Nothing staged (any more): nothing declared, and a merge patch removes the field.
+    assert resume.plan_resume(adapter(), {"adapter": body["adapter"]}).staging.adapter is None
+    assert (
+        render(adapter(), staged(), [], summarise(adapter(), staged(), []), [], "T")["adapter"]
+        is None
+    )
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        pytest.param(None, id="absent"),
+        pytest.param("loha", id="not-an-object"),
+        pytest.param({"rank": 3}, id="no-format"),
+        pytest.param({"format": "loha", "rank": "3"}, id="rank-not-a-number"),
+        pytest.param({"format": "loha", "rank": True}, id="rank-a-boolean"),
+        pytest.param({"format": "loha", "rank": 3, "targets": "unet"}, id="targets-not-a-list"),
+    ],
+)
+def test_a_status_that_does_not_say_what_the_file_declares_is_read_again(raw: object) -> None:
+    """None: the stager reads the staged revision's headers instead."""
+    assert resume.restore_adapter(raw) is None

@@ -170,8 +170,19 @@ def test_the_trigger_words_are_the_files_own() -> None:
 
 
 def test_a_refused_format_is_refused_as_staging_refuses_it() -> None:
-    with pytest.raises(errors.InvalidAdapter, match="full weight differences"):
-        description.describe(header({**kohya("lora_unet_a", 4), "lora_unet_a.diff": (4, 4)}))
+    with pytest.raises(errors.InvalidAdapter, match="OFT"):
+        description.describe(header({**kohya("lora_unet_a", 4), "lora_unet_a.oft_blocks": (4, 4)}))
+
+
+def test_whole_matrices_declare_no_rank() -> None:
+    """Full weight differences and a LoKr's full factor are no low-rank factors: a file of
+    them alone declares rank 0."""
+    shapes: Shapes = {
+        "lora_unet_a.diff": (32, 32),
+        "lora_unet_b.lokr_w1": (4, 2),
+        "lora_unet_b.lokr_w2": (8, 8),
+    }
+    assert description.declared_rank(header(shapes)) == 0
 
 
 def test_a_stack_sums_its_members_ranks_and_unites_their_targets_and_words() -> None:
