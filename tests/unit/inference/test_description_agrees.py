@@ -8,34 +8,25 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 from lora_inference.pipeline import DiffusionBackend
-from lora_inference.tools.tiny_models import build_tiny_pipeline
 from lora_volume import description, files
 
 from tests.support.formats import write
-from tests.unit.inference.test_formats import FORMATS
+
+# test_formats' float64 pipelines: a fixture, requested by name below
+from tests.unit.inference.test_formats import FORMATS, float64_backends  # noqa: F401
 
 # Served as the file's own pairs: the declared rank is the served one. A LoHa's Hadamard
 # product, a LoKr's Kronecker product and a Tucker LoCon's core are served as pairs of their own.
 SAME_RANK = ("lora", "lora_bias", "dora", "xlabs")
 
 
-@pytest.fixture(scope="module")
-def backends() -> dict[str, DiffusionBackend]:
-    return {
-        arch: DiffusionBackend(
-            build_tiny_pipeline(arch).to(torch.float64), device="cpu", dtype=torch.float64
-        )
-        for arch in ("sd15", "sdxl", "sd3", "flux")
-    }
-
-
 @pytest.mark.parametrize("case", list(FORMATS))
 def test_the_status_describes_a_file_as_the_server_serves_it(
-    case: str, backends: dict[str, DiffusionBackend], tmp_path: Path
+    case: str, request: pytest.FixtureRequest, tmp_path: Path
 ) -> None:
     arch, make, key = FORMATS[case]
+    backends: dict[str, DiffusionBackend] = request.getfixturevalue("float64_backends")
     backend = backends[arch]
     made = make(backend.pipe)
     path = write(tmp_path / "a.safetensors", made.tensors, made.metadata)
