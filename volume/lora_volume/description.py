@@ -27,6 +27,9 @@ from lora_volume import files, formats
 # A composition of staged adapters: the server's word for the same thing on /v1/adapters.
 STACK = formats.Format("stack", "Stack of adapters")
 _BY_KEY = {f.key: f for f in (*formats.SERVED, STACK)}
+# A longer "word" is no trigger word but a caption, or a hostile file's way to make the status
+# an API write too large to accept (the metadata may fill a 64 MiB header): left out.
+MAX_WORD_CHARS = 100
 
 # Component names as diffusers' pipelines (and so the server's `targets`) spell them.
 _COMPONENTS = ("unet", "transformer", "text_encoder", "text_encoder_2", "text_encoder_3")
@@ -69,7 +72,7 @@ def describe(header: files.SafetensorsHeader, *, name: str = "adapter") -> Descr
         format=files.check_lora_keys(keys, name=name),
         rank=declared_rank(header),
         targets=target_families(keys),
-        trigger_words=files.trigger_words(header),
+        trigger_words=tuple(w for w in files.trigger_words(header) if len(w) <= MAX_WORD_CHARS),
     )
 
 

@@ -169,6 +169,13 @@ def test_the_trigger_words_are_the_files_own() -> None:
     assert described.trigger_words == ("lhstyle", "cliff", "lighthouse")
 
 
+def test_a_trigger_word_too_long_to_be_one_is_left_out() -> None:
+    """A status stays small whatever a file's metadata holds."""
+    long = "x" * (description.MAX_WORD_CHARS + 1)
+    metadata = {"modelspec.trigger_phrase": f"short, {long}"}
+    assert description.describe(header(peft("unet.a", 4), metadata)).trigger_words == ("short",)
+
+
 def test_a_refused_format_is_refused_as_staging_refuses_it() -> None:
     with pytest.raises(errors.InvalidAdapter, match="OFT"):
         description.describe(header({**kohya("lora_unet_a", 4), "lora_unet_a.oft_blocks": (4, 4)}))
