@@ -24,7 +24,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from lora_router import fleet as fleet_mod
-from lora_router import proxy
+from lora_router import proxy, upstream
 from lora_router.config import RouterConfig, read_token
 from lora_router.fleet import Fleet
 from lora_router.metrics import Metrics
@@ -181,6 +181,7 @@ async def _background(app: web.Application, sources: list[Source]) -> AsyncItera
         auto_decompress=False,
         connector=aiohttp.TCPConnector(limit=0),
     )
+    state.pool = upstream.Pool(config.connect_timeout_s, config.upstream_timeout_s)
     tasks = [
         asyncio.create_task(source(app[FLEET], state), name=getattr(source, "__name__", str(i)))
         for i, source in enumerate([*sources, poll_residency])
@@ -192,6 +193,7 @@ async def _background(app: web.Application, sources: list[Source]) -> AsyncItera
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
     await state.session.close()
+    state.pool.close()
 
 
 def metrics_app(metrics: Metrics) -> web.Application:

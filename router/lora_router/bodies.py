@@ -6,7 +6,7 @@ headers that never cross a proxy.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Iterable
 from typing import Any
 
 # Hop-by-hop headers (RFC 9110 7.6.1) and what aiohttp sets itself.
@@ -69,5 +69,6 @@ def with_adapter(body: bytes, adapter: str, served: str) -> bytes:
     return json.dumps(parsed).encode()
 
 
-def forwarded_headers(headers: Mapping[str, str]) -> dict[str, str]:
-    return {k: v for k, v in headers.items() if k.lower() not in _HOP}
+def forwarded_headers(headers: Iterable[tuple[str, str]]) -> dict[str, str]:
+    """The (name, value) pairs a proxy passes on: all but the hop-by-hop ones."""
+    return {k: v for k, v in headers if k.lower() not in _HOP}

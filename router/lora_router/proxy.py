@@ -19,10 +19,9 @@ import asyncio
 import logging
 import time
 
-import aiohttp
 from aiohttp import web
 
-from lora_router import bodies, paths, routing
+from lora_router import bodies, paths, routing, upstream
 from lora_router.fleet import AdapterPlacement, Fleet, Split
 from lora_router.metrics import Metrics
 from lora_router.state import CONFIG, FLEET, METRICS, STATE, ProxyState
@@ -117,7 +116,7 @@ async def proxy(request: web.Request) -> web.StreamResponse:
         tried.append(decision.pod)
         try:
             response = await _forward(request, state, decision, body)
-        except _Unanswered as e:
+        except upstream.Unanswered as e:
             failures.append(f"{decision.pod}: {e}")
             metrics.failures.labels(e.kind).inc()
             continue
@@ -150,28 +149,17 @@ def _split(
     return adapter, placement.pods, body, split.stable[:12]
 
 
-class _Unanswered(Exception):
-    """The request got no answer from the pod; sending it elsewhere is safe."""
-
-    def __init__(self, kind: str, message: str) -> None:
-        super().__init__(message)
-        self.kind = kind
-
-
-async def _send(
-    state: ProxyState, pod: str, request: web.Request, body: bytes
-) -> aiohttp.ClientResponse:
+async def _send(state: ProxyState, pod: str, request: web.Request, body: bytes) -> upstream.Answer:
     endpoint = state.fleet.ready().get(pod)
     if endpoint is None:
-        raise _Unanswered("gone", "no longer Ready")
-    url = f"http://{endpoint.address}{request.rel_url}"
+        raise upstream.Unanswered("gone", "no longer Ready")
     call = asyncio.ensure_future(
-        state.http().request(
+        state.upstream().request(
+            endpoint.address,
             request.method,
-            url,
-            data=body if body else None,
-            headers=bodies.forwarded_headers(request.headers),
-            allow_redirects=False,
+            request.raw_path,
+            bodies.forwarded_headers(request.headers.items()),
+            body,
         )
     )
     # One task per request: when the pod leaves the endpoints, `endpoints_changed` cancels the
@@ -185,17 +173,8 @@ async def _send(
         if not call.done():  # this request itself was cancelled (its client left)
             call.cancel()
     if call.cancelled():
-        raise _Unanswered("gone", "left the endpoints before answering")
-    try:
-        return call.result()
-    except aiohttp.ConnectionTimeoutError as e:
-        raise _Unanswered(
-            "connect", f"no connection within {state.config.connect_timeout_s} s"
-        ) from e
-    except aiohttp.ClientConnectorError as e:
-        raise _Unanswered("connect", str(e)) from e
-    except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as e:
-        raise _Unanswered("disconnect", str(e) or type(e).__name__) from e
+        raise upstream.Unanswered("gone", "left the endpoints before answering")
+    return call.result()
 
 
 async def _forward(
@@ -206,7 +185,7 @@ async def _forward(
     fleet.inflight[decision.pod] = fleet.inflight.get(decision.pod, 0) + 1
     try:
         try:
-            upstream = await _send(state, decision.pod, request, body)
+            answer = await _send(state, decision.pod, request, body)
         except TimeoutError:
             # The pod may still be working on it: never sent twice.
             metrics.failures.labels("timeout").inc()
@@ -216,45 +195,56 @@ async def _forward(
                 "GatewayTimeout",
                 504,
             )
-        async with upstream:
-            headers = bodies.forwarded_headers(upstream.headers)
-            headers["x-lora-pod"] = decision.pod
-            headers["x-lora-route"] = decision.reason.value
-            length = upstream.content_length
-            if length is not None and length <= BUFFERED_ANSWER_BYTES:
-                # Small, of known length (an image's JSON): read whole, then sent with its head
-                # in one write, the bytes untouched.
-                try:
-                    answer = await upstream.read()
-                except (aiohttp.ClientError, TimeoutError) as e:
-                    return await _broken(request, decision, upstream, headers, e, metrics)
-                metrics.requests.labels(decision.reason, str(upstream.status)).inc()
-                return web.Response(
-                    status=upstream.status, reason=upstream.reason, headers=headers, body=answer
-                )
-            response = web.StreamResponse(
-                status=upstream.status, reason=upstream.reason, headers=headers
-            )
-            if length is not None:
-                response.content_length = length
-            await response.prepare(request)
-            try:
-                async for chunk in upstream.content.iter_any():
-                    await response.write(chunk)
-            except (aiohttp.ClientError, TimeoutError) as e:
-                return await _broken(request, decision, upstream, headers, e, metrics, response)
-            await response.write_eof()
-            metrics.requests.labels(decision.reason, str(upstream.status)).inc()
-            return response
+        except upstream.Broken as e:
+            # An answer whose head makes no sense: the pod had the request, never sent twice.
+            metrics.failures.labels("midstream").inc()
+            metrics.requests.labels(decision.reason, "502").inc()
+            log.warning("action=proxy pod=%s result=broken error=%s", decision.pod, e)
+            return json_error(f"pod {decision.pod} answered badly: {e}", "BadGateway", 502)
+        try:
+            return await _answer(request, decision, answer, metrics)
+        finally:
+            answer.close()
     finally:
         fleet.inflight[decision.pod] -= 1
         metrics.upstream_seconds.observe(time.monotonic() - started)
 
 
+async def _answer(
+    request: web.Request, decision: routing.Decision, answer: upstream.Answer, metrics: Metrics
+) -> web.StreamResponse:
+    """The pod's answer to the client: its status, headers and bytes, and the router's two."""
+    headers = bodies.forwarded_headers(answer.headers)
+    headers["x-lora-pod"] = decision.pod
+    headers["x-lora-route"] = decision.reason.value
+    length = answer.content_length
+    if length is not None and length <= BUFFERED_ANSWER_BYTES:
+        # Small, of known length (an image's JSON): read whole, then sent with its head in one
+        # write, the bytes untouched.
+        try:
+            data = await answer.read()
+        except upstream.Broken as e:
+            return await _broken(request, decision, answer, headers, e, metrics)
+        metrics.requests.labels(decision.reason, str(answer.status)).inc()
+        return web.Response(status=answer.status, reason=answer.reason, headers=headers, body=data)
+    response = web.StreamResponse(status=answer.status, reason=answer.reason, headers=headers)
+    if length is not None:
+        response.content_length = length
+    await response.prepare(request)
+    try:
+        async for chunk in answer.chunks():
+            await response.write(chunk)
+    except upstream.Broken as e:
+        return await _broken(request, decision, answer, headers, e, metrics, response)
+    await response.write_eof()
+    metrics.requests.labels(decision.reason, str(answer.status)).inc()
+    return response
+
+
 async def _broken(
     request: web.Request,
     decision: routing.Decision,
-    upstream: aiohttp.ClientResponse,
+    answer: upstream.Answer,
     headers: dict[str, str],
     error: BaseException,
     metrics: Metrics,
@@ -265,11 +255,9 @@ async def _broken(
     metrics.failures.labels("midstream").inc()
     log.warning("action=proxy pod=%s result=broken error=%s", decision.pod, error)
     if response is None:
-        response = web.StreamResponse(
-            status=upstream.status, reason=upstream.reason, headers=headers
-        )
-        if upstream.content_length is not None:
-            response.content_length = upstream.content_length
+        response = web.StreamResponse(status=answer.status, reason=answer.reason, headers=headers)
+        if answer.content_length is not None:
+            response.content_length = answer.content_length
         await response.prepare(request)
     if request.transport is not None:
         request.transport.close()

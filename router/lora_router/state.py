@@ -1,6 +1,7 @@
 """What the router's handlers and background loops share: the application's keys and
-`ProxyState`, the I/O side of routing (the client session, the calls in flight per pod, the
-signal that a pod left, the loops that stopped, draining).
+`ProxyState`, the I/O side of routing (the connection pool to the pods, the client session of
+the polls, the calls in flight per pod, the signal that a pod left, the loops that stopped,
+draining).
 
 Must not: route (that is `routing`, pure) or answer requests (`proxy`, `app`).
 """
@@ -16,6 +17,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from lora_router import upstream as upstream_mod
 from lora_router.config import RouterConfig
 from lora_router.fleet import Fleet
 from lora_router.metrics import Metrics
@@ -32,15 +34,17 @@ class PodGone(Exception):
 
 
 class ProxyState:
-    """The I/O side of routing: the client session, requests in flight per pod, and the
-    signal that a pod left (its waiting requests go elsewhere)."""
+    """The I/O side of routing: the pool that forwards requests, the client session of the
+    polls and the model list, requests in flight per pod, and the signal that a pod left (its
+    waiting requests go elsewhere)."""
 
     def __init__(self, config: RouterConfig, fleet: Fleet, metrics: Metrics) -> None:
         self.config, self.fleet, self.metrics = config, fleet, metrics
         self.session: aiohttp.ClientSession | None = None
+        self.pool: upstream_mod.Pool | None = None
         self._gone: dict[str, asyncio.Event] = {}
         # pod -> the calls to it still waiting for their answer's head
-        self.calls: dict[str, set[asyncio.Future[aiohttp.ClientResponse]]] = {}
+        self.calls: dict[str, set[asyncio.Future[upstream_mod.Answer]]] = {}
         # Background loops that raised (each should run for ever): name -> the error. The
         # liveness probe fails while any did, so the kubelet restarts a router whose view froze.
         self.stopped: dict[str, str] = {}
@@ -58,6 +62,8 @@ class ProxyState:
             for call in self.calls.pop(pod):
                 call.cancel()
         self.fleet.forget_reports(present)
+        if self.pool is not None:
+            self.pool.forget({ep.address for ep in self.fleet.endpoints().values()})
         self.update_gauges()
 
     def update_gauges(self) -> None:
@@ -84,6 +90,11 @@ class ProxyState:
         if self.session is None:
             raise web.HTTPServiceUnavailable(reason="the router is starting")
         return self.session
+
+    def upstream(self) -> upstream_mod.Pool:
+        if self.pool is None:
+            raise web.HTTPServiceUnavailable(reason="the router is starting")
+        return self.pool
 
 
 STATE = web.AppKey("state", ProxyState)
