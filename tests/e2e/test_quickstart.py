@@ -25,12 +25,13 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from lora_devcluster import registry
+from lora_devcluster import images, registry
 from lora_devcluster.harness import Harness
 from lora_devcluster.pytest_plugin import running_cluster
 from PIL import Image
 
 from tests.support import ROOT
+from tests.support.chart import unavailable
 from tests.support.docs import Block, parse_blocks
 
 README = ROOT / "README.md"
@@ -119,6 +120,12 @@ def test_the_readme_quickstart_runs_as_written_on_a_local_cluster(tmp_path: Path
     work = tmp_path / "work"
     work.mkdir()
     (work / "examples").symlink_to(ROOT / "examples")
+    try:
+        # Built beforehand (`make test` and the docs do): inside the cluster's network namespace
+        # the README's `make images` finds them, as building would need the package index.
+        images.built(images.PUSHED_IMAGES)
+    except images.ImageError as e:
+        unavailable(str(e))
     with running_cluster(roles=("base", "pause")) as h:
         _run_script(h, build, ROOT, tmp_path / "build.log", timeout=1200)
         _run_script(h, install, work, tmp_path / "install.log", timeout=1500)
