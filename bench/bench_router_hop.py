@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import json
 import os
 import platform
@@ -87,9 +88,10 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def adapters_report(pod: int, names: list[str], slots: int, cpu: int) -> bytes:
-    """What a pod of a fleet answers to GET /v1/adapters: each pod holds its own share of the
-    adapters in its GPU slots and CPU tier (as under a router), every adapter is registered."""
+def adapters_report(pod: int, names: list[str], slots: int, cpu: int) -> tuple[bytes, bytes]:
+    """What a pod of a fleet answers to GET /v1/adapters, the full listing and the residency
+    view (`?view=residency`): each pod holds its own share of the adapters in its GPU slots and
+    CPU tier (as under a router), every adapter is registered."""
     mine = [n for i, n in enumerate(names) if i % max(1, pod + 1) == 0]
     gpu, cpu_tier = set(mine[:slots]), set(mine[slots : slots + cpu])
     data = [
@@ -107,29 +109,43 @@ def adapters_report(pod: int, names: list[str], slots: int, cpu: int) -> bytes:
         }
         for n in names
     ]
-    return json.dumps(
-        {
-            "object": "list",
-            "data": data,
-            "model": "sdxl-base",
-            "max_loras": slots,
-            "max_cpu_loras": cpu,
-            "num_requests_waiting": 0,
-            "num_requests_running": 0,
-        }
-    ).encode()
+    fleet = {
+        "model": "sdxl-base",
+        "max_loras": slots,
+        "max_cpu_loras": cpu,
+        "num_requests_waiting": 0,
+        "num_requests_running": 0,
+    }
+    tiers: dict[str, list[str]] = {"gpu": [], "cpu": [], "disk": []}
+    for card in data:
+        tiers[str(card["tier"])].append(str(card["id"]))
+    full = json.dumps({"object": "list", "data": data, **fleet}).encode()
+    return full, json.dumps({"object": "residency", **tiers, **fleet}).encode()
 
 
-async def start_pods(args: argparse.Namespace, names: list[str]) -> tuple[dict[str, str], list]:
+def etag(body: bytes) -> str:
+    return f'"{hashlib.blake2b(body, digest_size=12).hexdigest()}"'
+
+
+async def start_pods(
+    args: argparse.Namespace, names: list[str]
+) -> tuple[dict[str, str], list[web.AppRunner]]:
     answer = json.dumps(
         {"created": 0, "data": [{"b64_json": "A" * args.answer_bytes, "seed": 1}]}
     ).encode()
     runners, pods = [], {}
     for i in range(args.pods):
-        report = adapters_report(i, names, args.slots, args.cpu_slots)
+        full, view = adapters_report(i, names, args.slots, args.cpu_slots)
 
-        async def adapters(_: web.Request, report: bytes = report) -> web.Response:
-            return web.Response(body=report, content_type="application/json")
+        async def adapters(
+            request: web.Request, full: bytes = full, view: bytes = view
+        ) -> web.Response:
+            # As the server answers: the view asked for, a 304 when the poller holds it.
+            body = view if request.query.get("view") == "residency" else full
+            tag = etag(body)
+            if request.headers.get("If-None-Match") == tag:
+                return web.Response(status=304, headers={"ETag": tag})
+            return web.Response(body=body, content_type="application/json", headers={"ETag": tag})
 
         async def generate(request: web.Request) -> web.Response:
             await request.read()
@@ -152,7 +168,12 @@ class Router:
     """One router process (this tree's, or a baseline's)."""
 
     def __init__(
-        self, label: str, router_dir: Path, pods: dict[str, str], names: list[str], env: dict
+        self,
+        label: str,
+        router_dir: Path,
+        pods: dict[str, str],
+        names: list[str],
+        env: dict[str, str],
     ):
         self.label, self.port = label, free_port()
         path = os.pathsep.join(
@@ -220,7 +241,9 @@ async def send(url: str, stream: list[str], concurrency: int) -> float:
     return time.perf_counter() - started
 
 
-async def measure(args: argparse.Namespace, baseline_dir: Path) -> dict[str, dict[str, list]]:
+async def measure(
+    args: argparse.Namespace, baseline_dir: Path
+) -> dict[str, dict[str, list[float]]]:
     profile = {"BENCH_PROFILE": str(Path(args.profile).resolve())} if args.profile else {}
     names = [f"adapter-{i:02d}" for i in range(args.adapters)]
     pods, runners = await start_pods(args, names)
@@ -228,7 +251,7 @@ async def measure(args: argparse.Namespace, baseline_dir: Path) -> dict[str, dic
         Router("before", baseline_dir, pods, names, {}),
         Router("after", ROOT / "router", pods, names, profile),
     ]
-    results: dict[str, dict[str, list]] = {
+    results: dict[str, dict[str, list[float]]] = {
         r.label: {"req": [], "idle": [], "system": []} for r in routers
     }
     try:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import hashlib
 import hmac
 import io
 import json
@@ -198,10 +199,31 @@ def _card(model_id: str, root: str, parent: str | None, created: int) -> dict[st
 
 
 async def list_adapters(request: web.Request) -> web.Response:
-    """Residency, capacity and queue: what an adapter-aware router routes by."""
+    """Residency, capacity and queue: what an adapter-aware router routes by.
+
+    `?view=residency` is the router's form: the adapters' names by tier, without the details of
+    each. Either form carries an `ETag` and answers a matching `If-None-Match` with a bodiless
+    304, so a router that polls every second reads next to nothing while nothing changed."""
     _authorise_client(request)
     config = request.app[CONFIG]
     engine = _engine(request)
+    if request.query.get("view") == "residency":
+        tiers: dict[str, list[str]] = {"gpu": [], "cpu": [], "disk": []}
+        for record in engine.registry.records():
+            tiers[engine.residency.tier_of(record)].append(record.name)
+        occupancy = engine.occupancy()
+        return _unless_unchanged(
+            request,
+            {
+                "object": "residency",
+                **tiers,
+                "model": config.model_id,
+                "max_loras": config.max_loras,
+                "max_cpu_loras": config.max_cpu_loras,
+                "num_requests_waiting": occupancy.waiting,
+                "num_requests_running": occupancy.running,
+            },
+        )
     data = []
     for record in engine.registry.records():
         stats = engine.registry.stats(record.name)
@@ -223,7 +245,8 @@ async def list_adapters(request: web.Request) -> web.Response:
             }
         )
     occupancy = engine.occupancy()
-    return web.json_response(
+    return _unless_unchanged(
+        request,
         {
             "object": "list",
             "data": data,
@@ -232,8 +255,18 @@ async def list_adapters(request: web.Request) -> web.Response:
             "max_cpu_loras": config.max_cpu_loras,
             "num_requests_waiting": occupancy.waiting,
             "num_requests_running": occupancy.running,
-        }
+        },
     )
+
+
+def _unless_unchanged(request: web.Request, payload: dict[str, Any]) -> web.Response:
+    """`payload` as JSON with its ETag, or a 304 when the client already has it."""
+    body = json.dumps(payload).encode()
+    etag = f'"{hashlib.blake2b(body, digest_size=12).hexdigest()}"'
+    held = request.headers.get("If-None-Match", "")
+    if etag in (t.strip().removeprefix("W/") for t in held.split(",")):
+        return web.Response(status=304, headers={"ETag": etag})
+    return web.Response(body=body, content_type="application/json", headers={"ETag": etag})
 
 
 async def generate_images(request: web.Request) -> web.Response:

@@ -13,6 +13,8 @@ require a client token).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import json
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -121,17 +123,27 @@ def poll_headers(config: RouterConfig) -> dict[str, str]:
 
 
 async def poll_residency(fleet: Fleet, state: ProxyState) -> None:
-    """Read every Ready pod's `/v1/adapters` each `poll_interval_s`, for ever."""
+    """Read every Ready pod's residency (`/v1/adapters?view=residency`) each `poll_interval_s`,
+    for ever. Each poll names the version it holds (`If-None-Match`): a pod whose residency and
+    queue did not change answers a bodiless 304, and the report it had is fresh again."""
     config = state.config
     timeout = aiohttp.ClientTimeout(total=max(1.0, config.poll_interval_s * 2))
 
     async def one(pod: str, address: str, headers: dict[str, str]) -> None:
-        url = f"http://{address}/v1/adapters"
+        url = f"http://{address}/v1/adapters?view=residency"
+        held = fleet.reports.get(pod)
+        if held is not None and held.etag is not None:
+            headers = {**headers, "If-None-Match": held.etag}
         try:
             async with state.http().get(url, timeout=timeout, headers=headers) as resp:
-                if resp.status != 200:
+                if resp.status == 304 and held is not None:
+                    report = dataclasses.replace(held, at=time.monotonic())
+                elif resp.status != 200:
                     raise ValueError(f"GET /v1/adapters answered {resp.status}")
-                report = fleet_mod.parse_report(await resp.json(), time.monotonic())
+                else:
+                    report = fleet_mod.parse_report(
+                        json.loads(await resp.read()), time.monotonic(), resp.headers.get("ETag")
+                    )
         except (aiohttp.ClientError, TimeoutError, ValueError) as e:
             state.metrics.report_failures.inc()
             log.debug("action=poll pod=%s result=error error=%s", pod, e)

@@ -111,10 +111,20 @@ class Report:
     base_model: str | None
     at: float  # when it was read (the router's monotonic clock)
     slots: int | None = None  # its GPU slots (max_loras), when it says
+    etag: str | None = None  # the answer's version: the next poll asks for a 304 on it
 
 
-def parse_report(payload: Any, at: float) -> Report:
-    """A `GET /v1/adapters` answer; raise ValueError when it is not one."""
+def parse_report(payload: Any, at: float, etag: str | None = None) -> Report:
+    """A `GET /v1/adapters` answer, the full listing or its residency view (`gpu`, `cpu` and
+    `disk`: lists of names); raise ValueError when it is neither."""
+    if isinstance(payload, Mapping) and payload.get("object") == "residency":
+        tiers: list[set[str]] = []
+        for tier in ("gpu", "cpu", "disk"):
+            names = payload.get(tier)
+            if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+                raise ValueError(f"GET /v1/adapters?view=residency did not list {tier} names")
+            tiers.append(set(names))
+        return _report(payload, at, etag, *tiers)
     if not isinstance(payload, Mapping) or not isinstance(payload.get("data"), list):
         raise ValueError("GET /v1/adapters did not return {'data': [...]}")
     gpu, cpu, disk = set(), set(), set()
@@ -127,6 +137,17 @@ def parse_report(payload: Any, at: float) -> Report:
             cpu.add(card["id"])
         else:
             disk.add(card["id"])
+    return _report(payload, at, etag, gpu, cpu, disk)
+
+
+def _report(
+    payload: Mapping[str, Any],
+    at: float,
+    etag: str | None,
+    gpu: set[str],
+    cpu: set[str],
+    disk: set[str],
+) -> Report:
     max_loras = payload.get("max_loras")
     free_slot = isinstance(max_loras, int) and len(gpu) < max_loras
     waiting, running = payload.get("num_requests_waiting"), payload.get("num_requests_running")
@@ -142,6 +163,7 @@ def parse_report(payload: Any, at: float) -> Report:
         base_model=model if isinstance(model, str) else None,
         at=at,
         slots=max_loras if isinstance(max_loras, int) else None,
+        etag=etag,
     )
 
 

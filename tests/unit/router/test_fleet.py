@@ -96,6 +96,14 @@ def test_reports_read_tiers_slots_queue_and_model() -> None:
     old = parse_report({"data": [{"id": "a", "tier": "gpu"}]}, at=1.0)
     assert old.residency.free_slot is False and old.queue is None and old.base_model is None
     assert old.slots is None
+    # The residency view says the same in names by tier, and keeps the answer's version.
+    compact = {k: v for k, v in payload.items() if k not in ("object", "data")}
+    view = {"object": "residency", "gpu": ["a"], "cpu": ["b"], "disk": ["c"], **compact}
+    assert parse_report(view, at=5.0, etag='"v1"') == Report(
+        residency, 4, "tiny", 5.0, slots=2, etag='"v1"'
+    )
+    with pytest.raises(ValueError, match="cpu names"):
+        parse_report({**view, "cpu": "b"}, at=5.0)
 
 
 def test_the_working_set_is_the_distinct_adapters_of_the_recent_requests() -> None:
