@@ -26,7 +26,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from lora_router import fleet as fleet_mod
-from lora_router import proxy, upstream
+from lora_router import paths, proxy, upstream
 from lora_router.config import RouterConfig, read_token
 from lora_router.fleet import Fleet
 from lora_router.metrics import Metrics
@@ -179,6 +179,8 @@ def create_app(
     app.router.add_get("/ready", ready)
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/", playground_page)
+    for method, path in sorted(paths.FORWARDED):  # found by a lookup, not the pattern below
+        app.router.add_route(method, path, proxy.proxy)
     app.router.add_route("*", "/{tail:.*}", proxy.proxy)
     app.cleanup_ctx.append(lambda app: _background(app, sources))
     return app

@@ -15,7 +15,6 @@ and is never sent to a pod: not load and unload, not a pod's /metrics or /v1/ada
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 
@@ -153,28 +152,15 @@ async def _send(state: ProxyState, pod: str, request: web.Request, body: bytes) 
     endpoint = state.fleet.ready().get(pod)
     if endpoint is None:
         raise upstream.Unanswered("gone", "no longer Ready")
-    call = asyncio.ensure_future(
-        state.upstream().request(
-            endpoint.address,
-            request.method,
-            request.raw_path,
-            bodies.forwarded_headers(request.headers.items()),
-            body,
-        )
+    # When the pod leaves the endpoints before it answers, `endpoints_changed` has the pool
+    # give up on it (Unanswered("gone")).
+    return await state.upstream().request(
+        endpoint.address,
+        request.method,
+        request.raw_path,
+        bodies.forwarded_headers(request.headers.items()),
+        body,
     )
-    # One task per request: when the pod leaves the endpoints, `endpoints_changed` cancels the
-    # calls waiting on it (no second waiter per request).
-    waiting = state.calls.setdefault(pod, set())
-    waiting.add(call)
-    try:
-        await asyncio.wait((call,))
-    finally:
-        waiting.discard(call)
-        if not call.done():  # this request itself was cancelled (its client left)
-            call.cancel()
-    if call.cancelled():
-        raise upstream.Unanswered("gone", "left the endpoints before answering")
-    return call.result()
 
 
 async def _forward(

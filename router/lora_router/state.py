@@ -1,7 +1,6 @@
 """What the router's handlers and background loops share: the application's keys and
 `ProxyState`, the I/O side of routing (the connection pool to the pods, the client session of
-the polls, the calls in flight per pod, the signal that a pod left, the loops that stopped,
-draining).
+the polls, the signal that a pod left, the loops that stopped, draining).
 
 Must not: route (that is `routing`, pure) or answer requests (`proxy`, `app`).
 """
@@ -35,16 +34,14 @@ class PodGone(Exception):
 
 class ProxyState:
     """The I/O side of routing: the pool that forwards requests, the client session of the
-    polls and the model list, requests in flight per pod, and the signal that a pod left (its
-    waiting requests go elsewhere)."""
+    polls and the model list, and the signal that a pod left (its waiting requests go
+    elsewhere)."""
 
     def __init__(self, config: RouterConfig, fleet: Fleet, metrics: Metrics) -> None:
         self.config, self.fleet, self.metrics = config, fleet, metrics
         self.session: aiohttp.ClientSession | None = None
         self.pool: upstream_mod.Pool | None = None
         self._gone: dict[str, asyncio.Event] = {}
-        # pod -> the calls to it still waiting for their answer's head
-        self.calls: dict[str, set[asyncio.Future[upstream_mod.Answer]]] = {}
         # Background loops that raised (each should run for ever): name -> the error. The
         # liveness probe fails while any did, so the kubelet restarts a router whose view froze.
         self.stopped: dict[str, str] = {}
@@ -58,9 +55,6 @@ class ProxyState:
         present = set(self.fleet.endpoints())
         for pod in [p for p in self._gone if p not in present]:
             self._gone.pop(pod).set()
-        for pod in [p for p in self.calls if p not in present]:
-            for call in self.calls.pop(pod):
-                call.cancel()
         self.fleet.forget_reports(present)
         if self.pool is not None:
             self.pool.forget({ep.address for ep in self.fleet.endpoints().values()})

@@ -11,6 +11,7 @@ side asked to close it; any other ending closes it.
 
 Errors, in the words the proxy maps to HTTP:
 - `Unanswered("connect")`: no connection (refused, unreachable, none within the timeout).
+- `Unanswered("gone")`: the pod left (`forget`) while the request waited for its answer's head.
 - `Unanswered("disconnect")`: the connection closed or reset before any byte of the answer
   came back. A request that may be repeated (GET, HEAD, PUT, DELETE, OPTIONS) which meets a
   kept-alive connection the pod had just closed is sent once more on a new connection first,
@@ -59,6 +60,7 @@ class _Connection(asyncio.Protocol):
         self.waiter: asyncio.Future[None] | None = None
         self.paused = False
         self.timed_out = False  # the exchange's deadline passed (and closed the connection)
+        self.gone = False  # the pod left while this connection waited for an answer's head
         self.idle_since = 0.0
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -236,6 +238,8 @@ class Pool:
     def __init__(self, connect_timeout_s: float, timeout_s: float) -> None:
         self.connect_timeout_s, self.timeout_s = connect_timeout_s, timeout_s
         self._idle: dict[str, list[_Connection]] = {}
+        # address -> the connections whose request waits for its answer's head
+        self._waiting: dict[str, set[_Connection]] = {}
         self._closed = False
 
     async def request(
@@ -270,10 +274,12 @@ class Pool:
         loop = asyncio.get_running_loop()
         # One timer for the whole exchange, head and body: `Answer.close` cancels it.
         timer = loop.call_at(started + self.timeout_s, conn.expire)
+        waiting = self._waiting.setdefault(address, set())
         try:
             if conn.transport is None or conn.lost is not None:
                 raise _Stale
             conn.transport.write(message)
+            waiting.add(conn)
             while True:
                 end = conn.buffer.find(_END)
                 if end >= 0:
@@ -285,6 +291,8 @@ class Pool:
                 if len(conn.buffer) > MAX_HEAD_BYTES:
                     raise Broken(f"the answer's head is longer than {MAX_HEAD_BYTES} bytes")
                 if conn.lost is not None:
+                    if conn.gone:
+                        raise Unanswered("gone", "left the endpoints before answering")
                     if conn.timed_out:
                         raise TimeoutError(f"no answer within {self.timeout_s:.0f} s")
                     if conn.buffer:
@@ -295,6 +303,8 @@ class Pool:
             timer.cancel()
             conn.close()
             raise
+        finally:
+            waiting.discard(conn)
         status, reason, headers, length, chunked, keep_alive = parsed
         return Answer(
             self, address, conn, status, reason, headers, length, chunked, keep_alive, timer
@@ -330,10 +340,16 @@ class Pool:
         self._idle.setdefault(address, []).append(conn)
 
     def forget(self, keep: set[str]) -> None:
-        """Close the idle connections to addresses not in `keep` (pods that left)."""
+        """The pods at addresses not in `keep` left: their idle connections are closed, and the
+        requests still waiting for an answer's head there give up (`Unanswered("gone")`)."""
         for address in [a for a in self._idle if a not in keep]:
             for conn in self._idle.pop(address):
                 conn.close()
+        for address in [a for a in self._waiting if a not in keep]:
+            for conn in self._waiting.pop(address):
+                conn.gone = True
+                conn.close()
+                conn.connection_lost(None)
 
     def close(self) -> None:
         self._closed = True
