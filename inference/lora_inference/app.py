@@ -24,6 +24,7 @@ from typing import Any
 
 import lora_playground as playground
 from aiohttp import web
+from lora_volume import formats
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from lora_inference import api, errors
@@ -240,6 +241,8 @@ async def list_adapters(request: web.Request) -> web.Response:
                 "sha256": record.sha256,
                 "rank": record.rank,
                 "format": record.format,
+                # Served merged into the base weights, in batches of its own (docs/adapters.md).
+                "merged_only": formats.merged_only(record.format),
                 "targets": list(record.targets),
                 "trigger_words": list(record.trigger_words),
             }

@@ -13,7 +13,10 @@ call a fixed overhead plus the delta B @ A (rank x fan-in x fan-out) and two pas
 narrow, so they merge; deep, wide layers see few rows and stay unmerged.
 
 A batch that mixes adapters has nothing to decide here: it runs every image's branch in one
-gathered pass per layer (`slots.Slots.call`), whatever the number of adapters.
+gathered pass per layer (`slots.Slots.call`), whatever the number of adapters. Nor does a batch of
+a merged-only adapter (LoKr with a full w2, `.diff` files): its whole-matrix deltas have no
+unmerged form, so it is merged on every layer whatever the policy says (`policy_for`), and the
+scheduler gives it batches of its own.
 """
 
 from __future__ import annotations
@@ -127,6 +130,12 @@ def merged_seconds(layer: LayerLoad, rates: Rates) -> float:
         + layer.rank * elements * rates.merge_mac_s
         + elements * rates.merge_element_s
     )
+
+
+def policy_for(policy: MergePolicy, *, merged_only: bool) -> MergePolicy:
+    """The policy a single-adapter batch runs under: `policy`, except that a merged-only adapter
+    is always merged (`--merge never` included: it cannot run as a branch)."""
+    return "always" if merged_only else policy
 
 
 def plan_merge(layers: Sequence[LayerLoad], call: Call, rates: Rates) -> list[bool]:

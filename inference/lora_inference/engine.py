@@ -31,6 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from lora_volume import formats
 from PIL import Image
 
 from lora_inference import admission, errors, reader, residency, scheduling
@@ -187,6 +188,7 @@ class Engine:
                 height=params.height,
                 steps=params.steps,
                 guidance_scale=params.guidance_scale,
+                alone=record is not None and formats.merged_only(record.format),
             ),
             record=record,
             job=ImageJob(

@@ -64,7 +64,8 @@ def folds_scale(pipe: Any, tensors: Tensors, fmt: formats.Format) -> bool:
     """Whether the file's pairs are converted here, each module's scale folded into it
     (`to_folded_pairs`), rather than left to diffusers' alpha handling: LyCORIS files, and
     kohya-named files for SD 3, which diffusers has no converter for."""
-    return fmt in (formats.LOCON, formats.LOHA, formats.LOKR) or _kohya_sd3(pipe, tensors)
+    lycoris = (formats.LOCON, formats.LOHA, formats.LOKR, formats.LOKR_FULL, formats.FULL)
+    return fmt in lycoris or _kohya_sd3(pipe, tensors)
 
 
 def _kohya_sd3(pipe: Any, tensors: Mapping[str, torch.Tensor]) -> bool:

@@ -19,7 +19,6 @@ docs/architecture.md enforced here:
 from __future__ import annotations
 
 import functools
-import hashlib
 import inspect
 import logging
 import math
@@ -29,16 +28,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-import safetensors.torch
 import torch
 from diffusers import DiffusionPipeline
-from lora_volume import files
 from PIL import Image
 
-from lora_inference import calibration, costs, errors, formats
+from lora_inference import calibration, costs, errors, formats, merging, parsing
 from lora_inference.adapters import validation
 from lora_inference.costs import MergePolicy
+from lora_inference.parsing import ParsedAdapter
 from lora_inference.slots import LayerKey, LayerWeights, Slots
+
+__all__ = ["BatchOutcome", "Calibration", "DiffusionBackend", "ImageJob", "ParsedAdapter"]
 
 log = logging.getLogger(__name__)
 
@@ -53,23 +53,6 @@ _SAMPLING_DEFAULTS = {
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 BatchPath = Literal["base", "adapter", "merged", "mixed"]
-
-
-@dataclass(frozen=True)
-class ParsedAdapter:
-    """An adapter read from disk, checked and converted: what the CPU tier caches."""
-
-    sha256: str
-    size_bytes: int
-    rank: int
-    weights_file: Path
-    # Per targeted layer: the weights under peft's module names, with the setup peft would give
-    # them (stacks are built from these).
-    layers: Mapping[LayerKey, LayerWeights]
-    # The same, packed into one slot row (`slots.Slots.pack`): entering a slot is one copy of it.
-    packed: torch.Tensor
-    format: str = "lora"  # lora_volume.formats.Format.key of the file
-    trigger_words: tuple[str, ...] = ()  # what the file's metadata says to put in a prompt
 
 
 @dataclass(frozen=True)
@@ -128,6 +111,8 @@ class DiffusionBackend:
             {c: getattr(pipe, c) for c in self.components}, count=slots, max_rank=max_rank
         )
         self.calibration: Calibration | None = None
+        # Slot -> the whole-matrix layers of the merged-only adapter it names (`place`).
+        self._full: dict[str, Mapping[LayerKey, merging.FullLayer]] = {}
         self._call_params = set(inspect.signature(pipe.__call__).parameters)
         self.vae_scale = int(getattr(pipe, "vae_scale_factor", 8))
         denoiser = self._denoiser()
@@ -166,63 +151,7 @@ class DiffusionBackend:
         LoRA), and IncompatibleAdapter (unreadable tensors, NaN or Inf weights, wrong shapes or
         rank for this model).
         """
-        weights = files.find_weights_file(path)
-        data = weights.read_bytes()
-        header = files.parse_safetensors_header(data, len(data), name=weights.name)
-        try:
-            tensors = safetensors.torch.load(data)
-        except Exception as e:  # safetensors raises its own error types
-            raise errors.IncompatibleAdapter(
-                f"{weights.name} cannot be read as safetensors: {e}", param="lora_path"
-            ) from e
-        # safetensors returns the tensors in no fixed order, and diffusers breaks ties between
-        # equally common ranks and alphas by the order it meets them: sorted, a file always
-        # gets the same setup.
-        tensors = dict(sorted(tensors.items()))
-        fmt = files.check_lora_keys(list(tensors), name=name)
-        _check_finite(tensors, name=name, why="holds NaN or Inf values")
-        # LyCORIS factors (and SD 3 kohya pairs) become exact pairs in float64, each module's
-        # scale folded in, before any rounding to the model's dtype.
-        folded = formats.folds_scale(self.pipe, tensors, fmt)
-        if folded:
-            tensors = formats.to_folded_pairs(tensors, fmt, name=name)
-        # Weights take the model's dtype; scalars (alphas) keep theirs, as diffusers reads them.
-        cast = {
-            k: v.to(self.dtype)
-            for k, v in tensors.items()
-            if v.is_floating_point() and v.dim() > 0 and v.dtype != self.dtype
-        }
-        _check_finite(cast, name=name, why=f"overflows {str(self.dtype).removeprefix('torch.')}")
-        tensors.update(cast)
-        parts, alphas = formats.convert(self.pipe, tensors, fmt, name=name)
-        formats.fit_conv_pairs(parts, self.shapes)
-        # Biases and DoRA magnitudes are checked with their layer (`slots.Slots.pack`).
-        shapes = {
-            c: {k: tuple(v.shape) for k, v in part.items() if formats.is_pair_key(k)}
-            for c, part in parts.items()
-        }
-        try:
-            summary = validation.check_adapter_fits(
-                shapes, self.shapes, max_rank=max_rank, name=name
-            )
-        except errors.IncompatibleAdapter as e:
-            raise formats.explain_rank(e, fmt) from e
-        metadata = files.lora_metadata(header, name=name)
-        layers: dict[LayerKey, LayerWeights] = {}
-        for component, part in parts.items():
-            layers.update(formats.layer_weights(self.pipe, component, part, alphas, metadata, name))
-        if folded:
-            layers = formats.at_scaling_one(layers)
-        return ParsedAdapter(
-            sha256=hashlib.sha256(data).hexdigest(),
-            size_bytes=len(data),
-            rank=summary.rank,
-            weights_file=weights,
-            layers=layers,
-            packed=self.pack(layers, name=name),
-            format=fmt.key,
-            trigger_words=files.trigger_words(header),
-        )
+        return parsing.parse_adapter(self, path, name=name, max_rank=max_rank)
 
     def pack(self, layers: Mapping[LayerKey, LayerWeights], *, name: str) -> torch.Tensor:
         """`layers` packed into one slot row (any thread); IncompatibleAdapter if they do not
@@ -235,10 +164,15 @@ class DiffusionBackend:
     # -- the pipeline (pipeline thread only) ----------------------------------------------------
 
     def place(self, slot: str, adapter: ParsedAdapter) -> None:
-        """Copy `adapter` into `slot` (see slots.Slots.place)."""
+        """Copy `adapter` into `slot` (see slots.Slots.place); a merged-only adapter's whole
+        matrices stay on the CPU, named by the slot, for the calls that merge them."""
+        self._full.pop(slot, None)
         self.slots.place(slot, adapter.layers, adapter.packed)
+        if adapter.full:
+            self._full[slot] = adapter.full
 
     def clear(self, slot: str) -> None:
+        self._full.pop(slot, None)
         self.slots.clear(slot)
 
     def resident_keys(self) -> set[str]:
@@ -260,9 +194,13 @@ class DiffusionBackend:
 
         A batch of one slot runs its branch directly, with the layers where the cost model says
         so (`merge`) merged for the call; a batch that mixes slots, or a slot and the base model,
-        runs every image's branch in one gathered pass per layer (`slots.Slots.call`).
+        runs every image's branch in one gathered pass per layer (`slots.Slots.call`). A
+        merged-only adapter is merged whole whatever `merge` says, and only in a batch of its
+        own (the scheduler never plans another: a RuntimeError here is a bug).
         """
         kinds = set(slots)
+        if len(kinds) > 1 and kinds & self._full.keys():
+            raise RuntimeError("a merged-only adapter was batched with other images")
         per_image = [slot for job, slot in zip(jobs, slots, strict=True) for _ in job.seeds]
         generate = functools.partial(
             self._generate, width=width, height=height, steps=steps, guidance_scale=guidance_scale
@@ -277,10 +215,15 @@ class DiffusionBackend:
                 latent_area=(width / self.vae_scale) * (height / self.vae_scale),
                 guided=guidance_scale > 1.0,
             )
-            keys = self.merge_plan(slot, call, merge)
-            with self.slots.call(per_image, scales, merged=keys):
+            full = self._full.get(slot, {})
+            keys = self.merge_plan(slot, call, costs.policy_for(merge, merged_only=bool(full)))
+            with (
+                self.slots.call(per_image, scales, merged=keys),
+                self.slots.base.merged_full(full, scales[slot]),
+            ):
                 images = generate(jobs)
-            return BatchOutcome(images, "merged" if keys else "adapter", len(keys))
+            merged = len(keys) + len(full)
+            return BatchOutcome(images, "merged" if merged else "adapter", merged)
         with self.slots.call(per_image, scales):
             return BatchOutcome(generate(jobs), "mixed", 0)
 
@@ -374,27 +317,6 @@ class DiffusionBackend:
             if denoiser is not None:
                 return denoiser
         raise ValueError(f"{self.family} has neither a unet nor a transformer")
-
-
-def _check_finite(tensors: Mapping[str, torch.Tensor], *, name: str, why: str) -> None:
-    """Refuse weights that would turn every image using them into NaN (pure).
-
-    A float64 sum is NaN or infinite exactly when some element is: no sum of float32 values can
-    overflow float64. One reduction per tensor instead of a boolean copy of it.
-    """
-    for key, tensor in tensors.items():
-        if not tensor.is_floating_point():
-            continue
-        if tensor.dtype == torch.float64:
-            finite = bool(torch.isfinite(tensor).all())
-        else:
-            finite = bool(torch.isfinite(tensor.sum(dtype=torch.float64)))
-        if not finite:
-            raise errors.IncompatibleAdapter(
-                f"adapter {name!r}: tensor {key!r} {why}; such weights would ruin every image "
-                "that uses the adapter. Re-export it from a healthy checkpoint",
-                param="lora_path",
-            )
 
 
 def _layer_shapes(

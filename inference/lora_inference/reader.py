@@ -78,6 +78,14 @@ class Reader:
         """One adapter equal to `members` at their scales (`stacking.compose`), from their
         parses (`parts`, in the same order), each member's scale varied by its `blocks` (in the
         same order; none: no member's is); `param` names the field a conflict is about."""
+        for (record, _), part in zip(members, parts, strict=True):
+            if part.full:  # whole-matrix layers (merge_only): no low-rank pairs to stack
+                raise errors.IncompatibleAdapter(
+                    f"{record.name} is served merged only (format {part.format}: its delta is "
+                    "not low rank), so it cannot be stacked with other adapters or given block "
+                    "weights; use it alone",
+                    param=param,
+                )
         stacked = [
             stacking.Member(
                 name=record.name,
@@ -143,7 +151,7 @@ def new_record(
         scale=scale,
         members=members,
         format="stack" if members else parsed.format,
-        targets=tuple(sorted({component for component, _ in parsed.layers})),
+        targets=tuple(sorted({component for component, _ in (*parsed.layers, *parsed.full)})),
         trigger_words=parsed.trigger_words,
     )
 

@@ -6,6 +6,10 @@ Requests for different adapters share a batch through peft's per-sample adapter 
 as the batch needs no more adapters than there are GPU slots and each adapter appears with one
 scale (a scale is per adapter inside the pipeline, not per image).
 
+A merged-only adapter (LoKr with a full w2, `.diff` files: `BatchKey.alone`) is merged whole into
+the base weights for its call, so its batches hold its own requests only: no other adapter and no
+base-model image ever shares one (`_may_join`).
+
 A batch that is not full waits briefly for requests still being admitted (`fill_wait`).
 
 The oldest request normally anchors the next batch. To save adapter loads, a request whose adapter
@@ -29,6 +33,7 @@ class BatchKey:
     height: int
     steps: int
     guidance_scale: float
+    alone: bool = False  # a merged-only adapter: batched with its own requests only
 
     @property
     def shape(self) -> tuple[int, int, int, float]:
@@ -89,7 +94,9 @@ def plan_next_batch(
     # Fill with requests whose adapters cost nothing first (resident, or already in the batch),
     # then with ones that need a load, so a batch does not evict adapters it could have used.
     candidates = [
-        i for i, item in enumerate(queue) if i != anchor and item.key.shape == first.key.shape
+        i
+        for i, item in enumerate(queue)
+        if i != anchor and item.key.shape == first.key.shape and _may_join(first.key, item.key)
     ]
     free = [i for i in candidates if _costs_nothing(queue[i].key.adapter, resident, scales)]
     costly = [i for i in candidates if i not in set(free)]
@@ -109,6 +116,14 @@ def plan_next_batch(
         total += item.images
     members.sort()
     return BatchPlan(members=members, skipped_head=members[0] != 0)
+
+
+def _may_join(anchor: BatchKey, item: BatchKey) -> bool:
+    """Whether `item` may share the batch `anchor` starts: a merged-only adapter's requests go
+    only with requests for that same adapter, and no other request goes with them."""
+    if anchor.alone or item.alone:
+        return anchor.adapter == item.adapter
+    return True
 
 
 def _costs_nothing(adapter: str | None, resident: Collection[str], batch: Collection[str]) -> bool:

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from lora_inference import output_terms
+from lora_inference import merging, output_terms
 from lora_inference.slot_layout import SlotLayout
 
 __all__ = ["LayerKey", "LayerWeights", "SlotLayout", "Slots"]
@@ -150,7 +150,7 @@ class Slots:
         self._free = list(range(count, 0, -1))
         self._held: dict[str, dict[LayerKey, int]] = {}  # slot name -> rank per targeted layer
         self._hooked: set[LayerKey] = set()
-        self._pristine: dict[LayerKey, torch.Tensor] = {}  # base weights, for restoring merges
+        self.base = merging.BaseWeights(self._modules)  # merges into the base weights
         self._call: _Call | None = None
         self._stream = (
             torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
@@ -336,26 +336,14 @@ class Slots:
     def _merged(
         self, slot: str, keys: Collection[LayerKey], scales: Mapping[str, float]
     ) -> Iterator[None]:
-        """Add `slot`'s delta at its scale to the base weights of `keys` for the block.
-
-        Afterwards every merged weight is copied back from its pristine copy, never recovered by
-        subtracting: in half precision W + d - d is not W, and repeated calls would drift. The
-        copy of a layer's base weight is taken the first time it is merged.
-        """
-        done: list[LayerKey] = []
-        try:
+        """Add `slot`'s delta at its scale to the base weights of `keys` for the block, restored
+        from pristine copies afterwards (`merging.BaseWeights`)."""
+        with self.base.restoring() as take:
             with torch.no_grad():
                 for key in keys:
-                    weight = self._modules[key].weight
-                    if key not in self._pristine:
-                        self._pristine[key] = weight.detach().clone()
-                    done.append(key)
+                    weight, _ = take(key, "weight")
                     weight.add_(self.delta(slot, key, scales[slot]).to(weight.dtype))
             yield
-        finally:
-            with torch.no_grad():
-                for key in done:
-                    self._modules[key].weight.copy_(self._pristine[key])
 
     def delta_factors(self, slot: str, key: LayerKey) -> tuple[torch.Tensor, torch.Tensor]:
         """`slot`'s A and B (scaling folded in) on `key`, at its rank: views of the buffers."""

@@ -56,6 +56,15 @@ def loha(weight: torch.Tensor, g: torch.Generator, rank: int = 3) -> tuple[Tenso
     return t, (alpha / rank * product).reshape(weight.shape)
 
 
+def _lokr_w1(t: Tensors, g: torch.Generator, *, a: int, c: int, w1_rank: int) -> torch.Tensor:
+    """A LoKr's w1 (a x c) into `t`, full or factored at `w1_rank`; its value in float64."""
+    if w1_rank:
+        t["lokr_w1_a"], t["lokr_w1_b"] = randn(g, a, w1_rank), randn(g, w1_rank, c)
+        return t["lokr_w1_a"].double() @ t["lokr_w1_b"].double()
+    t["lokr_w1"] = randn(g, a, c)
+    return t["lokr_w1"].double()
+
+
 def lokr(
     weight: torch.Tensor, g: torch.Generator, *, a: int, c: int, rank: int = 2, w1_rank: int = 0
 ) -> tuple[Tensors, torch.Tensor]:
@@ -65,12 +74,7 @@ def lokr(
         "lokr_w2_a": randn(g, b, rank),
         "lokr_w2_b": randn(g, rank, d * math.prod(kernel)),
     }
-    if w1_rank:
-        t["lokr_w1_a"], t["lokr_w1_b"] = randn(g, a, w1_rank), randn(g, w1_rank, c)
-        w1 = t["lokr_w1_a"].double() @ t["lokr_w1_b"].double()
-    else:
-        t["lokr_w1"] = randn(g, a, c)
-        w1 = t["lokr_w1"].double()
+    w1 = _lokr_w1(t, g, a=a, c=c, w1_rank=w1_rank)
     w2 = (t["lokr_w2_a"].double() @ t["lokr_w2_b"].double()).reshape(b, d, *kernel)
     product = torch.kron(w1.reshape(a, c, *(1 for _ in kernel)), w2)
     alpha = _alpha_for(weight, product, rank)
@@ -98,6 +102,61 @@ def locon_tucker(
     alpha = _alpha_for(weight, product, rank)
     t["alpha"] = torch.tensor(alpha)
     return t, alpha / rank * product
+
+
+def _sized(weight: torch.Tensor, delta: torch.Tensor, target: float = TARGET) -> float:
+    """The factor that makes `delta` `target` of the weights' RMS."""
+    return float(target * weight.double().pow(2).mean().sqrt() / delta.pow(2).mean().sqrt())
+
+
+def lokr_full(
+    weight: torch.Tensor,
+    g: torch.Generator,
+    *,
+    a: int,
+    c: int,
+    w1_rank: int = 0,
+    target: float = TARGET,
+) -> tuple[Tensors, torch.Tensor]:
+    """LoKr with a full w2 (b, d, *kernel): scale 1 with a full w1 (LyCORIS ignores alpha
+    then), alpha / w1's rank with a factored one."""
+    out, cin, kernel = weight.shape[0], weight.shape[1], tuple(weight.shape[2:])
+    b, d = out // a, cin // c
+    t: Tensors = {}
+    w1 = _lokr_w1(t, g, a=a, c=c, w1_rank=w1_rank)
+    w2 = randn(g, b, d, *kernel)
+    product = torch.kron(w1.reshape(a, c, *(1 for _ in kernel)), w2.double())
+    if w1_rank:
+        t["lokr_w2"] = w2
+        alpha = _alpha_for(weight, product, w1_rank)
+        t["alpha"] = torch.tensor(alpha)
+        return t, alpha / w1_rank * product
+    t["lokr_w2"] = (w2 * _sized(weight, product, target)).float()
+    t["alpha"] = torch.tensor(123.0)  # stored, and ignored: both factors are full
+    return t, torch.kron(w1.reshape(a, c, *(1 for _ in kernel)), t["lokr_w2"].double())
+
+
+def full_diff(
+    weight: torch.Tensor, g: torch.Generator, target: float = TARGET
+) -> tuple[Tensors, torch.Tensor]:
+    """A `.diff` (LyCORIS full): the delta itself."""
+    raw = randn(g, *weight.shape).double()
+    diff = (raw * _sized(weight, raw, target)).float()
+    return {"diff": diff}, diff.double()
+
+
+def with_bias_diffs(pipe: Any, made: Made, seed: int = 12) -> Made:
+    """`made` (a kohya file) with a `.diff_b` beside each `.diff` whose layer has a bias."""
+    g = torch.Generator().manual_seed(seed)
+    for component, path in list(made.reference):
+        module = getattr(pipe, component).get_submodule(path)
+        stem = kohya_stem(component, path)
+        if module.bias is None or f"{stem}.diff" not in made.tensors:
+            continue
+        bias = randn(g, module.bias.shape[0]) * 0.05
+        made.tensors[f"{stem}.diff_b"] = bias
+        made.bias_reference[(component, path)] = bias.double()
+    return made
 
 
 def plain(weight: torch.Tensor, g: torch.Generator, rank: int = 4) -> tuple[Tensors, torch.Tensor]:
@@ -135,16 +194,17 @@ def kohya_file(pipe: Any, choose: Callable[[str, str, torch.nn.Module], Builder 
             if build is None:
                 continue
             tensors, delta = build(module.weight.detach(), g)
-            # kohya names a text encoder's layers from text_model, however transformers nests it
-            named = (
-                path
-                if component == "unet" or path.startswith("text_model.")
-                else (f"text_model.{path}")
-            )
-            stem = _KOHYA[component] + named.replace(".", "_")
+            stem = kohya_stem(component, path)
             made.tensors.update({f"{stem}.{k}": v for k, v in tensors.items()})
             made.reference[(component, path)] = delta
     return made
+
+
+def kohya_stem(component: str, path: str) -> str:
+    """kohya's name for a layer of SD 1.5 or SDXL (diffusers' module path)."""
+    # kohya names a text encoder's layers from text_model, however transformers nests it
+    named = path if component == "unet" or path.startswith("text_model.") else f"text_model.{path}"
+    return _KOHYA[component] + named.replace(".", "_")
 
 
 def _is_conv3(m: torch.nn.Module) -> bool:
@@ -177,18 +237,50 @@ def sd_loha(pipe: Any) -> Made:
     return kohya_file(pipe, choose)
 
 
-def sd_lokr(pipe: Any) -> Made:
-    """Both Kronecker orientations (c <= a and c > a), w1 full and factored, Linear and conv."""
+def sd_lokr(pipe: Any, *, full_w2: bool = False) -> Made:
+    """Both Kronecker orientations (c <= a and c > a), w1 full and factored, Linear and conv;
+    `full_w2`: w2 a full matrix, as LyCORIS writes it for small layers (served merged only)."""
     count = iter(range(10**6))
+    build: Callable[..., tuple[Tensors, torch.Tensor]] = lokr_full if full_w2 else lokr
 
     def choose(component: str, path: str, m: torch.nn.Module) -> Builder | None:
         if not (_attention(path) or (_is_conv3(m) and "resnets" in path)):
             return None
         i = next(count)
         a, c = (4, 2) if i % 2 else (2, 4)
-        return lambda w, g: lokr(w, g, a=a, c=c, w1_rank=2 if i % 3 == 0 else 0)
+        return lambda w, g: build(w, g, a=a, c=c, w1_rank=2 if i % 3 == 0 else 0)
 
     return kohya_file(pipe, choose)
+
+
+def sd_lokr_full(pipe: Any) -> Made:
+    return sd_lokr(pipe, full_w2=True)
+
+
+def sd_lokr_mixed(pipe: Any) -> Made:
+    """One LoKr file with a full w2 on the convolutions and a factored one on attention (as
+    LyCORIS picks per layer): served merged only, its factored layers from a slot."""
+
+    def choose(component: str, path: str, m: torch.nn.Module) -> Builder | None:
+        if _is_conv3(m) and "resnets" in path:
+            return lambda w, g: lokr_full(w, g, a=2, c=4)
+        if _attention(path):
+            return lambda w, g: lokr(w, g, a=4, c=2)
+        return None
+
+    return kohya_file(pipe, choose)
+
+
+def sd_full(pipe: Any) -> Made:
+    """LyCORIS full: `.diff` on attention, projections and convolutions, `.diff_b` beside
+    each whose layer has a bias."""
+
+    def choose(component: str, path: str, m: torch.nn.Module) -> Builder | None:
+        if _attention(path) or path.endswith("proj_in") or (_is_conv3(m) and "resnets" in path):
+            return full_diff
+        return None
+
+    return with_bias_diffs(pipe, kohya_file(pipe, choose))
 
 
 _FLUX_KOHYA = {  # kohya's Flux names -> diffusers' layers (a fused qkv splits into three)

@@ -22,10 +22,12 @@ from lora_volume import errors
 
 @dataclass(frozen=True)
 class Format:
-    """One adapter format: `key` for machines, `label` for people."""
+    """One adapter format: `key` for machines, `label` for people. `merged_only`: its delta is
+    not low rank, so the server merges it into the base weights for batches of it alone."""
 
     key: str
     label: str
+    merged_only: bool = False
 
 
 # Served exactly, as low-rank pairs.
@@ -36,7 +38,11 @@ LOKR = Format("lokr", "LyCORIS LoKr")
 XLABS = Format("xlabs", "XLabs Flux LoRA")
 LORA_BIAS = Format("lora_bias", "LoRA with biases")
 DORA = Format("dora", "DoRA (peft)")
-SERVED = (LORA, LOCON, LOHA, LOKR, XLABS, LORA_BIAS, DORA)
+# Served exactly, merged only: whole-matrix deltas, merged into the base weights for a batch of
+# that adapter alone (docs/adapters.md, "Served merged only").
+LOKR_FULL = Format("lokr_full", "LyCORIS LoKr with a full w2", merged_only=True)
+FULL = Format("full", "full weight differences (.diff / .diff_b)", merged_only=True)
+SERVED = (LORA, LOCON, LOHA, LOKR, XLABS, LORA_BIAS, DORA, LOKR_FULL, FULL)
 
 # A tensor name's role, by the part after its module path. Order matters: the first match wins.
 _ROLES: tuple[tuple[str, re.Pattern[str]], ...] = tuple(
@@ -82,11 +88,6 @@ _REFUSED = {
         "biases are served in peft's naming only (lora_B.bias); save the adapter with peft, "
         "or re-export it without the bias tensors",
     ),
-    "diff": (
-        "full weight differences (.diff / .diff_b, LyCORIS full or kohya --train_norm)",
-        "they replace base weights rather than adding a low-rank branch and are not served; "
-        "extract a LoRA from them (kohya's extract_lora_from_models) or re-train without them",
-    ),
     "oft": (
         "OFT / BOFT (orthogonal finetuning)",
         "it rotates the base weights and is not a low-rank delta; OFT is not supported, "
@@ -113,13 +114,10 @@ _REFUSED = {
         "LyCORIS LoKr with a Tucker core (lokr_t2)",
         "only LoKr without use_tucker is served; re-train without use_tucker",
     ),
-    "lokr_full_w2": (
-        "LyCORIS LoKr with a full w2 (lokr_w2)",
-        "a Kronecker product with a full factor is not low rank and is not served; re-train "
-        "with a factored w2 (a smaller factor, or decompose_both), or extract a LoRA from it",
-    ),
 }
 _SERVED_BY_ROLE = {
+    "diff": FULL,
+    "lokr_full_w2": LOKR_FULL,
     "loha": LOHA,
     "lokr": LOKR,
     "locon_mid": LOCON,
@@ -127,6 +125,11 @@ _SERVED_BY_ROLE = {
     "bias": LORA_BIAS,
     "dora": DORA,
 }
+
+
+def merged_only(key: str) -> bool:
+    """Whether the format keyed `key` (`Format.key`, as records carry it) is served merged only."""
+    return any(f.key == key and f.merged_only for f in SERVED)
 
 
 def role(key: str) -> str | None:
@@ -160,7 +163,7 @@ def classify(keys: Iterable[str], *, name: str = "adapter") -> Format:
             "server knows (LoRA, LoCon, LoHa, LoKr, XLabs); is this a full checkpoint rather "
             "than an adapter?"
         )
-    for served in ("dora", "lokr", "loha", "locon_mid", "xlabs", "bias"):
+    for served in ("diff", "lokr_full_w2", "dora", "lokr", "loha", "locon_mid", "xlabs", "bias"):
         if served in roles:
             return _SERVED_BY_ROLE[served]
     return LORA

@@ -22,7 +22,7 @@ import hashlib
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -73,6 +73,7 @@ class ParsedAdapter:
     packed: Any  # no slot row to copy: a simulated slot holds only a size
     format: str = "lora"
     trigger_words: tuple[str, ...] = ()
+    full: Mapping[Any, Any] = field(default_factory=dict)  # never merged only when simulated
 
 
 @dataclass(frozen=True)

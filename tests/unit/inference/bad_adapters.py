@@ -65,15 +65,8 @@ def write_bad_adapters(
     )
 
     mutating = dict(base)
-    mutating["unet.conv_in.diff"] = torch.zeros(3)
-    bad.append(
-        BadAdapter(
-            "mutates-base",
-            _save_dir(root / "mutates-base", mutating),
-            422,
-            "full weight differences",
-        )
-    )
+    mutating["unet.conv_in.oft_blocks"] = torch.zeros(3)  # rotates the base weights
+    bad.append(BadAdapter("mutates-base", _save_dir(root / "mutates-base", mutating), 422, "OFT"))
 
     for label, value in (("nan", float("nan")), ("inf", float("inf"))):
         poisoned = dict(base)

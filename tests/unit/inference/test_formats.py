@@ -179,9 +179,7 @@ REFUSED = {
     "oft": ("lora_unet_x.oft_blocks", "OFT"),
     "glora": ("lora_unet_x.a1.weight", "GLoRA"),
     "ia3": ("lora_unet_x.on_input", "(IA)3"),
-    "lokr-full-w2": ("lora_unet_x.lokr_w2", "LoKr with a full w2"),
     "kohya-bias": ("lora_unet_x.lora_up.bias", "kohya-named LoRA with biases"),
-    "diff": ("lora_unet_x.diff", "full weight differences"),
 }
 
 

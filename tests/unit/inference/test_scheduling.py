@@ -139,3 +139,46 @@ def test_a_batch_with_room_waits_about_one_admission_for_requests_on_their_way(
     planned: int, admitting: int, expected: float
 ) -> None:
     assert fill_wait(planned, 4, admitting, admission_s=0.1) == pytest.approx(expected)
+
+
+def alone(adapter: str, scale: float = 1.0) -> BatchKey:
+    return BatchKey(
+        adapter=adapter, scale=scale, width=32, height=32, steps=2, guidance_scale=5.0, alone=True
+    )
+
+
+@pytest.mark.parametrize(
+    ("queue", "batches"),
+    [
+        pytest.param(
+            [alone("m"), key("a"), key(None), alone("m"), key("b")],
+            [[0, 3], [1, 2, 4]],
+            id="merged-only-first",
+        ),
+        pytest.param(
+            [key("a"), alone("m"), key(None), alone("m")],
+            [[0, 2], [1, 3]],
+            id="plain-first",
+        ),
+        pytest.param(
+            [alone("m"), alone("n"), alone("m", scale=0.5), alone("n")],
+            [[0], [1, 3], [2]],
+            id="two-merged-only-adapters-and-two-scales",
+        ),
+    ],
+)
+def test_a_merged_only_adapter_is_batched_with_its_own_requests_only(
+    queue: list[BatchKey], batches: list[list[int]]
+) -> None:
+    """Its delta is merged into the base weights for the call: another adapter's image, or the
+    base model's, in that call would be drawn through it."""
+    items = [Item(k, ident=i) for i, k in enumerate(queue)]
+    planned = []
+    while items:
+        plan = plan_next_batch(
+            items, {"a", "b", "m", "n"}, max_batch_images=8, max_skips=2, max_adapters=4
+        )
+        assert plan is not None
+        planned.append([items[i].ident for i in plan.members])
+        items = [item for i, item in enumerate(items) if i not in plan.members]
+    assert planned == batches

@@ -63,13 +63,27 @@ SERVED = [
         "xlabs",
         id="xlabs",
     ),
+    pytest.param(
+        ["lora_unet_a.lokr_w1", "lora_unet_a.lokr_w2", "lora_unet_a.alpha"],
+        "lokr_full",
+        id="lokr-full-w2",
+    ),
+    pytest.param(
+        [
+            *("lora_unet_b.lokr_w1", "lora_unet_b.lokr_w2_a", "lora_unet_b.lokr_w2_b"),
+            *("lora_unet_a.lokr_w1", "lora_unet_a.lokr_w2"),
+        ],
+        "lokr_full",
+        id="lokr-mixed-full-and-factored-w2",
+    ),
+    pytest.param(["lora_unet_a.diff", "lora_unet_a.diff_b"], "full", id="diff"),
+    pytest.param([*PAIR, "lora_unet_b.diff"], "full", id="diff-beside-pairs"),
 ]
+MERGED_ONLY = {"lokr_full", "full"}
 
 REFUSED = [
     pytest.param("lora_unet_a.dora_scale", "kohya / LyCORIS DoRA", id="dora-kohya"),
     pytest.param("lora_unet_a_to_q.lora_up.bias", "kohya-named LoRA with biases", id="kohya-bias"),
-    pytest.param("lora_unet_a.diff", "full weight differences", id="diff"),
-    pytest.param("lora_unet_a_norm.diff_b", "full weight differences", id="diff-b"),
     pytest.param("lora_unet_a.oft_blocks", "OFT", id="oft-lycoris"),
     pytest.param("unet.a.oft_r", "OFT", id="oft-peft"),
     pytest.param("lora_unet_a.a1.weight", "GLoRA", id="glora"),
@@ -78,13 +92,24 @@ REFUSED = [
     pytest.param("lora_unet_a.w_norm", "trained norms", id="norm"),
     pytest.param("lora_unet_a.hada_t1", "LoHa with Tucker", id="loha-tucker"),
     pytest.param("lora_unet_a.lokr_t2", "LoKr with a Tucker", id="lokr-tucker"),
-    pytest.param("lora_unet_a.lokr_w2", "LoKr with a full w2", id="lokr-full-w2"),
 ]
 
 
 @pytest.mark.parametrize(("keys", "key"), SERVED)
 def test_served_formats_are_named(keys: list[str], key: str) -> None:
     assert formats.classify(keys).key == key
+    assert formats.merged_only(key) == (key in MERGED_ONLY)
+
+
+@pytest.mark.parametrize(("keys", "key"), SERVED)
+def test_staging_accepts_each_served_format_merged_only_ones_included(
+    keys: list[str], key: str, tmp_path: Path
+) -> None:
+    """The operator stages what the server serves: a merged-only file (LoKr with a full w2,
+    `.diff`) is staged like any other."""
+    path = tmp_path / "adapter.safetensors"
+    save_file({k: np.zeros((2, 2), np.float32) for k in keys}, str(path))
+    staging.verify_lora_file(path, "source x")
 
 
 @pytest.mark.parametrize(("tensor", "label"), REFUSED)

@@ -1,0 +1,100 @@
+"""Merging into the base weights for one call, and restoring them exactly afterwards.
+
+Two kinds of merge change a layer's base weight for a call: a slot's low-rank delta
+(`slots.Slots.call(merged=...)`, where the cost model says it pays) and a merged-only adapter's
+whole-matrix delta (`FullLayer`: LoKr with a full w2, `.diff` files; always merged, for a batch
+of that adapter alone). Both go through one `BaseWeights`, which keeps one pristine copy of each
+base parameter, taken the first time it is merged, and copies every changed parameter back from
+it when the call ends, never recovering it by subtracting (in half precision `W + d - d` is not
+`W`, and repeated calls would drift).
+
+Runs on the pipeline thread only (apart from `FullLayer` and `pinned`, which touch no model).
+Imports torch only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+LayerKey = tuple[str, str]  # (pipeline component, module path inside it)
+# Takes a layer's parameter ("weight" or "bias") for the call: (the live one, its pristine copy).
+Take = Callable[[LayerKey, str], tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class FullLayer:
+    """One layer of a merged-only adapter: its delta at scale 1, shaped as the layer's weight,
+    and its bias delta when the file has one; on the CPU (pinned for a GPU)."""
+
+    delta: torch.Tensor
+    bias: torch.Tensor | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return self.delta.nbytes + (self.bias.nbytes if self.bias is not None else 0)
+
+
+def pinned(layers: Mapping[LayerKey, FullLayer], *, pin: bool) -> dict[LayerKey, FullLayer]:
+    """`layers` in page-locked host memory when `pin` (a GPU: copies to it run asynchronously)."""
+    if not pin:
+        return dict(layers)
+    return {
+        key: FullLayer(
+            layer.delta.pin_memory(), None if layer.bias is None else layer.bias.pin_memory()
+        )
+        for key, layer in layers.items()
+    }
+
+
+class BaseWeights:
+    """The base layers' parameters, their pristine copies, and merges into them for a call."""
+
+    def __init__(self, modules: Mapping[LayerKey, Any]) -> None:
+        self._modules = modules
+        self._pristine: dict[tuple[LayerKey, str], torch.Tensor] = {}
+
+    def module(self, key: LayerKey) -> Any:
+        return self._modules[key]
+
+    @contextlib.contextmanager
+    def restoring(self) -> Iterator[Take]:
+        """A block in which parameters may be changed in place; each one taken with the
+        yielded function is copied back from its pristine copy when the block ends."""
+        taken: list[tuple[LayerKey, str]] = []
+
+        def take(key: LayerKey, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+            live: torch.Tensor = getattr(self._modules[key], name)
+            pristine = self._pristine.get((key, name))
+            if pristine is None:
+                pristine = self._pristine[(key, name)] = live.detach().clone()
+            taken.append((key, name))
+            return live, pristine
+
+        try:
+            yield take
+        finally:
+            with torch.no_grad():
+                for key, name in taken:
+                    getattr(self._modules[key], name).copy_(self._pristine[(key, name)])
+
+    @contextlib.contextmanager
+    def merged_full(self, layers: Mapping[LayerKey, FullLayer], scale: float) -> Iterator[None]:
+        """`layers`' deltas at `scale` merged into their base layers for the block: each
+        weight (and bias) becomes `W + scale x delta`, summed in float32 at least and rounded
+        once to the model's dtype."""
+        with self.restoring() as take:
+            with torch.no_grad():
+                for key, layer in layers.items():
+                    for name, delta in (("weight", layer.delta), ("bias", layer.bias)):
+                        if delta is None:
+                            continue
+                        live, pristine = take(key, name)
+                        work = torch.promote_types(live.dtype, torch.float32)
+                        change = delta.to(live.device, work, non_blocking=True)
+                        live.copy_(pristine.to(work) + scale * change)
+            yield

@@ -1,0 +1,160 @@
+"""Reading an adapter file (any thread: touches no pipeline state): hashed, checked and converted
+into what the CPU tier caches (`ParsedAdapter`), before the pipeline ever sees it.
+
+Low-rank modules become per-layer pairs with the setup diffusers and peft would give them
+(`formats`, `lycoris`), packed into one slot row; a merged-only file's whole-matrix modules become
+per-layer deltas (`merge_only`). NaN, Inf, shapes, ranks and names are checked here, so a file
+the pipeline would fail on is a 422 before any state changes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import safetensors.torch
+import torch
+from lora_volume import files
+from lora_volume.formats import Format
+
+from lora_inference import errors, formats, merge_only, merging
+from lora_inference.adapters import validation
+from lora_inference.slots import LayerKey, LayerWeights
+
+if TYPE_CHECKING:
+    from lora_inference.pipeline import DiffusionBackend
+
+
+@dataclass(frozen=True)
+class ParsedAdapter:
+    """An adapter read from disk, checked and converted: what the CPU tier caches."""
+
+    sha256: str
+    size_bytes: int
+    rank: int
+    weights_file: Path
+    # Per targeted layer: the weights under peft's module names, with the setup peft would give
+    # them (stacks are built from these).
+    layers: Mapping[LayerKey, LayerWeights]
+    # The same, packed into one slot row (`slots.Slots.pack`): entering a slot is one copy of it.
+    packed: torch.Tensor
+    format: str = "lora"  # lora_volume.formats.Format.key of the file
+    trigger_words: tuple[str, ...] = ()  # what the file's metadata says to put in a prompt
+    # A merged-only adapter's whole-matrix layers (`merge_only`), on the CPU: merged into the
+    # base weights for batches of it alone, never held in a slot.
+    full: Mapping[LayerKey, merging.FullLayer] = field(default_factory=dict)
+
+
+def parse_adapter(
+    model: DiffusionBackend, path: Path, *, name: str, max_rank: int
+) -> ParsedAdapter:
+    """`DiffusionBackend.parse_adapter`: read, hash, check and convert the adapter at `path`."""
+    weights = files.find_weights_file(path)
+    data = weights.read_bytes()
+    header = files.parse_safetensors_header(data, len(data), name=weights.name)
+    try:
+        tensors = safetensors.torch.load(data)
+    except Exception as e:  # safetensors raises its own error types
+        raise errors.IncompatibleAdapter(
+            f"{weights.name} cannot be read as safetensors: {e}", param="lora_path"
+        ) from e
+    # safetensors returns the tensors in no fixed order, and diffusers breaks ties between
+    # equally common ranks and alphas by the order it meets them: sorted, a file always
+    # gets the same setup.
+    tensors = dict(sorted(tensors.items()))
+    fmt = files.check_lora_keys(list(tensors), name=name)
+    _check_finite(tensors, name=name, why="holds NaN or Inf values")
+    full: dict[LayerKey, merging.FullLayer] = {}
+    if fmt.merged_only:  # whole-matrix modules: deltas for the merged path, in float64
+        tensors, modules = merge_only.split(tensors)
+        full = merge_only.parse(
+            model.pipe, modules, fmt, model.shapes, dtype=model.dtype, name=name
+        )
+    metadata = files.lora_metadata(header, name=name)
+    layers, rank = _pairs(model, tensors, fmt, metadata, name=name, max_rank=max_rank)
+    if layers.keys() & full.keys():
+        raise errors.IncompatibleAdapter(
+            f"adapter {name!r} changes {sorted(layers.keys() & full.keys())[0]} twice, as "
+            "a pair and as a whole matrix; re-export it with one module per layer",
+            param="lora_path",
+        )
+    return ParsedAdapter(
+        sha256=hashlib.sha256(data).hexdigest(),
+        size_bytes=len(data),
+        rank=rank,
+        weights_file=weights,
+        layers=layers,
+        packed=model.pack(layers, name=name),
+        format=fmt.key,
+        trigger_words=files.trigger_words(header),
+        full=merging.pinned(full, pin=model.slots.pinned),
+    )
+
+
+def _pairs(
+    model: DiffusionBackend,
+    tensors: dict[str, torch.Tensor],
+    fmt: Format,
+    metadata: Mapping[str, Any] | None,
+    *,
+    name: str,
+    max_rank: int,
+) -> tuple[dict[LayerKey, LayerWeights], int]:
+    """The low-rank layers of a file's `tensors`, converted and checked, and their rank
+    (none, rank 0, for a merged-only file of whole-matrix modules alone)."""
+    if not tensors:
+        return {}, 0
+    # LyCORIS factors (and SD 3 kohya pairs) become exact pairs in float64, each module's
+    # scale folded in, before any rounding to the model's dtype.
+    folded = formats.folds_scale(model.pipe, tensors, fmt)
+    if folded:
+        tensors = formats.to_folded_pairs(tensors, fmt, name=name)
+    # Weights take the model's dtype; scalars (alphas) keep theirs, as diffusers reads them.
+    cast = {
+        k: v.to(model.dtype)
+        for k, v in tensors.items()
+        if v.is_floating_point() and v.dim() > 0 and v.dtype != model.dtype
+    }
+    _check_finite(cast, name=name, why=f"overflows {str(model.dtype).removeprefix('torch.')}")
+    tensors.update(cast)
+    parts, alphas = formats.convert(model.pipe, tensors, fmt, name=name)
+    formats.fit_conv_pairs(parts, model.shapes)
+    # Biases and DoRA magnitudes are checked with their layer (`slots.Slots.pack`).
+    shapes = {
+        c: {k: tuple(v.shape) for k, v in part.items() if formats.is_pair_key(k)}
+        for c, part in parts.items()
+    }
+    try:
+        summary = validation.check_adapter_fits(shapes, model.shapes, max_rank=max_rank, name=name)
+    except errors.IncompatibleAdapter as e:
+        raise formats.explain_rank(e, fmt) from e
+    layers: dict[LayerKey, LayerWeights] = {}
+    for component, part in parts.items():
+        layers.update(formats.layer_weights(model.pipe, component, part, alphas, metadata, name))
+    if folded:
+        layers = formats.at_scaling_one(layers)
+    return layers, summary.rank
+
+
+def _check_finite(tensors: Mapping[str, torch.Tensor], *, name: str, why: str) -> None:
+    """Refuse weights that would turn every image using them into NaN (pure).
+
+    A float64 sum is NaN or infinite exactly when some element is: no sum of float32 values can
+    overflow float64. One reduction per tensor instead of a boolean copy of it.
+    """
+    for key, tensor in tensors.items():
+        if not tensor.is_floating_point():
+            continue
+        if tensor.dtype == torch.float64:
+            finite = bool(torch.isfinite(tensor).all())
+        else:
+            finite = bool(torch.isfinite(tensor.sum(dtype=torch.float64)))
+        if not finite:
+            raise errors.IncompatibleAdapter(
+                f"adapter {name!r}: tensor {key!r} {why}; such weights would ruin every image "
+                "that uses the adapter. Re-export it from a healthy checkpoint",
+                param="lora_path",
+            )
