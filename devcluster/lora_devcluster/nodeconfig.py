@@ -255,11 +255,12 @@ def build_kube_router_args(bin_dir: Path, layout: Layout) -> list[str]:
 
 
 def build_corefile(layout: Layout) -> str:
+    # No `health` plugin (`ready` is what start-up waits on): it would hold 127.0.0.1:8080 in
+    # the cluster's network namespace, the port the README's `kubectl port-forward` asks for.
     return f"""\
 .:{DNS_PORT} {{
     bind {HOST_IP}
     errors
-    health 127.0.0.1:8080
     ready 127.0.0.1:8181
     kubernetes {CLUSTER_DOMAIN} in-addr.arpa ip6.arpa {{
         kubeconfig {layout.kubeconfig}

@@ -4,6 +4,7 @@ not need is here because the machine is shared with the host and with other clus
 from __future__ import annotations
 
 import os
+import re
 import tomllib
 from pathlib import Path
 
@@ -79,7 +80,10 @@ def test_dns_service_points_at_coredns_on_the_node() -> None:
     assert svc["spec"]["clusterIP"] == "10.0.0.10" and "selector" not in svc["spec"]
     assert endpoints["endpoints"][0]["addresses"] == ["10.244.0.1"]
     assert endpoints["metadata"]["labels"] == {"kubernetes.io/service-name": "kube-dns"}
-    assert "kubernetes cluster.local" in nodeconfig.build_corefile(Layout(Path("/c")))
+    corefile = nodeconfig.build_corefile(Layout(Path("/c")))
+    assert "kubernetes cluster.local" in corefile
+    # CoreDNS holds no port a user's port-forward asks for (the README's 8080).
+    assert re.findall(r"127\.0\.0\.1:(\d+)", corefile) == ["8181"]
 
 
 def test_default_storage_class_provisions_world_writable_directories_in_the_cluster(
