@@ -55,6 +55,19 @@ def test_adapter_follows_replicas_restarts_updates_and_deletion(
     assert st["observedGeneration"] == obj["metadata"]["generation"]
     assert os.readlink(volume / ns / "pixel" / "current") == f"revisions/{sha_a}"
     ips = cluster.pod_ips(h, ns, 2)
+    # What the staged file declares is in the status (the CRD's schema keeps it), in the words
+    # the pods serving it list on /v1/adapters.
+    for ip in ips.values():
+        code, listed = http_json(f"http://{ip}:8000/v1/adapters")
+        assert code == 200, listed
+        (card,) = [c for c in listed["data"] if c["id"] == "pixel"]
+        assert st["adapter"] == {
+            "format": card["format"],
+            "rank": card["rank"],
+            "targets": card["targets"],
+            "triggerWords": card["trigger_words"],
+        }
+    assert (st["adapter"]["format"], st["adapter"]["rank"]) == ("lora", 4)
     # The reference: the same file loaded directly by path, on the same pod. (Not one pod's
     # picture for all: each server measures its own merge costs at start, so two pods may merge
     # a layer the other runs as a branch, and the pictures then differ by float rounding.)
