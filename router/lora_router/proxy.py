@@ -3,11 +3,13 @@ itself goes to.
 
 Each request's body is read (at most `max_body_bytes`: 413 beyond), its adapter taken from
 `model` (or `lora.name`), the pod chosen by `routing.route`, and the request sent there with its
-method, path, query, headers and body unchanged; the pod's status, headers and body come back
-unchanged, streamed. When the connection to the pod fails before its answer starts (refused,
-reset, the pod vanished from the endpoints), the request is sent once more to another pod; when
-that fails too, or no pod is Ready, the answer is a 503 in the servers' error shape. An answer
-that breaks off midway aborts the client's connection: the client sees an error, never a hang.
+method, path, query, headers and body unchanged, over the pool's kept-alive connections
+(`upstream`); the pod's status, headers and body come back unchanged, streamed. When the
+connection to the pod fails before its answer starts (refused, reset, the pod vanished from the
+endpoints), the request is sent once more to another pod; when that fails too, or no pod is
+Ready, the answer is a 503 in the servers' error shape. An answer that breaks off midway aborts
+the client's connection: the client sees an error, never a hang; one whose head is not HTTP is
+a 502.
 Two headers say what happened: `x-lora-pod` (the pod that answered) and `x-lora-route` (why).
 Only generation is forwarded (`paths.forwarded`, an allowlist); every other path answers 404
 and is never sent to a pod: not load and unload, not a pod's /metrics or /v1/adapters.
