@@ -14,9 +14,9 @@ narrow, so they merge; deep, wide layers see few rows and stay unmerged.
 
 A batch that mixes adapters has nothing to decide here: it runs every image's branch in one
 gathered pass per layer (`slots.Slots.call`), whatever the number of adapters. Nor does a batch of
-a merged-only adapter (LoKr with a full w2, `.diff` files): its whole-matrix deltas have no
-unmerged form, so it is merged on every layer whatever the policy says (`policy_for`), and the
-scheduler gives it batches of its own.
+a merged-only adapter (LoKr with a full w2, `.diff` files, kohya / LyCORIS DoRA): its
+whole-matrix deltas have no unmerged form, so it is merged on every layer whatever the policy
+says (`policy_for`), and the scheduler gives it batches of its own.
 """
 
 from __future__ import annotations

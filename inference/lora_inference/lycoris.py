@@ -17,7 +17,7 @@ from lora_inference import errors
 
 Tensors = dict[str, torch.Tensor]
 
-_LYCORIS_SUFFIXES = (
+SUFFIXES = (
     ".lora_down.weight",
     ".lora_up.weight",
     ".lora_mid.weight",
@@ -40,7 +40,7 @@ def to_folded_pairs(tensors: Tensors, fmt: formats.Format, *, name: str) -> Tens
     modules: dict[str, dict[str, torch.Tensor]] = {}
     out: Tensors = {}
     for key, tensor in tensors.items():
-        suffix = next((s for s in _LYCORIS_SUFFIXES if key.endswith(s)), None)
+        suffix = next((s for s in SUFFIXES if key.endswith(s)), None)
         if suffix is None:
             out[key] = tensor
             continue
@@ -55,14 +55,27 @@ def to_folded_pairs(tensors: Tensors, fmt: formats.Format, *, name: str) -> Tens
         if pair is None:
             if "lora_down.weight" not in parts:  # an alpha without its pair: nothing to serve
                 continue
-            f64 = {k: v.to(torch.float64) for k, v in parts.items()}
-            rank = f64["lora_down.weight"].shape[0]
-            alpha = float(f64["alpha"]) if "alpha" in f64 else rank
-            pair = f64["lora_down.weight"], f64["lora_up.weight"], alpha / rank
+            pair = _plain_pair(parts)
         down, up = _full_rank_if_narrower(*pair)
         out[f"{module}.lora_down.weight"] = down
         out[f"{module}.lora_up.weight"] = up
     return out
+
+
+def module_delta(parts: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """One module's delta at scale 1, its scale folded in, as (fan_out, fan_in), in float64: a
+    LyCORIS module's (as `to_folded_pairs` reads it) or a plain pair's (pure). Raises KeyError
+    for a missing tensor, RuntimeError or ValueError for shapes that do not fit."""
+    down, up, scale = _module_pair(parts) or _plain_pair(parts)
+    return scale * up.reshape(up.shape[0], -1) @ down.reshape(down.shape[0], -1)
+
+
+def _plain_pair(parts: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """(down, up, alpha / rank) of a kohya pair, in float64."""
+    f64 = {k: v.to(torch.float64) for k, v in parts.items()}
+    rank = f64["lora_down.weight"].shape[0]
+    alpha = float(f64["alpha"]) if "alpha" in f64 else rank
+    return f64["lora_down.weight"], f64["lora_up.weight"], alpha / rank
 
 
 def _module_pair(

@@ -1,8 +1,9 @@
 """Modules of a merged-only adapter file, read as whole-matrix deltas per layer (any thread).
 
-LoKr with a full w2 and full weight differences (`.diff`, `.diff_b`) change whole matrices: no
-slot of `--max-lora-rank` holds them, so the server keeps each layer's delta at scale 1 on the
-CPU and merges it into the base weight for a batch of that adapter alone
+LoKr with a full w2, full weight differences (`.diff`, `.diff_b`) and kohya / LyCORIS DoRA
+(`dora_scale`) change whole matrices, or rescale them against the base weight: no slot of
+`--max-lora-rank` holds them, so the server keeps each layer's delta at scale 1 on the CPU and
+merges it into the base weight for a batch of that adapter alone
 (`merging.BaseWeights.merged_full`). This module computes those deltas exactly, in float64,
 from the format's definition:
 
@@ -11,6 +12,12 @@ from the format's definition:
   LyCORIS's: alpha / dim with dim the rank of the factored W1, and 1 when both factors are full
   (LyCORIS trains those at scale 1 whatever alpha it stores).
 - `.diff`: the delta as stored; `.diff_b`: the bias's.
+- DoRA (`dora_scale` beside any LyCORIS module or kohya pair): the module's delta ΔW
+  (`lycoris.module_delta`) and the magnitude m; the weight at scale 1 is
+  `W' = m x (W + ΔW) / |W + ΔW|`, the norm per input channel when m is (1, in, ...) (LyCORIS's
+  default) or per output row when it is (out, 1, ...) (`wd_on_out`). It needs the base weight,
+  so it is computed when merged (`merging.FullLayer.merged`); at scale s the weight is
+  `W + s (W' - W)`, as A1111 and ComfyUI apply a strength.
 
 Names go the way a pair's would: each module is sent through the family's own converters
 (`formats.convert`) as a probe pair of rank 1 whose down factor holds the module's number and
@@ -24,41 +31,61 @@ Imports torch and `formats` (which imports diffusers); owns no state, touches no
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 from lora_volume import formats as names
 
-from lora_inference import errors, formats
+from lora_inference import errors, formats, lycoris
 from lora_inference.adapters import validation
 from lora_inference.merging import FullLayer, LayerKey
 
 Tensors = dict[str, torch.Tensor]
 
 # Suffixes that make a module merged only, and those that may come with them.
-_MARKS = (".diff", ".diff_b", ".lokr_w2")
-_PARTS = (".diff", ".diff_b", ".lokr_w2", ".lokr_w1", ".lokr_w1_a", ".lokr_w1_b", ".alpha")
+_MARKS = (".diff", ".diff_b", ".lokr_w2", ".dora_scale")
+_PARTS = (*_MARKS, *lycoris.SUFFIXES)
+
+# One module's weight delta, bias delta and DoRA magnitude (with its axis), in float64.
+Module = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, int]
 
 
 def split(tensors: Tensors) -> tuple[Tensors, dict[str, Tensors]]:
     """`tensors` without the merged-only modules, and those modules' tensors by module name."""
-    stems = {key.rsplit(".", 1)[0] for key in tensors if key.endswith(_MARKS)}
+    stems = {key.removesuffix(m) for key in tensors for m in _MARKS if key.endswith(m)}
     modules: dict[str, Tensors] = {}
     rest: Tensors = {}
     for key, tensor in tensors.items():
-        stem, _, part = key.rpartition(".")
-        if stem in stems and f".{part}" in _PARTS:
-            modules.setdefault(stem, {})[part] = tensor
-        else:
+        part = next((p for p in _PARTS if key.endswith(p) and key.removesuffix(p) in stems), None)
+        if part is None:
             rest[key] = tensor
+        else:
+            modules.setdefault(key.removesuffix(part), {})[part.lstrip(".")] = tensor
     return rest, modules
 
 
-def module_delta(parts: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One module's (weight delta, bias delta or None) at scale 1, in float64, shaped as its
-    layer's weight (pure). Raises KeyError for a missing factor, ValueError for bad shapes."""
+def module_delta(parts: Mapping[str, torch.Tensor]) -> Module:
+    """One module's weight delta at scale 1 (shaped as its layer's weight, or flattened to
+    (fan_out, fan_in) for a DoRA one), bias delta, and DoRA magnitude with the axis its norm
+    keeps (0: per output row, 1: per input channel), in float64 (pure). Raises KeyError for a
+    missing tensor, ValueError or RuntimeError for shapes that do not fit."""
     f64 = {k: v.to(torch.float64) for k, v in parts.items()}
+    magnitude = f64.pop("dora_scale", None)
+    if magnitude is not None:
+        delta, _, _, _ = module_delta({k: v for k, v in parts.items() if k != "dora_scale"})
+        # (1, in, ...): per input channel; (out, 1, ...) or (out,): per output row.
+        if magnitude.dim() >= 2 and magnitude.shape[0] == 1 < delta.shape[0]:
+            return delta, None, magnitude, 1
+        if magnitude.numel() == magnitude.shape[0] == delta.shape[0]:
+            return delta, None, magnitude, 0
+        raise ValueError(
+            f"a dora_scale of shape {tuple(magnitude.shape)} beside a delta of "
+            f"{tuple(delta.shape)}: neither one per output row nor one per input channel"
+        )
+    if "diff" not in f64 and "diff_b" not in f64 and "lokr_w2" not in f64:
+        return lycoris.module_delta(parts), None, None, 0  # a DoRA module's low-rank delta
     if "lokr_w2" in f64:
         w2 = f64["lokr_w2"]
         dim = None
@@ -71,7 +98,7 @@ def module_delta(parts: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch
         alpha = float(f64["alpha"]) if "alpha" in f64 else 0.0
         scale = alpha / dim if dim and alpha else 1.0
         w1 = w1.reshape(*w1.shape, *(1,) * (w2.dim() - 2))
-        return scale * torch.kron(w1, w2), None
+        return scale * torch.kron(w1, w2), None, None, 0
     if "diff" not in f64:
         raise ValueError("a bias difference (.diff_b) without its weight difference (.diff)")
     diff, bias = f64["diff"], f64.get("diff_b")
@@ -84,7 +111,7 @@ def module_delta(parts: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch
         raise ValueError(
             f"a .diff_b of shape {tuple(bias.shape)} beside a .diff of {diff.shape[0]} rows"
         )
-    return diff, bias
+    return diff, bias, None, 0
 
 
 def parse(
@@ -98,35 +125,58 @@ def parse(
 ) -> dict[LayerKey, FullLayer]:
     """The per-layer deltas of `modules` (from `split`), in `dtype`: IncompatibleAdapter
     (422) for a module that is malformed or does not map onto this model's layers."""
-    deltas: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
+    read: dict[str, Module] = {}
     for stem, parts in sorted(modules.items()):
         try:
-            deltas[stem] = module_delta(parts)
+            read[stem] = module_delta(parts)
         except KeyError as e:
             raise _bad(name, fmt, f"module {stem!r} lacks its tensor {e}") from e
         except (RuntimeError, ValueError) as e:
             raise _bad(name, fmt, f"module {stem!r} is not a well-formed one: {e}") from e
     layers: dict[LayerKey, FullLayer] = {}
-    for stem, targets in _targets(pipe, deltas, fmt, name).items():
-        delta, bias = deltas[stem]
+    for stem, targets in _targets(pipe, {s: m[0] for s, m in read.items()}, fmt, name).items():
+        delta, bias, magnitude, axis = read[stem]
+        if magnitude is not None and axis == 1 and len(targets) > 1:
+            raise _bad(
+                name,
+                fmt,
+                f"module {stem!r} normalises per input channel across the {len(targets)} layers "
+                f"{type(pipe).__name__} splits it into, which is not served; re-train it with "
+                "the norm per output row (wd_on_out)",
+            )
         flat = delta.reshape(delta.shape[0], -1)
         for key, rows in targets:
-            layers[key] = _layer(pipe, key, shapes, flat[rows], bias, rows, stem, fmt, name, dtype)
+            where = f"module {stem!r} on {key[0]}.{key[1]}"
+            weight_shape = _weight_shape(shapes, key, where, name, fmt)
+            if flat[rows].numel() != math.prod(weight_shape):
+                raise _bad(
+                    name,
+                    fmt,
+                    f"{where}: a delta of {tuple(flat[rows].shape)}, but that layer's weight is "
+                    f"{weight_shape}; is it for another model?",
+                )
+            layer = FullLayer(
+                flat[rows].reshape(weight_shape).to(dtype),
+                _bias(pipe, key, bias, rows, where, name, fmt, dtype),
+                _magnitude(magnitude, axis, rows, weight_shape, where, name, fmt, dtype),
+                axis,
+            )
+            for tensor in (layer.delta, layer.bias, layer.magnitude):
+                if tensor is not None and not bool(torch.isfinite(tensor).all()):
+                    raise _bad(name, fmt, f"{where} overflows {str(dtype).removeprefix('torch.')}")
+            layers[key] = layer
     return layers
 
 
 def _targets(
-    pipe: Any,
-    deltas: Mapping[str, tuple[torch.Tensor, torch.Tensor | None]],
-    fmt: names.Format,
-    name: str,
+    pipe: Any, deltas: Mapping[str, torch.Tensor], fmt: names.Format, name: str
 ) -> dict[str, list[tuple[LayerKey, torch.Tensor]]]:
     """Per module: the model's layers it lands on, each with the module's rows it takes."""
     stems = list(deltas)
     components = set(getattr(pipe, "_lora_loadable_modules", ()))
     probes: Tensors = {}
     for number, stem in enumerate(stems, start=1):
-        delta = deltas[stem][0]
+        delta = deltas[stem]
         kernel = (1,) * (delta.dim() - 2)
         peft = stem.split(".", 1)[0] in components
         down_name, up_name = ("lora_A", "lora_B") if peft else ("lora_down", "lora_up")
@@ -145,51 +195,61 @@ def _targets(
             found.setdefault(stem, []).append(((component, module), rows))
     for stem in stems:
         taken = torch.cat([rows for _, rows in found.get(stem, [])] or [torch.empty(0).long()])
-        if not torch.equal(taken.sort().values, torch.arange(deltas[stem][0].shape[0])):
+        if not torch.equal(taken.sort().values, torch.arange(deltas[stem].shape[0])):
             raise _bad(name, fmt, f"module {stem!r} does not map onto this model's layers")
     return found
 
 
-def _layer(
+def _weight_shape(
+    shapes: validation.ModelShapes, key: LayerKey, where: str, name: str, fmt: names.Format
+) -> tuple[int, ...]:
+    shape = shapes.get(key[0], {}).get(key[1])
+    if shape is None:
+        raise _bad(name, fmt, f"{where}: not a Linear or Conv2d layer (only those are served)")
+    return (shape.out_features, shape.in_features, *(shape.kernel or ()))
+
+
+def _bias(
     pipe: Any,
     key: LayerKey,
-    shapes: validation.ModelShapes,
-    delta: torch.Tensor,
     bias: torch.Tensor | None,
     rows: torch.Tensor,
-    stem: str,
-    fmt: names.Format,
+    where: str,
     name: str,
+    fmt: names.Format,
     dtype: torch.dtype,
-) -> FullLayer:
-    component, module = key
-    shape = shapes.get(component, {}).get(module)
-    if shape is None:
+) -> torch.Tensor | None:
+    if bias is None:
+        return None
+    if getattr(pipe, key[0]).get_submodule(key[1]).bias is None:
+        raise _bad(name, fmt, f"{where}: it changes the bias of a layer that has none")
+    return bias.reshape(-1)[rows].to(dtype)
+
+
+def _magnitude(
+    magnitude: torch.Tensor | None,
+    axis: int,
+    rows: torch.Tensor,
+    weight_shape: tuple[int, ...],
+    where: str,
+    name: str,
+    fmt: names.Format,
+    dtype: torch.dtype,
+) -> torch.Tensor | None:
+    """A DoRA magnitude for one layer, shaped to broadcast along its axis."""
+    if magnitude is None:
+        return None
+    ones = (1,) * (len(weight_shape) - 2)
+    if axis == 0:
+        return magnitude.reshape(-1)[rows].reshape(-1, 1, *ones).to(dtype)
+    if magnitude.numel() != weight_shape[1]:
         raise _bad(
             name,
             fmt,
-            f"module {stem!r} lands on {component}.{module}, which is not a Linear or Conv2d "
-            "layer of this model (only those are served)",
+            f"{where}: a dora_scale of {magnitude.numel()} input channels on a layer of "
+            f"{weight_shape[1]}",
         )
-    kernel = tuple(shape.kernel or ())
-    weight_shape = (shape.out_features, shape.in_features, *kernel)
-    if delta.numel() != torch.Size(weight_shape).numel() or delta.shape[0] != weight_shape[0]:
-        raise _bad(
-            name,
-            fmt,
-            f"module {stem!r} gives {component}.{module} a delta of {tuple(delta.shape)}, but "
-            f"that layer's weight is {weight_shape}; is it for another model?",
-        )
-    layer_bias = None
-    if bias is not None:
-        if getattr(pipe, component).get_submodule(module).bias is None:
-            raise _bad(name, fmt, f"module {stem!r} changes the bias of a layer that has none")
-        layer_bias = bias.reshape(-1)[rows].to(dtype)
-    full = FullLayer(delta.reshape(weight_shape).to(dtype), layer_bias)
-    for tensor in (full.delta, full.bias):
-        if tensor is not None and not bool(torch.isfinite(tensor).all()):
-            raise _bad(name, fmt, f"module {stem!r} overflows {str(dtype).removeprefix('torch.')}")
-    return full
+    return magnitude.reshape(1, -1, *ones).to(dtype)
 
 
 def _bad(name: str, fmt: names.Format, why: str) -> errors.IncompatibleAdapter:

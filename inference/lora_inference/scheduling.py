@@ -6,9 +6,9 @@ Requests for different adapters share a batch through peft's per-sample adapter 
 as the batch needs no more adapters than there are GPU slots and each adapter appears with one
 scale (a scale is per adapter inside the pipeline, not per image).
 
-A merged-only adapter (LoKr with a full w2, `.diff` files: `BatchKey.alone`) is merged whole into
-the base weights for its call, so its batches hold its own requests only: no other adapter and no
-base-model image ever shares one (`_may_join`).
+A merged-only adapter (LoKr with a full w2, `.diff` files, kohya DoRA: `BatchKey.alone`) is
+merged whole into the base weights for its call, so its batches hold its own requests only: no
+other adapter and no base-model image ever shares one (`_may_join`).
 
 A batch that is not full waits briefly for requests still being admitted (`fill_wait`).
 

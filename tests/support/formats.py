@@ -145,6 +145,24 @@ def full_diff(
     return {"diff": diff}, diff.double()
 
 
+def dora(build: Builder, *, axis: int, wobble: float = 0.1) -> Builder:
+    """`build`'s module with a `dora_scale` (kohya / LyCORIS DoRA): magnitudes within `wobble` of
+    the norms of W + ΔW per input channel (`axis` 1, LyCORIS's default) or per output row (`axis`
+    0); the delta it defines is `W' - W`, `W' = m (W + ΔW) / |W + ΔW|`, against this base W."""
+
+    def make(weight: torch.Tensor, g: torch.Generator) -> tuple[Tensors, torch.Tensor]:
+        tensors, delta = build(weight, g)
+        base = weight.double()
+        adapted = base + delta.reshape(base.shape)
+        dims = tuple(d for d in range(base.dim()) if d != axis)
+        norm = torch.linalg.vector_norm(adapted, dim=dims, keepdim=True)
+        noise = 2 * torch.rand(norm.shape, generator=g, dtype=torch.float64) - 1
+        tensors["dora_scale"] = (norm * (1 + wobble * noise)).float()
+        return tensors, tensors["dora_scale"].double() * adapted / norm - base
+
+    return make
+
+
 def with_bias_diffs(pipe: Any, made: Made, seed: int = 12) -> Made:
     """`made` (a kohya file) with a `.diff_b` beside each `.diff` whose layer has a bias."""
     g = torch.Generator().manual_seed(seed)
@@ -283,6 +301,22 @@ def sd_full(pipe: Any) -> Made:
     return with_bias_diffs(pipe, kohya_file(pipe, choose))
 
 
+def sd_dora(pipe: Any) -> Made:
+    """kohya / LyCORIS DoRA: kohya pairs with a `dora_scale` per input channel on attention and
+    convolutions, per output row on attention outputs, and a LoHa with one on projections."""
+
+    def choose(component: str, path: str, m: torch.nn.Module) -> Builder | None:
+        if path.endswith(("to_out.0", "out_proj")):
+            return dora(plain, axis=0)
+        if _attention(path) or (_is_conv3(m) and "resnets" in path):
+            return dora(plain, axis=1)
+        if path.endswith("proj_in"):
+            return dora(loha, axis=1)
+        return None
+
+    return kohya_file(pipe, choose)
+
+
 _FLUX_KOHYA = {  # kohya's Flux names -> diffusers' layers (a fused qkv splits into three)
     "lora_unet_double_blocks_0_img_attn_qkv": ("attn.to_q", "attn.to_k", "attn.to_v"),
     "lora_unet_double_blocks_0_txt_attn_qkv": (
@@ -372,6 +406,8 @@ def sd3_kohya(builder: Builder) -> Callable[[Any], Made]:
                 for p in paths
             ]
             fused = torch.cat(weights)
+            if "adaLN" in stem:  # the base rows in the file's order (a DoRA norms them)
+                fused = torch.cat(list(reversed(fused.chunk(2))))
             tensors, delta = builder(fused, g)
             made.tensors.update({f"{stem}.{k}": v for k, v in tensors.items()})
             if "adaLN" in stem:

@@ -6,7 +6,10 @@ Adapters come from many trainers, and each writes its own names: peft and diffus
 (`processor.qkv_lora1.down`), and DoRA's magnitudes in either naming. This module reads names
 only, so the operator refuses at staging what the server would refuse at load, with the same
 words: every refusal names the format and says what to do instead. Served formats are converted
-to plain LoRA pairs by the server (`lora_inference.formats`); this module imports no torch.
+to plain LoRA pairs by the server (`lora_inference.formats`), or, for those whose delta is not
+low rank (`Format.merged_only`: LoKr with a full w2, `.diff` files, kohya / LyCORIS DoRA), to
+whole per-layer deltas merged for batches of that adapter alone (`lora_inference.merge_only`);
+this module imports no torch.
 
 docs/adapters.md lists the formats, and the test that proves each.
 """
@@ -42,7 +45,8 @@ DORA = Format("dora", "DoRA (peft)")
 # that adapter alone (docs/adapters.md, "Served merged only").
 LOKR_FULL = Format("lokr_full", "LyCORIS LoKr with a full w2", merged_only=True)
 FULL = Format("full", "full weight differences (.diff / .diff_b)", merged_only=True)
-SERVED = (LORA, LOCON, LOHA, LOKR, XLABS, LORA_BIAS, DORA, LOKR_FULL, FULL)
+DORA_KOHYA = Format("dora_kohya", "kohya / LyCORIS DoRA (dora_scale)", merged_only=True)
+SERVED = (LORA, LOCON, LOHA, LOKR, XLABS, LORA_BIAS, DORA, LOKR_FULL, FULL, DORA_KOHYA)
 
 # A tensor name's role, by the part after its module path. Order matters: the first match wins.
 _ROLES: tuple[tuple[str, re.Pattern[str]], ...] = tuple(
@@ -78,11 +82,6 @@ _ROLES: tuple[tuple[str, re.Pattern[str]], ...] = tuple(
 
 # Refused by name: what each one is, and what to do instead.
 _REFUSED = {
-    "dora_scale": (
-        "kohya / LyCORIS DoRA (dora_scale)",
-        "DoRA is served in peft's form only (lora_magnitude_vector, saved by peft and diffusers); "
-        "re-export it with peft, or use the adapter as a plain LoRA",
-    ),
     "kohya_bias": (
         "kohya-named LoRA with biases (lora_up.bias)",
         "biases are served in peft's naming only (lora_B.bias); save the adapter with peft, "
@@ -116,6 +115,7 @@ _REFUSED = {
     ),
 }
 _SERVED_BY_ROLE = {
+    "dora_scale": DORA_KOHYA,
     "diff": FULL,
     "lokr_full_w2": LOKR_FULL,
     "loha": LOHA,
@@ -163,7 +163,17 @@ def classify(keys: Iterable[str], *, name: str = "adapter") -> Format:
             "server knows (LoRA, LoCon, LoHa, LoKr, XLabs); is this a full checkpoint rather "
             "than an adapter?"
         )
-    for served in ("diff", "lokr_full_w2", "dora", "lokr", "loha", "locon_mid", "xlabs", "bias"):
+    for served in (
+        "dora_scale",
+        "diff",
+        "lokr_full_w2",
+        "dora",
+        "lokr",
+        "loha",
+        "locon_mid",
+        "xlabs",
+        "bias",
+    ):
         if served in roles:
             return _SERVED_BY_ROLE[served]
     return LORA

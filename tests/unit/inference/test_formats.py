@@ -175,7 +175,6 @@ def test_a_mixed_batch_draws_each_format_as_its_merged_definition(
 
 
 REFUSED = {
-    "dora": ("lora_unet_x.dora_scale", "DoRA"),
     "oft": ("lora_unet_x.oft_blocks", "OFT"),
     "glora": ("lora_unet_x.a1.weight", "GLoRA"),
     "ia3": ("lora_unet_x.on_input", "(IA)3"),

@@ -59,7 +59,7 @@ async def test_a_loha_file_is_listed_with_its_format_rank_and_trigger_words(
 
 @pytest.mark.parametrize(
     ("tensor", "label"),
-    [("lora_unet_x.dora_scale", "DoRA"), ("lora_unet_x.oft_blocks", "OFT")],
+    [("lora_unet_x.a1.weight", "GLoRA"), ("lora_unet_x.oft_blocks", "OFT")],
 )
 async def test_a_refused_format_is_a_422_naming_it(
     server: Server, assets: Assets, tensor: str, label: str

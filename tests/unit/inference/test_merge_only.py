@@ -29,10 +29,13 @@ from lora_volume import formats
 from tests.support.formats import (
     Made,
     Tensors,
+    dora,
     flux_lycoris,
     full_diff,
     lokr_full,
+    plain,
     sd3_kohya,
+    sd_dora,
     sd_full,
     sd_lokr_full,
     sd_lokr_mixed,
@@ -58,6 +61,10 @@ CASES: dict[str, tuple[str, Callable[[Any], Made], str]] = {
         "lokr_full",
     ),
     "flux-kohya-diff": ("flux", flux_lycoris(lambda w, g: full_diff(w, g, target=0.5)), "full"),
+    "sd15-kohya-dora": ("sd15", sd_dora, "dora_kohya"),
+    "sdxl-kohya-dora": ("sdxl", sd_dora, "dora_kohya"),
+    "flux-kohya-dora": ("flux", flux_lycoris(dora(plain, axis=0, wobble=0.5)), "dora_kohya"),
+    "sd3-kohya-dora": ("sd3", sd3_kohya(dora(plain, axis=0)), "dora_kohya"),
     "sd3-kohya-diff": ("sd3", sd3_kohya(lambda w, g: full_diff(w, g, target=0.5)), "full"),
 }
 
@@ -112,7 +119,15 @@ def test_the_merged_weights_differ_from_the_base_by_exactly_the_format_s_delta(
 
 @pytest.mark.parametrize(
     "case",
-    ["sd15-lokr-full", "sd15-lokr-mixed", "sd15-diff", "flux-kohya-lokr-full", "sd3-kohya-diff"],
+    [
+        "sd15-lokr-full",
+        "sd15-lokr-mixed",
+        "sd15-diff",
+        "sd15-kohya-dora",
+        "flux-kohya-lokr-full",
+        "flux-kohya-dora",
+        "sd3-kohya-diff",
+    ],
 )
 def test_a_merged_only_adapter_draws_its_definition_merged_whatever_merge_says(
     case: str, tmp_path: Path
@@ -152,16 +167,23 @@ def test_a_merged_only_adapter_draws_its_definition_merged_whatever_merge_says(
         assert all(torch.equal(v, weights_before[k]) for k, v in pipe.unet.state_dict().items())
 
 
-def _merged_only_file(assets: Assets, directory: str) -> tuple[Path, Made]:
+def _merged_only_file(
+    assets: Assets, directory: str, make: Callable[[Any], Made] = sd_full
+) -> Path:
     pipe = DiffusionPipeline.from_pretrained(str(assets.model))
-    made = sd_full(pipe)
-    return write(assets.root / directory / "full.safetensors", made.tensors), made
+    return write(assets.root / directory / "m.safetensors", make(pipe).tensors)
 
 
+@pytest.mark.parametrize(("make", "key"), [(sd_full, "full"), (sd_dora, "dora_kohya")])
 async def test_a_stream_never_batches_a_merged_only_adapter_with_anything_else(
-    server: Server, assets: Assets, backend: DiffusionBackend, monkeypatch: pytest.MonkeyPatch
+    make: Callable[[Any], Made],
+    key: str,
+    server: Server,
+    assets: Assets,
+    backend: DiffusionBackend,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    path, _ = _merged_only_file(assets, "stream-full")
+    path = _merged_only_file(assets, f"stream-{key}", make)
     await server.load("m", path)
     await server.load("a", assets.adapter_a)
     base_before = await server.image()
@@ -195,7 +217,7 @@ async def test_a_stream_never_batches_a_merged_only_adapter_with_anything_else(
     status, listed = await server.get("/v1/adapters")
     assert status == 200
     cards = {card["id"]: card for card in listed["data"]}
-    assert (cards["m"]["format"], cards["m"]["merged_only"]) == ("full", True)
+    assert (cards["m"]["format"], cards["m"]["merged_only"]) == (key, True)
     assert (cards["a"]["format"], cards["a"]["merged_only"]) == ("lora", False)
 
 
@@ -209,7 +231,7 @@ async def test_a_stream_never_batches_a_merged_only_adapter_with_anything_else(
 async def test_a_merged_only_adapter_cannot_be_stacked_and_says_why(
     server: Server, assets: Assets, lora: Any
 ) -> None:
-    path, _ = _merged_only_file(assets, "stack-full")
+    path = _merged_only_file(assets, "stack-full")
     await server.load("m", path)
     await server.load("a", assets.adapter_a)
     status, body = await server.post(
@@ -242,6 +264,17 @@ def _malformed(pipe: Any) -> dict[str, Tensors]:
             f"{conv}.lokr_w2": torch.ones(4, 4),
         },
         "unknown-layer": {"lora_unet_no_such_block.diff": torch.ones(4, 4)},
+        "dora-scale-alone": {f"{q}.dora_scale": torch.ones(1, 32)},
+        "dora-scale-of-another-shape": {
+            f"{q}.lora_down.weight": torch.ones(2, 32),
+            f"{q}.lora_up.weight": torch.ones(32, 2),
+            f"{q}.dora_scale": torch.ones(3),
+        },
+        "dora-scale-of-other-input-channels": {
+            f"{q}.lora_down.weight": torch.ones(2, 32),
+            f"{q}.lora_up.weight": torch.ones(32, 2),
+            f"{q}.dora_scale": torch.ones(1, 5),
+        },
     }
 
 
@@ -257,7 +290,20 @@ def test_a_malformed_merged_only_file_is_a_422_naming_its_format(
     with pytest.raises(errors.IncompatibleAdapter) as raised:
         backend.parse_adapter(path, name=case, max_rank=64)
     assert raised.value.status == 422
-    assert (
-        "(full weight differences" in raised.value.message
-        or "(LyCORIS LoKr with a full w2" in raised.value.message
-    )
+    labels = ("(full weight differences", "(LyCORIS LoKr with a full w2", "(kohya / LyCORIS DoRA")
+    assert any(label in raised.value.message for label in labels), raised.value.message
+
+
+def test_dora_per_input_channel_on_a_layer_the_family_splits_is_a_422(
+    request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    """Flux's fused qkv becomes three layers: a norm per input channel spans all three, which
+    no one layer's merge can compute."""
+    backend = _float64(request)["flux"]
+    made = flux_lycoris(dora(plain, axis=1))(backend.pipe)
+    with pytest.raises(errors.IncompatibleAdapter) as raised:
+        backend.parse_adapter(
+            write(tmp_path / "d.safetensors", made.tensors), name="d", max_rank=64
+        )
+    assert raised.value.status == 422
+    assert "normalises per input channel across the 3 layers" in raised.value.message

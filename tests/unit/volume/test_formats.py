@@ -78,11 +78,16 @@ SERVED = [
     ),
     pytest.param(["lora_unet_a.diff", "lora_unet_a.diff_b"], "full", id="diff"),
     pytest.param([*PAIR, "lora_unet_b.diff"], "full", id="diff-beside-pairs"),
+    pytest.param([*PAIR, "lora_unet_a_to_q.dora_scale"], "dora_kohya", id="dora-kohya"),
+    pytest.param(
+        [f"lora_unet_a.hada_w{i}_{ab}" for i in (1, 2) for ab in "ab"] + ["lora_unet_a.dora_scale"],
+        "dora_kohya",
+        id="dora-kohya-loha",
+    ),
 ]
-MERGED_ONLY = {"lokr_full", "full"}
+MERGED_ONLY = {"lokr_full", "full", "dora_kohya"}
 
 REFUSED = [
-    pytest.param("lora_unet_a.dora_scale", "kohya / LyCORIS DoRA", id="dora-kohya"),
     pytest.param("lora_unet_a_to_q.lora_up.bias", "kohya-named LoRA with biases", id="kohya-bias"),
     pytest.param("lora_unet_a.oft_blocks", "OFT", id="oft-lycoris"),
     pytest.param("unet.a.oft_r", "OFT", id="oft-peft"),
