@@ -120,3 +120,12 @@ def test_a_line_needs_two_distinct_points() -> None:
 
 
 # -- fusing the branches of a batch that mixes adapters ------------------------------------------
+
+
+@pytest.mark.parametrize("policy", ["auto", "always", "never"])
+def test_a_merged_only_adapter_is_merged_whatever_the_policy_says(
+    policy: costs.MergePolicy,
+) -> None:
+    """Its whole-matrix deltas have no unmerged form: `--merge never` cannot run it as a branch."""
+    assert costs.policy_for(policy, merged_only=True) == "always"
+    assert costs.policy_for(policy, merged_only=False) == policy

@@ -218,6 +218,7 @@ async def test_a_stream_never_batches_a_merged_only_adapter_with_anything_else(
     assert status == 200
     cards = {card["id"]: card for card in listed["data"]}
     assert (cards["m"]["format"], cards["m"]["merged_only"]) == (key, True)
+    assert cards["m"]["targets"] == ["text_encoder", "unet"]  # its whole-matrix layers count
     assert (cards["a"]["format"], cards["a"]["merged_only"]) == ("lora", False)
 
 
