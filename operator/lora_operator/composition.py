@@ -5,7 +5,8 @@ optionally with block weights. It is staged as a revision holding a manifest of 
 staged revisions and their weights (`lora_volume.stacks`), so its revision changes exactly when
 a member's revision, a scale or a block weight does. `plan_composition` decides, from the
 composition's spec and what the controller knows of each member, which revisions it is built
-from, or raises the staging error saying which member stops it. `composed_revision` names the revision that staging would publish.
+from, or raises the staging error saying which member stops it. `composed_revision` names the
+revision that staging would publish.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from lora_volume import stacks
+from lora_volume import description, formats, stacks
 
 from lora_operator import errors
 from lora_operator.model import AdapterInfo, StagedRef
@@ -22,10 +23,12 @@ from lora_operator.model import AdapterInfo, StagedRef
 
 @dataclass(frozen=True)
 class MemberState:
-    """What the controller knows of one member: its spec and the revision it staged."""
+    """What the controller knows of one member: its spec, the revision it staged and what that
+    revision's file declares (None: not known yet)."""
 
     info: AdapterInfo
     staged: StagedRef | None
+    adapter: description.Description | None = None
 
 
 def plan_composition(
@@ -53,6 +56,17 @@ def plan_composition(
         raise errors.MemberInvalid(
             f"spec.compose mixes base models: {found}, this adapter for {info.base_model!r}; "
             "compose adapters of one base model"
+        )
+    unstackable = [
+        (n, adapter.format)
+        for n in names
+        if (adapter := members[n].adapter) is not None and not formats.stackable(adapter.format.key)
+    ]
+    if unstackable:
+        found = ", ".join(f"{n!r} is a {f.label} file" for n, f in unstackable)
+        raise errors.MemberInvalid(
+            f"spec.compose names adapters that cannot be stacked: {found}; a stack is a sum of "
+            "low-rank deltas, which merged-only formats and DoRA are not: serve them alone"
         )
     entries, unstaged = [], []
     for member in info.compose:

@@ -132,6 +132,13 @@ def merged_only(key: str) -> bool:
     return any(f.key == key and f.merged_only for f in SERVED)
 
 
+def stackable(key: str) -> bool:
+    """Whether an adapter of the format keyed `key` may be a member of a stack (a request's
+    `lora` list or block weights, a LoRAAdapter's `spec.compose`): a stack is a sum of low-rank
+    deltas, and neither a merged-only delta nor DoRA's rescale of the weights is one."""
+    return not merged_only(key) and key != DORA.key
+
+
 def role(key: str) -> str | None:
     """The role of one tensor name (None: not part of any adapter format known here)."""
     for name, pattern in _ROLES:

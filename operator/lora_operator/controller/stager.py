@@ -195,7 +195,11 @@ class Stager(Actor):
                     # A member under a rollout takes part with what its name serves: the
                     # stable revision, until it is promoted.
                     staged = StagedRef(sha256=r.name_revision, size=staged.size)
-                members[member.name] = composition.MemberState(info=member, staged=staged)
+                members[member.name] = composition.MemberState(
+                    info=member,
+                    staged=staged,
+                    adapter=rec.staging.state.adapter if rec is not None else None,
+                )
         return members
 
     def _composed_revision(self, info: AdapterInfo) -> str | None:

@@ -3,6 +3,7 @@ real volume, and how the controller follows its members (real store, pods in mem
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 from typing import Any
@@ -11,7 +12,7 @@ import pytest
 from lora_operator import composition, errors, sources, staging
 from lora_operator.controller import needs_staging
 from lora_operator.model import StagedRef, adapter_info
-from lora_volume import layout, stacks
+from lora_volume import description, formats, layout, stacks
 
 from tests.support.controller import NS, Rig, adapter, pod
 from tests.support.loras import lora_bytes
@@ -43,6 +44,18 @@ def member(
 
 def members(**staged: str | None) -> dict[str, composition.MemberState]:
     return {name: member(name, sha) for name, sha in staged.items()}
+
+
+def declaring(name: str, fmt: formats.Format) -> composition.MemberState:
+    """A staged member whose file is of format `fmt`."""
+    adapter = description.Description(fmt, rank=4, targets=("unet",), trigger_words=())
+    return dataclasses.replace(member(name), adapter=adapter)
+
+
+def test_members_whose_files_stack_compose() -> None:
+    for fmt in (formats.LORA, formats.LOHA, formats.LOKR, formats.LORA_BIAS, formats.XLABS):
+        state = {**members(a=A), "b": declaring("b", fmt)}
+        assert len(composition.plan_composition(DUO, state)) == 2, fmt
 
 
 def test_a_composition_is_built_from_its_members_staged_revisions() -> None:
@@ -92,6 +105,18 @@ def test_block_weights_are_carried_in_spec_order_and_make_their_own_revision() -
         ),
         pytest.param(
             members(a=A, b=None), errors.MemberNotStaged, "waiting for 'b'", id="unstaged"
+        ),
+        pytest.param(
+            {**members(a=A), "b": declaring("b", formats.LOKR_FULL)},
+            errors.MemberInvalid,
+            "'b' is a LyCORIS LoKr with a full w2 file",
+            id="merged-only",
+        ),
+        pytest.param(
+            {**members(a=A), "b": declaring("b", formats.DORA)},
+            errors.MemberInvalid,
+            "'b' is a DoRA (peft) file",
+            id="dora",
         ),
     ],
 )
