@@ -1,9 +1,11 @@
 """The demo (`make demo`): the chart, the operator, three trained adapters and a composition.
 
-`python -m lora_demo --out demo-out` starts a cluster in a temporary directory (the project's
-images imported into its node), copies the demo's small trained SD 1.5-family model (coloured
-shapes on paper) onto a claim with a Job of the inference image, `helm install`s
-charts/lora-operator, copies its three trained adapters (pixel-art, palette-swap, shape-shift) onto
+`python -m lora_demo --out demo-out` starts a cluster in a temporary directory with an OCI
+registry on its node (the registry's storage under the cache, so a push sends only what changed
+since the last demo), pushes the images and the packaged chart to it as `make push` and `make
+chart-push` do, copies the demo's small trained SD 1.5-family model (coloured shapes on paper)
+onto a claim with a Job of the inference image, `helm install`s the chart from the registry
+(the release's images pulled from it by the node), copies its three trained adapters (pixel-art, palette-swap, shape-shift) onto
 the chart's adapter volume, applies examples/adapter.yaml, the two other adapters and a
 composition of two (spec.compose), waits until all four are Ready on every inference pod,
 generates a few prompts with the base model and each adapter by name through the Service, writes
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import io
+import os
 import signal
 import sys
 import tempfile
@@ -28,6 +31,7 @@ from types import FrameType
 
 import yaml
 from lora_devcluster import cluster as cluster_mod
+from lora_devcluster import images, registry
 from lora_devcluster.harness import ApiError, Harness
 from lora_inference.tools.sheet import contact_sheet
 from PIL import Image
@@ -43,6 +47,7 @@ from lora_demo.manifests import (
 )
 
 EXAMPLE_ADAPTER = release.ROOT / "examples" / "adapter.yaml"
+PUSHED_TO = f"{registry.ADDRESS}/lora-operator"  # the REGISTRY of `make push`
 NAMESPACE = "lora-demo"
 SIZE = 32  # the demo model's own size
 STEPS = 20
@@ -66,15 +71,36 @@ def _raise_on_sigterm(signum: int, frame: FrameType | None) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
 
+def push_to_registry(h: Harness, work: Path) -> tuple[str, str]:
+    """What `make push` and `make chart-push` do, to the cluster's registry: the images (as
+    built for this tree; their layers uncompressed: gzip would cost minutes on one machine) and
+    the packaged chart. Returns the chart's `oci://` reference and version."""
+    images.push(PUSHED_TO, images.built(images.PUSHED_IMAGES), plain_http=True, compress=False)
+    version = yaml.safe_load((release.CHART / "Chart.yaml").read_text())["version"]
+    h.run(["helm", "package", str(release.CHART), "-d", str(work)])
+    packaged = work / f"lora-operator-{version}.tgz"
+    h.run(["helm", "push", str(packaged), f"oci://{PUSHED_TO}", "--plain-http"])
+    return f"oci://{PUSHED_TO}/lora-operator", str(version)
+
+
 def run_demo(out: Path, work: Path, p: Progress, replicas: int) -> int:
     ns = NAMESPACE
     adapters = [*(a.name for a in DEMO_ADAPTERS), DEMO_COMPOSITION[0]]
-    p.step("starting the local cluster (control plane, containerd, kubelet, kube-proxy, CoreDNS)")
+    p.step(
+        "starting the local cluster (control plane, containerd, kubelet, kube-proxy, CoreDNS) "
+        "and its registry"
+    )
     t = time.monotonic()
-    with cluster_mod.joined(work / "cluster", progress=lambda m: None) as c:
+    # The registry keeps what is pushed under the cache: a push sends only the changed layers.
+    os.environ.setdefault(registry.STORAGE_ENV, str(registry.cached_storage()))
+    with cluster_mod.joined(work / "cluster", progress=lambda m: None, with_registry=True) as c:
         h = Harness(c)
         try:
             p.step(f"cluster up in {p.timed('cluster up', t):.1f} s")
+            t = time.monotonic()
+            p.step(f"make push and make chart-push to the cluster's registry ({PUSHED_TO})")
+            chart, version = push_to_registry(h, work)
+            p.step(f"pushed in {p.timed('push', t):.1f} s")
             h.create(
                 "/api/v1/namespaces",
                 {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}},
@@ -87,15 +113,26 @@ def run_demo(out: Path, work: Path, p: Progress, replicas: int) -> int:
             p.step(f"model written in {p.timed('model', t):.1f} s")
 
             t = time.monotonic()
-            p.step(f"helm install {RELEASE} charts/lora-operator -n {ns} ({replicas} replicas)")
+            p.step(f"helm install {RELEASE} {chart} -n {ns} ({replicas} replicas)")
             release.install_crd(h)
-            release.install_chart(
-                h, ns, manifests.local_values(ns, replicas=replicas, model=DEMO_MODEL), work
-            )
+            values = manifests.local_values(ns, replicas=replicas, model=DEMO_MODEL)
+            for role in images.PUSHED_IMAGES:  # the release's images come from the registry
+                values[role]["image"] = {"repository": f"{PUSHED_TO}/{role}"}
+            flags = ("--version", version, "--plain-http")
+            release.install_chart(h, ns, values, work, chart=chart, flags=flags)
             p.step("a Job copies the three trained adapters onto the chart's adapter volume")
             release.prepare_adapters(h, ns, DEMO_ADAPTERS, "prepare-adapters")
             pods = release.ready_inference_pods(h, ns, replicas)
             p.step(f"inference pods ready in {p.timed('helm install -> pods ready', t):.1f} s")
+            pulled = {
+                cs["imageID"]
+                for pod in pods
+                for cs in pod["status"]["containerStatuses"]
+                if cs["name"] == "inference"
+            }
+            if not all(i.startswith(f"{PUSHED_TO}/inference@") for i in pulled):
+                raise RuntimeError(f"the inference pods did not run the pushed image: {pulled}")
+            p.step(f"the pods run the image the node pulled from the registry: {pulled.pop()}")
 
             t = time.monotonic()
             p.step(

@@ -37,10 +37,19 @@ def install_crd(h: Harness) -> None:
     h.kubectl("wait", "--for=condition=Established", "crd/loraadapters.lora.dev", "--timeout=60s")
 
 
-def install_chart(h: Harness, namespace: str, values: Obj, work: Path) -> None:
+def install_chart(
+    h: Harness,
+    namespace: str,
+    values: Obj,
+    work: Path,
+    chart: str = str(CHART),
+    flags: tuple[str, ...] = (),
+) -> None:
+    """`helm install` the chart (the working tree's, or `chart` with its `flags`: a registry's
+    `oci://` reference and `--version`) with `values`."""
     values_file = work / f"values-{namespace}.yaml"
     values_file.write_text(yaml.safe_dump(values))
-    h.run(["helm", "install", RELEASE, str(CHART), "-n", namespace, "-f", str(values_file)])
+    h.run(["helm", "install", RELEASE, chart, *flags, "-n", namespace, "-f", str(values_file)])
 
 
 def run_job(h: Harness, namespace: str, job: Obj, timeout: float = 600) -> str:

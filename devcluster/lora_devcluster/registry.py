@@ -5,7 +5,7 @@ as a GPU cluster pulls from its registry.
 The registry is Debian's `docker-registry` package: the distribution registry (what the
 `registry:2` image runs), installed with the node's other packages, so nothing is built for it;
 it serves images and Helm charts (OCI artifacts) alike and keeps them on disk in the cluster's
-directory. It listens on the node's address inside the cluster's network namespace, over plain
+directory, or where LORA_REGISTRY_STORAGE says (the demo keeps them under the cache). It listens on the node's address inside the cluster's network namespace, over plain
 HTTP: pods, containerd, and processes joined to the cluster (the tests, `lora-devcluster exec`)
 reach it; nothing outside the machine does.
 
@@ -15,6 +15,7 @@ where both are written. Must not: start processes (node.start does), push or pul
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from lora_devcluster.layout import HOST_IP, Layout
@@ -26,8 +27,21 @@ BINARY = "docker-registry"
 PACKAGE = "docker-registry"
 
 
+STORAGE_ENV = "LORA_REGISTRY_STORAGE"
+"""Where the registry keeps what is pushed, when set (the demo's: a folder under the cache, so a
+push finds the layers of the last one there and sends only what changed); otherwise in the
+cluster's directory, gone with `down`."""
+
+
 def storage_dir(layout: Layout) -> Path:
-    return layout.root / "registry"
+    return Path(os.environ.get(STORAGE_ENV) or layout.root / "registry")
+
+
+def cached_storage() -> Path:
+    """A registry storage that outlives clusters: ~/.cache/lora-operator/registry
+    (XDG_CACHE_HOME honoured). Content-addressed, so one folder serves every tree's images."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "lora-operator" / "registry"
 
 
 def hosts_dir(layout: Layout) -> Path:

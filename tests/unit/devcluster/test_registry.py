@@ -6,13 +6,15 @@ from __future__ import annotations
 import tomllib
 from pathlib import Path
 
+import pytest
 from lora_devcluster import nodeconfig, registry
 from lora_devcluster.layout import HOST_IP, Layout
 
 
 def test_the_registry_listens_on_the_node_and_keeps_its_data_in_the_cluster(
-    tmp_path: Path,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.delenv(registry.STORAGE_ENV, raising=False)
     layout = Layout(tmp_path)
     config = registry.build_registry_config(registry.storage_dir(layout))
     assert f"{HOST_IP}:5000" == registry.ADDRESS
@@ -21,6 +23,16 @@ def test_the_registry_listens_on_the_node_and_keeps_its_data_in_the_cluster(
         "filesystem": {"rootdirectory": str(tmp_path / "registry")},
         "delete": {"enabled": True},
     }
+
+
+def test_a_registry_may_keep_its_data_where_it_outlives_the_cluster(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The demo's: under the cache, so its next push finds every unchanged layer there."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    assert registry.cached_storage() == tmp_path / "cache" / "lora-operator" / "registry"
+    monkeypatch.setenv(registry.STORAGE_ENV, str(registry.cached_storage()))
+    assert registry.storage_dir(Layout(tmp_path / "cluster")) == registry.cached_storage()
 
 
 def test_containerd_pulls_from_it_over_plain_http(tmp_path: Path) -> None:
