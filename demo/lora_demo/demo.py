@@ -1,17 +1,17 @@
 """The demo (`make demo`): the chart, the operator, three trained adapters and a composition.
 
-`python -m lora_demo --out demo-out` starts a cluster in a temporary directory with an OCI
-registry on its node (the registry's storage under the cache, so a push sends only what changed
-since the last demo), pushes the images and the packaged chart to it as `make push` and `make
-chart-push` do, copies the demo's small trained SD 1.5-family model (coloured shapes on paper)
-onto a claim with a Job of the inference image, `helm install`s the chart from the registry
-(the release's images pulled from it by the node), copies its three trained adapters (pixel-art, palette-swap, shape-shift) onto
-the chart's adapter volume, applies examples/adapter.yaml, the two other adapters and a
-composition of two (spec.compose), waits until all four are Ready on every inference pod,
-generates a few prompts with the base model and each adapter by name through the Service, writes
-the images and a side-by-side sheet, generates once more from a pod inside the cluster by the
-Service's DNS name, SIGKILLs an inference container and times the adapters' return, prints a
-summary and tears everything down, also on a failure, Ctrl-C or SIGTERM.
+`python -m lora_demo --out demo-out` starts a cluster in a temporary directory with an OCI registry
+on its node (the registry's storage under the cache, so a push sends only what changed since the
+last demo), pushes the images and the packaged chart to it as `make push` and `make chart-push` do,
+copies the demo's small trained SD 1.5-family model (coloured shapes on paper) onto a claim with a
+Job of the inference image, `helm install`s the chart from the registry (the release's images pulled
+from it by the node), copies its three trained adapters (pixel-art, palette-swap, shape-shift) onto
+the chart's adapter volume, applies examples/adapter.yaml, the two other adapters and a composition
+of two (spec.compose), waits until all four are Ready on every inference pod, generates a few
+prompts with the base model and each adapter by name through the Service, writes the images and a
+side-by-side sheet, generates once more from a pod inside the cluster by the Service's DNS name,
+SIGKILLs an inference container and times the adapters' return, prints a summary and tears
+everything down, also on a failure, Ctrl-C or SIGTERM.
 
 Owns: the demo's steps and what it prints. The cluster steps it shares with the end-to-end suite
 are in `release`; what it applies is in `manifests`.

@@ -2,12 +2,12 @@
 `make chart-push` publish the images and the chart, and where the node's containerd pulls from,
 as a GPU cluster pulls from its registry.
 
-The registry is Debian's `docker-registry` package: the distribution registry (what the
-`registry:2` image runs), installed with the node's other packages, so nothing is built for it;
-it serves images and Helm charts (OCI artifacts) alike and keeps them on disk in the cluster's
-directory, or where LORA_REGISTRY_STORAGE says (the demo keeps them under the cache). It listens on the node's address inside the cluster's network namespace, over plain
-HTTP: pods, containerd, and processes joined to the cluster (the tests, `lora-devcluster exec`)
-reach it; nothing outside the machine does.
+The registry is Debian's `docker-registry` package: the distribution registry (what the `registry:2`
+image runs), installed with the node's other packages, so nothing is built for it; it serves images
+and Helm charts (OCI artifacts) alike and keeps them on disk in the cluster's directory, or where
+LORA_REGISTRY_STORAGE says (the demo keeps them under the cache). It listens on the node's address
+inside the cluster's network namespace, over plain HTTP: pods, containerd, and processes joined to
+the cluster (the tests, `lora-devcluster exec`) reach it; nothing outside the machine does.
 
 Owns: the registry's configuration and containerd's host configuration for it (pure), and
 where both are written. Must not: start processes (node.start does), push or pull.
