@@ -48,6 +48,10 @@ from bench_inference import zipf_stream  # noqa: E402
 RUNNER = """
 import asyncio, json, logging, os, signal, sys
 from lora_router.__main__ import serve
+try:  # the event loop `python -m lora_router` runs on, where the tree chooses one
+    from lora_router.__main__ import new_event_loop
+except ImportError:
+    new_event_loop = asyncio.new_event_loop
 from lora_router.config import RouterConfig
 from lora_router.fleet import AdapterPlacement, Endpoint
 
@@ -75,10 +79,12 @@ if os.environ.get("BENCH_PROFILE"):
     # the router's cost.
     import cProfile, time
     profiler = cProfile.Profile(time.process_time)
-    profiler.runcall(asyncio.run, main())
+    with asyncio.Runner(loop_factory=new_event_loop) as runner:
+        profiler.runcall(runner.run, main())
     profiler.dump_stats(os.environ["BENCH_PROFILE"])
 else:
-    asyncio.run(main())
+    with asyncio.Runner(loop_factory=new_event_loop) as runner:
+        runner.run(main())
 """
 
 

@@ -1,10 +1,14 @@
-"""The router's command line: the client token file is checked at start, not at the first poll."""
+"""The router's command line (the client token file is checked at start, not at the first poll)
+and the event loop it runs on."""
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import pytest
+import uvloop
+from lora_router.__main__ import new_event_loop
 from lora_router.config import RouterConfig, parse_args
 
 
@@ -30,3 +34,13 @@ def test_an_unusable_client_token_file_is_refused_at_start(
         parse_args(["--namespace=ns", f"--client-token-file={token}"])
     assert e.value.code == 2
     assert "--client-token-file" in capsys.readouterr().err
+
+
+def test_the_router_runs_on_uvloops_event_loop() -> None:
+    """`python -m lora_router` and the hop benchmark take the loop from `new_event_loop`."""
+    loop = new_event_loop()
+    try:
+        assert isinstance(loop, uvloop.Loop)
+        assert loop.run_until_complete(asyncio.sleep(0, result="ran")) == "ran"
+    finally:
+        loop.close()
