@@ -9,9 +9,10 @@ atomic file operations of `volumefiles` (so a kill at any point leaves at most f
 `.tmp/`, never a partial revision). A composition (`spec.compose`) is published the same way, its
 revision built from a manifest and hard links to its members' stored objects
 (`stage_composition`). Each staged revision comes with what its weights declare, read from
-their headers (`describe_revision`). The start-up check of the volume is `volumecheck`'s.
-Fetching is injected (`fetchers.fetch` by default) and writes into a `sinks.Sink`; nothing here
-speaks a network protocol.
+their headers once: the download's when it is checked (`describe_file`), a stored object's or a
+composition's members' when it is published (`describe_revision`). The start-up check of the
+volume is `volumecheck`'s. Fetching is injected (`fetchers.fetch` by default) and writes into
+a `sinks.Sink`; nothing here speaks a network protocol.
 """
 
 from __future__ import annotations
@@ -148,10 +149,10 @@ class Store:
                         f"{description} has SHA-256 {digest}, but source.sha256 pins {pin}; "
                         "fix the pin or the source"
                     )
-                await asyncio.to_thread(verify_lora_file, tmp, description)
+                adapter = await asyncio.to_thread(describe_file, tmp, description)
                 async with self._publish_lock:
                     return await _to_thread_to_the_end(
-                        self._publish, namespace, name, digest, tmp, target
+                        self._publish, namespace, name, digest, tmp, target, adapter
                     )
             finally:
                 tmp.unlink(missing_ok=True)
@@ -204,9 +205,13 @@ class Store:
         digest: str,
         tmp: Path | None,
         target: targeting.Target | None,
+        adapter: description.Description | None = None,
     ) -> StagedRevision:
+        """Publish `digest` (from the download at `tmp`, or already stored) as `name`'s current
+        revision; `adapter`: what the download declares, already read (None: read it from the
+        stored object)."""
         try:
-            return self._publish_unchecked(namespace, name, digest, tmp, target)
+            return self._publish_unchecked(namespace, name, digest, tmp, target, adapter)
         except OSError as e:
             raise sinks.disk_error(e) from e
 
@@ -217,6 +222,7 @@ class Store:
         digest: str,
         tmp: Path | None,
         target: targeting.Target | None,
+        adapter: description.Description | None,
     ) -> StagedRevision:
         obj = layout.object_path(self.root, digest)
         obj.parent.mkdir(parents=True, exist_ok=True)
@@ -242,7 +248,7 @@ class Store:
             size=obj.stat().st_size,
             path=revision,
             reused=reused,
-            adapter=describe_revision(revision, name),
+            adapter=adapter or describe_revision(revision, name),
         )
 
     async def stage_composition(
@@ -327,13 +333,6 @@ async def _to_thread_to_the_end(fn: Callable[..., _T], *args: object) -> _T:
         raise
 
 
-def verify_lora_file(path: Path, description: str) -> None:
-    """Refuse a file that is not a sane LoRA safetensors, with the server's own checks
-    (`lora_volume.errors.InvalidAdapter`)."""
-    header = files.read_safetensors_header(path, name=description)
-    files.check_lora_keys(list(header.tensors), name=description)
-
-
 def describe_revision(revision: Path, name: str) -> description.Description:
     """What the weights of a published revision declare, from their headers only (a few
     kilobytes each, however large the file): a composition's is its members' stacked
@@ -344,18 +343,20 @@ def describe_revision(revision: Path, name: str) -> description.Description:
             entries = stacks.parse_manifest(manifest.read_bytes(), where=str(manifest))
             return description.stacked(
                 [
-                    _describe_file(revision / e.file, f"member {e.name!r} of {name!r}")
+                    describe_file(revision / e.file, f"member {e.name!r} of {name!r}")
                     for e in entries
                 ]
             )
-        return _describe_file(revision / layout.WEIGHTS_FILE, repr(name))
+        return describe_file(revision / layout.WEIGHTS_FILE, repr(name))
     except volume_errors.VolumeError as e:
         raise errors.from_volume(e) from e
     except OSError as e:
         raise sinks.disk_error(e) from e
 
 
-def _describe_file(path: Path, what: str) -> description.Description:
+def describe_file(path: Path, what: str) -> description.Description:
+    """What the safetensors file at `path` declares; refuses one that is not an adapter the
+    server serves, with the server's own checks (`lora_volume.errors.InvalidAdapter`)."""
     return description.describe(files.read_safetensors_header(path, name=what), name=what)
 
 

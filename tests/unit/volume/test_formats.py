@@ -114,7 +114,7 @@ def test_staging_accepts_each_served_format_merged_only_ones_included(
     `.diff`) is staged like any other."""
     path = tmp_path / "adapter.safetensors"
     save_file({k: np.zeros((2, 2), np.float32) for k in keys}, str(path))
-    staging.verify_lora_file(path, "source x")
+    assert staging.describe_file(path, "source x").format.key == key
 
 
 @pytest.mark.parametrize(("tensor", "label"), REFUSED)
@@ -147,4 +147,4 @@ def test_staging_refuses_each_format_with_the_same_reason(
     path = tmp_path / "adapter.safetensors"
     save_file({k: np.zeros((2, 2), np.float32) for k in (*PAIR, tensor)}, str(path))
     with pytest.raises(errors.InvalidAdapter, match=label.replace("(", r"\(").replace(")", r"\)")):
-        staging.verify_lora_file(path, "source x")
+        staging.describe_file(path, "source x")
