@@ -94,7 +94,9 @@ class Admission:
         resolved = await asyncio.to_thread(self._resolve_path, path, origin)
         async with self._one_at_a_time(name):
             existing = self._registry.get(name)
-            decision = plan_register(existing, origin, resolved, load_inplace=load_inplace)
+            decision = plan_register(
+                existing, origin, resolved, load_inplace=load_inplace, pinned=pinned, scale=scale
+            )
             if decision == "reuse" and existing is not None:
                 return existing
             if pinned:

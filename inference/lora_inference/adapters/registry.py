@@ -75,15 +75,20 @@ def plan_register(
     path: Path,
     *,
     load_inplace: bool = False,
+    pinned: bool = False,
+    scale: float = 1.0,
 ) -> Registration:
     """Decide what registering `path` as a name held by `existing` does (pure: changes nothing).
 
     Raises AdapterConflict, saying what to do instead, when the registration must be refused.
     A request (`lora.local_path`) never takes or replaces a name the server or its operator
     manages (`static`, `api`, `resolver`): otherwise a client could shadow an adapter before the
-    operator loads it and make that load fail. The other way round, an admin load or a
-    resolver hit replaces a request's registration without `load_inplace`: the operator must not
-    see a conflict it did not cause.
+    operator loads it and make that load fail. The other way round, an admin load replaces a
+    request's or a resolver hit's registration without `load_inplace` (a request may resolve the
+    name between the operator's read of `/v1/models` and its load): the operator must not see a
+    conflict it did not cause. An admin load that repeats the one that registered the name (same
+    path, pin and scale: a retry whose first answer was lost) changes nothing and succeeds;
+    `load_inplace` reads the path again.
     """
     if existing is None:
         return "add"
@@ -108,10 +113,13 @@ def plan_register(
             f"adapter {name!r} was given on the command line and cannot be replaced",
             param="lora_name",
         )
-    if existing.origin == "request":
-        return "replace"
     if origin == "resolver":
-        return "reuse"  # another request resolved the same name first
+        return "replace" if existing.origin == "request" else "reuse"  # resolved or loaded first
+    same = (existing.path, existing.pinned, existing.scale) == (path, pinned, scale)
+    if existing.origin == "api" and same and not load_inplace:
+        return "reuse"
+    if existing.origin in ("request", "resolver"):
+        return "replace"
     if not load_inplace:
         raise errors.AdapterConflict(
             f"adapter {name!r} is already loaded (from {existing.path}); unload it first "

@@ -176,6 +176,28 @@ async def test_resolver_registers_names_found_on_the_adapter_root(
     assert (await server.image(model="direct") == image).all()
 
 
+async def test_the_operators_load_of_a_name_a_request_resolved_first_succeeds(
+    start_server: Any, assets: Assets, tmp_path: Any
+) -> None:
+    """A request may resolve the name between the operator's read of `/v1/models` and its load
+    (which then comes without load_inplace): the load takes the name over. Sent again, as a
+    retry whose answer was lost, it answers 200 and reads nothing."""
+    root = tmp_path / "volume"
+    publish(root, "pixel", assets.adapter_a)
+    server = await start_server(adapter_root=root, allowed_roots=(assets.root,))
+    image = await server.image(model="pixel")
+    body = {"lora_name": "pixel", "lora_path": str(root / "pixel" / "current"), "scale": 0.5}
+    for _ in range(2):
+        status, answer = await server.post("/v1/load_lora_adapter", body)
+        assert status == 200, answer
+    _, adapters = await server.get("/v1/adapters")
+    assert [(a["id"], a["origin"]) for a in adapters["data"]] == [("pixel", "api")]
+    assert server.metric("lora_adapter_load_seconds_count", tier="cpu") == 2
+    assert not (await server.image(model="pixel") == image).all()  # now at the load's scale
+    status, answer = await server.post("/v1/load_lora_adapter", body | {"scale": 1.0})
+    assert status == 400 and "load_inplace" in answer["error"]["message"], answer
+
+
 async def test_full_queue_answers_429_with_retry_after(start_server: Any) -> None:
     import asyncio
 

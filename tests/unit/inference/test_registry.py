@@ -62,12 +62,38 @@ def test_a_request_cannot_repoint_another_requests_name() -> None:
         plan_register(held("request"), "request", NEW)
 
 
-@pytest.mark.parametrize("existing", ["api", "resolver"])
-def test_an_admin_load_over_a_managed_name_needs_load_inplace(existing: Origin) -> None:
+def test_an_admin_load_over_another_admin_load_needs_load_inplace() -> None:
     with pytest.raises(errors.AdapterConflict, match="load_inplace: true") as e:
-        plan_register(held(existing), "api", NEW)
+        plan_register(held("api"), "api", NEW)
     assert e.value.param == "lora_name"
-    assert plan_register(held(existing), "api", NEW, load_inplace=True) == "replace"
+    assert plan_register(held("api"), "api", NEW, load_inplace=True) == "replace"
+
+
+@pytest.mark.parametrize("inplace", [False, True], ids=["plain", "inplace"])
+def test_an_admin_load_replaces_what_a_request_resolved(inplace: bool) -> None:
+    """A request may resolve the name between the operator's read of the pod and its load."""
+    for path in (OLD, NEW):
+        assert plan_register(held("resolver"), "api", path, load_inplace=inplace) == "replace"
+
+
+def test_an_admin_load_repeated_changes_nothing() -> None:
+    """A retry whose first answer was lost: the same path, pin and scale."""
+    assert plan_register(held("api"), "api", OLD) == "reuse"
+    assert plan_register(held("api"), "api", OLD, load_inplace=True) == "replace"
+
+
+@pytest.mark.parametrize(
+    ("pinned", "scale"), [(True, 1.0), (False, 0.5)], ids=["another-pin", "another-scale"]
+)
+def test_an_admin_load_of_the_same_path_with_other_settings_needs_load_inplace(
+    pinned: bool, scale: float
+) -> None:
+    with pytest.raises(errors.AdapterConflict, match="load_inplace: true"):
+        plan_register(held("api"), "api", OLD, pinned=pinned, scale=scale)
+    assert (
+        plan_register(held("api"), "api", OLD, load_inplace=True, pinned=pinned, scale=scale)
+        == "replace"
+    )
 
 
 @pytest.mark.parametrize("origin", ["api", "resolver"])
