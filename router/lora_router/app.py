@@ -148,7 +148,7 @@ async def poll_residency(fleet: Fleet, state: ProxyState) -> None:
             state.metrics.report_failures.inc()
             log.debug("action=poll pod=%s result=error error=%s", pod, e)
             return
-        fleet.reports[pod] = report
+        fleet.take(pod, report)
 
     while True:
         headers = poll_headers(config)

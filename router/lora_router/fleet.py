@@ -17,6 +17,7 @@ The router keeps nothing on disk: after a restart it lists the objects again and
 from __future__ import annotations
 
 import collections
+import dataclasses
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -112,6 +113,17 @@ class Report:
     at: float  # when it was read (the router's monotonic clock)
     slots: int | None = None  # its GPU slots (max_loras), when it says
     etag: str | None = None  # the answer's version: the next poll asks for a 304 on it
+    mine: int = 0  # this router's requests in flight there when it was read (Fleet.take)
+
+
+def estimated_load(own: int, queue: int | None, mine_then: int) -> int:
+    """A pod's requests as far as this router can tell (pure): its own in flight now, plus what
+    the pod's last report counted beyond this router's own at that moment (the other router
+    replicas' requests and direct clients', taken as unchanged since: a report is at most a
+    poll old). Without a report the router knows only its own."""
+    if queue is None:
+        return own
+    return own + max(0, queue - mine_then)
 
 
 def parse_report(payload: Any, at: float, etag: str | None = None) -> Report:
@@ -222,20 +234,20 @@ class Fleet:
     def ready(self) -> dict[str, Endpoint]:
         return {pod: ep for pod, ep in self.endpoints().items() if ep.ready}
 
+    def take(self, pod: str, report: Report) -> None:
+        """Keep `report` as the pod's, with this router's requests in flight there now."""
+        self.reports[pod] = dataclasses.replace(report, mine=self.inflight.get(pod, 0))
+
     def backends(self, now: float) -> list[Backend]:
         out = []
         for pod in sorted(self.ready()):
             report = self.reports.get(pod)
-            fresh = report is not None and now - report.at <= self.stale_after_s
             own = self.inflight.get(pod, 0)
-            reported = report.queue if fresh and report is not None else None
-            out.append(
-                Backend(
-                    name=pod,
-                    load=max(own, reported or 0),
-                    residency=report.residency if fresh and report is not None else None,
-                )
-            )
+            if report is None or now - report.at > self.stale_after_s:
+                out.append(Backend(name=pod, load=own, residency=None))
+                continue
+            load = estimated_load(own, report.queue, report.mine)
+            out.append(Backend(name=pod, load=load, residency=report.residency))
         return out
 
     def canary_holders(

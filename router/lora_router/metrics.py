@@ -58,7 +58,7 @@ class Metrics:
         self.load = Gauge(
             "lora_router_load",
             "Requests queued or running on the Ready pods as the router counts them (per pod, "
-            "the larger of its own requests in flight and the pod's last report)",
+            "its own requests in flight plus the rest of the pod's last report)",
             registry=r,
         )
         self.report_failures = Counter(

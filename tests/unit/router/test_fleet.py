@@ -11,6 +11,7 @@ from lora_router.fleet import (
     Fleet,
     Report,
     Split,
+    estimated_load,
     parse_adapter,
     parse_endpoint_slice,
     parse_report,
@@ -145,7 +146,9 @@ def test_backends_are_ready_pods_with_fresh_reports_and_the_larger_load() -> Non
         "s2": [Endpoint("b", "2:1", True), Endpoint("c", "3:1", True)],
     }
     residency = Residency(frozenset("x"), frozenset(), False)
-    fleet.reports = {"a": Report(residency, 1, None, 10.0), "c": Report(residency, 7, None, 1.0)}
+    fleet.inflight = {"a": 1}
+    fleet.take("a", Report(residency, 1, None, 10.0))  # the router's own request, alone there
+    fleet.take("c", Report(residency, 7, None, 1.0))
     fleet.inflight = {"a": 3}
     backends = {b.name: b for b in fleet.backends(now=12.0)}
     assert set(backends) == {"a", "b", "c"}
@@ -153,6 +156,34 @@ def test_backends_are_ready_pods_with_fresh_reports_and_the_larger_load() -> Non
     assert backends["c"].residency is None and backends["c"].load == 0  # stale: ignored
     fleet.forget_reports(["a"])
     assert set(fleet.reports) == {"a"}
+
+
+def test_a_pods_load_adds_what_other_routers_sent_there_to_the_routers_own() -> None:
+    """Two router replicas share the pods: each knows its own requests at once, the other's
+    only from the pod's queue at the last poll."""
+    fleet = Fleet(stale_after_s=5)
+    fleet.slices = {"s": [Endpoint("a", "1:1", True)]}
+    residency = Residency(frozenset(), frozenset(), True)
+    fleet.inflight = {"a": 1}
+    fleet.take("a", Report(residency, 3, None, 10.0))  # 1 of ours, 2 of the other replica's
+    fleet.inflight = {"a": 2}  # ours grew since; theirs are taken as unchanged
+    assert [b.load for b in fleet.backends(now=11.0)] == [4]
+    fleet.inflight = {"a": 0}
+    assert [b.load for b in fleet.backends(now=11.0)] == [2]
+    assert [b.load for b in fleet.backends(now=16.0)] == [0]  # stale: ours alone
+
+
+@pytest.mark.parametrize(
+    ("own", "queue", "mine_then", "load"),
+    [
+        (2, None, 0, 2),  # the pod does not report a queue
+        (2, 3, 1, 4),
+        (0, 3, 3, 0),  # everything the pod had was ours, and has been answered
+        (1, 0, 4, 1),  # ours were answered before the pod was read
+    ],
+)
+def test_estimated_load(own: int, queue: int | None, mine_then: int, load: int) -> None:
+    assert estimated_load(own, queue, mine_then) == load
 
 
 def test_a_rollout_in_the_status_the_operator_writes_is_a_split() -> None:
