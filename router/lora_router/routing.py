@@ -13,8 +13,9 @@ Among the candidates whose load stays within the bound, the router prefers, in t
 and, inside one of the first three preferences, a stable hash of (adapter, pod), not the queue:
 the same adapter keeps going to the same pod while that pod is within the bound, rather than
 warming its copies on several pods that then crowd each other out of their slots. Inside the
-last, the least queued, then the hash; and when the chosen pod already has a request waiting
-while a candidate is idle, the idle one. The bound is the one of consistent hashing with bounded
+last, the least queued, then the hash; and when the chosen pod already has a request waiting,
+a less loaded candidate that holds the adapter in memory or is idle (the least loaded of them).
+The bound is the one of consistent hashing with bounded
 loads: no pod takes a request that would put it above
 `ceil((1 + e) x (total load + 1) / pods)`. When every candidate is at the bound the request
 overflows to the least-queued Ready pod; when no candidate is Ready, or the name is not an
@@ -171,12 +172,16 @@ def route(
     best = min(within, key=lambda b: _preference(adapter, b))
     if best.load >= 2:
         # A request already waits there: the newcomer would wait behind at least one whole
-        # generation, more than an adapter's first use costs on an idle pod, and an idle pod is
-        # throughput lost. An idle candidate goes first (among them, the preferences as usual).
-        # One request running does not count: it may be a report up to a poll old, or finishing.
-        idle = [b for b in within if b.load == 0]
-        if idle:
-            best = min(idle, key=lambda b: _preference(adapter, b))
+        # generation. A less loaded candidate goes first where that costs less: one that holds
+        # the adapter in memory (a copy into a slot is tens of milliseconds, a generation
+        # hundreds), or an idle one (at most a first use, and an idle pod is throughput lost).
+        # The least loaded of them, then the preferences as usual. One request running does not
+        # count: it may be a report up to a poll old, or finishing.
+        lighter = [
+            b for b in within if b.load < best.load and (b.load == 0 or _rank(adapter, b) <= 1)
+        ]
+        if lighter:
+            best = min(lighter, key=lambda b: (b.load, *_preference(adapter, b)))
     if best.residency is None:
         return Decision(best.name, Reason.NO_RESIDENCY)
     return Decision(best.name, _REASONS[_rank(adapter, best)])

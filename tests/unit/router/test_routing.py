@@ -94,6 +94,27 @@ def test_an_idle_candidate_is_never_passed_over_for_a_busy_one() -> None:
     assert route("x", running, placed, known=True) == Decision("a", Reason.GPU)
 
 
+def test_a_request_waiting_sends_the_newcomer_to_a_less_loaded_pod_holding_its_adapter() -> None:
+    """Where a request already waits, a pod with less load that holds the adapter in memory
+    costs a copy into a slot, less than a generation; a busier or an equally busy one does not
+    help, nor does a less loaded one that would read the adapter first while busy."""
+    placed = frozenset("abcd")
+    waiting = pod("a", load=2, gpu=("x",))
+    lighter = [waiting, pod("b", load=1, cpu=("x",)), pod("c", load=1)]
+    assert route("x", lighter, placed, known=True, load_factor=2.0) == Decision("b", Reason.CPU)
+    # The least loaded of those that qualify: an idle pod before a busy one holding it.
+    idle = [*lighter, pod("d", load=0)]
+    assert route("x", idle, placed, known=True, load_factor=2.0) == Decision(
+        "d", Reason.LEAST_QUEUED
+    )
+    # Nothing lighter holds it, and nothing is idle: the adapter stays where it is resident.
+    busy = [waiting, pod("b", load=2, cpu=("x",)), pod("c", load=1)]
+    assert route("x", busy, placed, known=True, load_factor=2.0) == Decision("a", Reason.GPU)
+    # Among the lighter ones holding it, GPU-resident before CPU-resident, as everywhere.
+    both = [pod("a", load=3, gpu=("x",)), pod("b", load=1, cpu=("x",)), pod("c", 1, gpu=("x",))]
+    assert route("x", both, placed, known=True, load_factor=2.0) == Decision("c", Reason.GPU)
+
+
 def test_an_adapter_without_replicas_goes_to_the_pods_that_hold_it() -> None:
     """Its selector may leave pods out: only those that report it (any tier) or report nothing
     are candidates; when no pod reports it, any Ready pod (the server's resolver answers)."""
