@@ -101,6 +101,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import psutil
 from lora_demo import manifests, release
@@ -139,6 +140,7 @@ async def run_round(request):
     spec = await request.json()
     bodies = iter(spec["requests"])
     latencies, failures, routes = [], [], collections.Counter()
+    done, sent = [], []  # when each answered request finished; when each request was sent
     rejected = 0
     # "pods": send each request straight to the pod with the fewest of this client's requests
     # in flight (least-queued, no affinity); else to "url" (a Service).
@@ -153,6 +155,7 @@ async def run_round(request):
             least = min(inflight.values())
             url = rng.choice([p for p, n in inflight.items() if n == least])
             inflight[url] += 1
+        sent.append(time.perf_counter())
         try:
             async with session.post(url, json=body) as resp:
                 text = await resp.text()
@@ -165,7 +168,8 @@ async def run_round(request):
         finally:
             if pods:
                 inflight[url] -= 1
-        latencies.append(time.perf_counter() - started)
+        done.append(time.perf_counter())
+        latencies.append(done[-1] - started)
 
     async def client(session):
         for body in bodies:
@@ -188,7 +192,9 @@ async def run_round(request):
     result = {"label": spec["label"], "requests": len(latencies), "wall": wall,
               "failures": failures, "routes": dict(routes), "rejected": rejected}
     print(json.dumps(result), flush=True)
-    return web.json_response({**result, "latencies": latencies})
+    return web.json_response({**result, "latencies": latencies,
+                              "done": [t - started for t in done],
+                              "last_sent": max(sent) - started if sent else 0.0})
 
 async def ready(request):
     return web.json_response({"status": "ready"})
@@ -348,6 +354,29 @@ def counted(before: Snapshot, after: Snapshot, sample: str) -> float:
 # -- one route's figures -------------------------------------------------------------------------
 
 
+def steady_window(done: list[float], last_sent: float) -> tuple[int, float] | None:
+    """The requests a round finished while its load was fully on, and over how many seconds
+    (pure): from its first answer to its last request sent. Before the first answer the pods
+    are filling; after the last request is sent the round drains with fewer requests in flight
+    than the route was given, pods idling while the last ones finish. Neither is the steady
+    state a no-miss bound describes, and both weigh more the shorter the round. None when the
+    round is too short to have such a window (its last request sent before its first answer)."""
+    if not done:
+        return None
+    first = min(done)
+    seconds = last_sent - first
+    finished = sum(1 for t in done if first < t <= last_sent)
+    if seconds <= 0 or finished == 0:
+        return None
+    return finished, seconds
+
+
+def steady_rate(result: Obj) -> float:
+    """One round's requests a second in its steady window, else over the whole round."""
+    steady = steady_window(result.get("done", []), result.get("last_sent", 0.0))
+    return steady[0] / steady[1] if steady else result["requests"] / result["wall"]
+
+
 @dataclass
 class Tally:
     """One route, summed over its measured rounds."""
@@ -370,12 +399,20 @@ class Tally:
     spread: int = 0  # summed over requests: the pods that served its adapter in its round
     held: int = 0  # summed over requests: the pods holding its adapter in memory at round start
     per_round: list[float] = field(default_factory=list)  # images/s of each round
+    steady_requests: int = 0  # finished inside each round's steady window (`steady_window`)
+    steady_s: float = 0.0  # the steady windows' length, summed
+    host_busy_s: float = 0.0  # the machine's CPU time spent (all cores) during the rounds
+    host_s: float = 0.0  # the machine's CPU time available (all cores) during the rounds
     routes: collections.Counter[str] = field(default_factory=collections.Counter)
 
     def add(self, stream: list[str], result: Obj, before: Snapshot, after: Snapshot) -> None:
         self.requests += int(result["requests"])
         self.wall_s += float(result["wall"])
         self.per_round.append(result["requests"] / result["wall"])
+        steady = steady_window(result.get("done", []), result.get("last_sent", 0.0))
+        if steady is not None:
+            self.steady_requests += steady[0]
+            self.steady_s += steady[1]
         self.latencies += [float(x) for x in result["latencies"]]
         self.routes.update(result["routes"])
         self.gpu_hits += counted(before, after, "lora_adapter_lookups_total{result=hit}")
@@ -409,6 +446,12 @@ class Tally:
         return self.requests / self.wall_s
 
     @property
+    def steady_throughput(self) -> float:
+        """Requests a second while the rounds' load was fully on (`steady_window`); the whole
+        rounds' rate when no round had such a window."""
+        return self.steady_requests / self.steady_s if self.steady_s else self.throughput
+
+    @property
     def hit_rate(self) -> float:
         return self.gpu_hits / self.lookups if self.lookups else 0.0
 
@@ -418,6 +461,15 @@ class Tally:
         if q == 0.5:
             return statistics.median(ordered)
         return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+    def add_host(self, before: Any, after: Any) -> None:
+        """The machine's CPU time over a round, from two `psutil.cpu_times()` (guest time is
+        counted in user time already)."""
+        spent = {f: getattr(after, f) - getattr(before, f) for f in after._fields}
+        for counted_twice in ("guest", "guest_nice"):
+            spent.pop(counted_twice, None)
+        self.host_s += sum(spent.values())
+        self.host_busy_s += sum(v for f, v in spent.items() if f not in ("idle", "iowait"))
 
     def ms(self, seconds: float) -> float:
         """Milliseconds per request."""
@@ -704,7 +756,7 @@ class Cell:
     rejected: collections.Counter[str] = field(default_factory=collections.Counter)
 
     def ratio(self, route: str = "router") -> float:
-        return self.tallies[route].throughput / self.tallies["round-robin"].throughput
+        return self.tallies[route].steady_throughput / self.tallies["round-robin"].steady_throughput
 
     def p95_ratio(self, route: str = "router") -> float:
         return self.tallies[route].percentile(0.95) / self.tallies["round-robin"].percentile(0.95)
@@ -767,18 +819,18 @@ def measure_sim(h: Harness, pods: list[str], args: argparse.Namespace) -> list[C
                             h, sim_round(settle, args, label, SETTLE_SEED + seed, pod_urls, None)
                         )
                     before = snapshot(h, pods, inference, router)
+                    host = psutil.cpu_times()
                     result = send_round(
                         h, sim_round(stream, args, label, seed * 1000, pod_urls, rate)
                     )
+                    cell.tallies[label].add_host(host, psutil.cpu_times())
                     after = snapshot(h, pods, inference, router)
                     cell.rejected[label] += int(result.get("rejected", 0))
                     tally = cell.tallies[label]
                     hits, lookups = tally.gpu_hits, tally.lookups
                     tally.add(stream, result, before, after)
                     hit = (tally.gpu_hits - hits) / max(1.0, tally.lookups - lookups)
-                    line.append(
-                        f"{label} {result['requests'] / result['wall']:.2f} images/s, hit {hit:.2f}"
-                    )
+                    line.append(f"{label} {steady_rate(result):.2f} images/s, hit {hit:.2f}")
                 print(
                     f"  {stream_kind}/{loop} round {r + 1}/{args.rounds}: " + "; ".join(line),
                     flush=True,
@@ -803,10 +855,22 @@ def print_cell(cell: Cell) -> None:
             f"{k} {v / max(1, sum(t.routes.values())):.0%}" for k, v in t.routes.most_common(3)
         )
         print(
-            f"{label:<14}{t.throughput:>10.2f}{cell.ratio(label):>7.2f}"
-            f"{t.throughput / cell.bound:>8.2f}{t.percentile(0.5):>8.2f}{t.percentile(0.95):>8.2f}"
+            f"{label:<14}{t.steady_throughput:>10.2f}{cell.ratio(label):>7.2f}"
+            f"{t.steady_throughput / cell.bound:>8.2f}"
+            f"{t.percentile(0.5):>8.2f}{t.percentile(0.95):>8.2f}"
             f"{cell.p95_ratio(label):>8.2f}{t.hit_rate:>9.2f}{t.per_100(t.fresh_loads):>11.1f}"
             f"{cell.rejected[label]:>6}  {routes}"
+        )
+    print(
+        f"{'where the time went':<20}{'pipeline busy':>14}{'ms/image':>10}{'copy ms':>9}"
+        f"{'read ms':>9}{'pod CPU ms':>12}{'router CPU ms':>15}{'machine busy':>14}"
+    )
+    for label, t in cell.tallies.items():
+        busy = (t.generation_s + t.slot_copy_s) / (cell.pods * t.wall_s)
+        print(
+            f"{label:<20}{busy:>14.2f}{1000 * t.generation_s / max(1.0, t.generations):>10.0f}"
+            f"{t.ms(t.slot_copy_s):>9.1f}{t.ms(t.fresh_load_s):>9.1f}{t.ms(t.inference_cpu_s):>12.2f}"
+            f"{t.ms(t.router_cpu_s):>15.2f}{t.host_busy_s / max(1e-9, t.host_s):>14.2f}"
         )
 
 
@@ -841,7 +905,7 @@ def sim_summary(cells: list[Cell]) -> str:
 
     four, twenty = zipf("h200-sdxl-4step"), zipf("h200-sdxl-20step")
     nan = float("nan")
-    bound = four.tallies["router"].throughput / four.bound if four else nan
+    bound = four.tallies["router"].steady_throughput / four.bound if four else nan
     return (
         f"fleet-sim: throughput router/round-robin 4step = {four.ratio() if four else nan:.2f},"
         f" 20step = {twenty.ratio() if twenty else nan:.2f}, bound fraction 4step = {bound:.2f},"

@@ -90,6 +90,9 @@ def test_a_small_simulated_fleet_runs_every_route(
             assert tally.requests + cell.rejected[label] == REQUESTS, label
             assert round(tally.lookups) == tally.requests == tally.served, label
             assert 0 <= tally.hit_rate <= 1
+            # The machine did something during the round, and no more than all of it.
+            assert 0 < tally.host_busy_s <= tally.host_s, label
+            assert tally.steady_throughput > 0, label
         # The router says why it chose each pod; the other routes pass no router.
         assert set(cell.tallies["router"].routes) <= {r.value for r in Reason}
         assert set(cell.tallies["round-robin"].routes) == {"none"}
