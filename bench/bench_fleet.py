@@ -71,9 +71,15 @@ uniform over the K adapters) and a loop: closed (`--concurrency` in flight, defa
 or open (Poisson arrivals at `--load-fraction` of the fleet's no-miss bound, 0.8: every latency
 timed from its arrival). Per route: throughput, p50/p95, GPU-tier hit rate, fresh loads per 100
 requests and the throughput over the no-miss bound (the profile's one-image call, merged, on
-every pod back to back). Each measured round of a route follows `--settle` requests of its own;
-the route that goes first rotates. The adapters are placed on every pod (`--replicas N` sets
-spec.replicas instead). The requests ask for the profile's size and steps.
+every pod back to back); then where the time went: the pods' pipelines busy (generations and
+slot copies over N x the rounds' wall time), the copies' and reads' milliseconds per request, the
+CPU of the pods and the routers per request, and how busy the whole machine was. Throughput here
+is steady-state: the requests answered between each round's first answer and its last request
+sent, over that time (`steady_window`), so a round's fill and drain, which a short round weighs
+heavily and a bound never counts, are left out; latencies count every request. Each measured
+round of a route follows `--settle` requests of its own; the route that goes first rotates. The
+adapters are placed on every pod (`--replicas N` sets spec.replicas instead). The requests ask
+for the profile's size and steps.
 
     .venv/bin/python bench/bench_fleet.py --simulate h200-sdxl-4step --pods 16 --adapters 1000
     .venv/bin/python bench/bench_fleet.py --simulate-suite --pods 16 --adapters 1000
