@@ -74,12 +74,12 @@ requests and the throughput over the no-miss bound (the profile's one-image call
 every pod back to back); then where the time went: the pods' pipelines busy (generations and
 slot copies over N x the rounds' wall time), the copies' and reads' milliseconds per request, the
 CPU of the pods and the routers per request, and how busy the whole machine was. Throughput here
-is steady-state: the requests answered between each round's first answer and its last request
-sent, over that time (`steady_window`), so a round's fill and drain, which a short round weighs
-heavily and a bound never counts, are left out; latencies count every request. Each measured
-round of a route follows `--settle` requests of its own; the route that goes first rotates. The
-adapters are placed on every pod (`--replicas N` sets spec.replicas instead). The requests ask
-for the profile's size and steps.
+is steady-state: the rate of the answers between each round's first answer and its last request
+sent (a least-squares slope, `steady_window`), so a round's fill and drain, which a short round
+weighs heavily and a bound never counts, are left out; latencies count every request. Each
+measured round of a route follows `--settle` requests of its own; the route that goes first
+rotates. The adapters are placed on every pod (`--replicas N` sets spec.replicas instead). The
+requests ask for the profile's size and steps.
 
     .venv/bin/python bench/bench_fleet.py --simulate h200-sdxl-4step --pods 16 --adapters 1000
     .venv/bin/python bench/bench_fleet.py --simulate-suite --pods 16 --adapters 1000
@@ -360,27 +360,33 @@ def counted(before: Snapshot, after: Snapshot, sample: str) -> float:
 # -- one route's figures -------------------------------------------------------------------------
 
 
-def steady_window(done: list[float], last_sent: float) -> tuple[int, float] | None:
-    """The requests a round finished while its load was fully on, and over how many seconds
-    (pure): from its first answer to its last request sent. Before the first answer the pods
-    are filling; after the last request is sent the round drains with fewer requests in flight
-    than the route was given, pods idling while the last ones finish. Neither is the steady
-    state a no-miss bound describes, and both weigh more the shorter the round. None when the
-    round is too short to have such a window (its last request sent before its first answer)."""
+def steady_window(done: list[float], last_sent: float) -> tuple[float, float] | None:
+    """A round's rate while its load was fully on, and over how many seconds (pure): from its
+    first answer to its last request sent, the slope of the answers counted against time (a
+    least-squares line). Before the first answer the pods are filling; after the last request is
+    sent the round drains with fewer requests in flight than the route was given, pods idling
+    while the last ones finish. Neither is the steady state a no-miss bound describes, and both
+    weigh more the shorter the round. A slope, not a count over the window: pods that started
+    together answer in waves, and a count's ends would fall on a wave or between two. None when
+    the round is too short to have such a window (fewer than 3 answers in it)."""
     if not done:
         return None
     first = min(done)
+    inside = sorted(t for t in done if t <= last_sent)
     seconds = last_sent - first
-    finished = sum(1 for t in done if first < t <= last_sent)
-    if seconds <= 0 or finished == 0:
+    if len(inside) < 3 or seconds <= 0 or inside[-1] == inside[0]:
         return None
-    return finished, seconds
+    mean_t = statistics.fmean(inside)
+    mean_n = (len(inside) - 1) / 2
+    covariance = sum((t - mean_t) * (n - mean_n) for n, t in enumerate(inside))
+    variance = sum((t - mean_t) ** 2 for t in inside)
+    return covariance / variance, seconds
 
 
 def steady_rate(result: Obj) -> float:
     """One round's requests a second in its steady window, else over the whole round."""
     steady = steady_window(result.get("done", []), result.get("last_sent", 0.0))
-    return steady[0] / steady[1] if steady else result["requests"] / result["wall"]
+    return steady[0] if steady else result["requests"] / result["wall"]
 
 
 @dataclass
@@ -405,22 +411,26 @@ class Tally:
     spread: int = 0  # summed over requests: the pods that served its adapter in its round
     held: int = 0  # summed over requests: the pods holding its adapter in memory at round start
     per_round: list[float] = field(default_factory=list)  # images/s of each round
-    steady_requests: int = 0  # finished inside each round's steady window (`steady_window`)
+    steady_requests: float = 0.0  # each round's steady rate x its window (`steady_window`)
     steady_s: float = 0.0  # the steady windows' length, summed
     host_busy_s: float = 0.0  # the machine's CPU time spent (all cores) during the rounds
     host_s: float = 0.0  # the machine's CPU time available (all cores) during the rounds
     routes: collections.Counter[str] = field(default_factory=collections.Counter)
 
-    def add(self, stream: list[str], result: Obj, before: Snapshot, after: Snapshot) -> None:
+    def add_answers(self, result: Obj) -> None:
+        """What the load generator measured of one round: its answers and their times."""
         self.requests += int(result["requests"])
         self.wall_s += float(result["wall"])
         self.per_round.append(result["requests"] / result["wall"])
         steady = steady_window(result.get("done", []), result.get("last_sent", 0.0))
         if steady is not None:
-            self.steady_requests += steady[0]
+            self.steady_requests += steady[0] * steady[1]
             self.steady_s += steady[1]
         self.latencies += [float(x) for x in result["latencies"]]
         self.routes.update(result["routes"])
+
+    def add(self, stream: list[str], result: Obj, before: Snapshot, after: Snapshot) -> None:
+        self.add_answers(result)
         self.gpu_hits += counted(before, after, "lora_adapter_lookups_total{result=hit}")
         self.lookups += sum(
             counted(before, after, f"lora_adapter_lookups_total{{result={r}}}")
@@ -453,8 +463,8 @@ class Tally:
 
     @property
     def steady_throughput(self) -> float:
-        """Requests a second while the rounds' load was fully on (`steady_window`); the whole
-        rounds' rate when no round had such a window."""
+        """Requests a second while the rounds' load was fully on (`steady_window`, the rounds'
+        rates weighted by their windows); the whole rounds' rate when no round had a window."""
         return self.steady_requests / self.steady_s if self.steady_s else self.throughput
 
     @property
