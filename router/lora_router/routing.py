@@ -15,15 +15,14 @@ the same adapter keeps going to the same pod while that pod is within the bound,
 warming its copies on several pods that then crowd each other out of their slots. Inside the
 last, the least queued, then the hash; and when the chosen pod already has a request waiting,
 a less loaded candidate that holds the adapter in memory or is idle (the least loaded of them).
-The bound is the one of consistent hashing with bounded
-loads: no pod takes a request that would put it above
-`ceil((1 + e) x (total load + 1) / pods)`. When every candidate is at the bound the request
-overflows to the least-queued Ready pod; when no candidate is Ready, or the name is not an
-adapter the router knows, it goes to the least-queued Ready pod (the server's resolver answers
-names that are staged but not registered, and a 404 for the rest); a request for the base model
-goes to the least-queued pod. A pod whose residency report is missing or stale ranks with the
-pods that hold neither the adapter nor a free slot: it is judged by its queue alone, and when no
-candidate reports, the choice is by queue alone.
+The bound is the one of consistent hashing with bounded loads: no pod takes a request that would
+put it above `ceil((1 + e) x (total load + 1) / pods)`. When every candidate is at the bound
+the request overflows to the least-queued Ready pod; when no candidate is Ready, or the name is
+not an adapter the router knows, it goes to the least-queued Ready pod (the server's resolver
+answers names that are staged but not registered, and a 404 for the rest); a request for the
+base model goes to the least-queued pod. A pod whose residency report is missing or stale ranks
+with the pods that hold neither the adapter nor a free slot: it is judged by its queue alone, and
+when no candidate reports, the choice is by queue alone.
 
 Affinity is worth something only when a pod cannot keep every adapter it is asked for resident:
 when the adapters of the recent requests (the working set) fit in every pod's GPU slots, each
