@@ -4,7 +4,8 @@ safetensors bytes (`loras`), the `phase` fixture that names the phase of a long 
 failed (`phases`, a plugin tests/conftest.py loads), the suite's kinds and their markers
 (`kinds`), the operator with inference pods on the local cluster (`cluster`), the docs' fenced
 blocks and their commands (`docs`), stand-in pods for the router (`stand_ins`), live servers behind
-a live router (`fleet`), and adapter files of every served format with their deltas (`formats`).
+a live router (`fleet`), adapter files of every served format with their deltas (`formats`), and
+the benchmarks' scripts imported as modules (`bench_module`, here).
 
 Waiting for pods and adapters, and talking to a release through the API server, are the shipped
 demo's (`lora_demo.release`): the tests use those rather than keep their own.
@@ -17,6 +18,18 @@ checks it).
 
 from __future__ import annotations
 
+import importlib
+import sys
 from pathlib import Path
+from types import ModuleType
 
 ROOT = Path(__file__).resolve().parents[2]  # the checkout
+
+
+def bench_module(name: str) -> ModuleType:
+    """`bench/<name>.py` as a module (the scripts import each other by their bare names)."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(str(ROOT / "bench"))

@@ -3,24 +3,18 @@ state, and the machine's CPU share over a round."""
 
 from __future__ import annotations
 
-import importlib
-import sys
 from collections import namedtuple
 from types import ModuleType
 from typing import Any
 
 import pytest
 
-from tests.support import ROOT
+from tests.support import bench_module
 
 
 @pytest.fixture(scope="module")
 def bench() -> ModuleType:
-    sys.path.insert(0, str(ROOT / "bench"))
-    try:
-        return importlib.import_module("bench_fleet")
-    finally:
-        sys.path.remove(str(ROOT / "bench"))
+    return bench_module("bench_fleet")
 
 
 def closed_loop_round(pods: int, in_flight: int, requests: int, call_s: float) -> dict[str, Any]:
