@@ -37,6 +37,9 @@ from lora_inference.pipeline import DiffusionBackend, resolve_dtype
 
 log = logging.getLogger(__name__)
 
+# Every generation answer's count of this pod's requests waiting and running (routers read it).
+QUEUE_HEADER = "x-lora-queue"
+
 CONFIG = web.AppKey("config", ServerConfig)
 METRICS = web.AppKey("metrics", Metrics)
 ENGINE = web.AppKey("engine", Engine)
@@ -299,11 +302,11 @@ async def generate_images(request: web.Request) -> web.Response:
     # PNG, base64 and JSON take tens of milliseconds per large image: off the event loop, so
     # other requests keep being admitted and answered while the next batch runs.
     body = await asyncio.to_thread(encode_images, images, int(time.time()))
-    return web.Response(
-        body=body,
-        content_type="application/json",
-        headers=served_headers(record, request.app[CONFIG].model_id),
-    )
+    headers = served_headers(record, request.app[CONFIG].model_id)
+    # This pod's queue as the answer leaves (this request no longer in it): a router learns it
+    # with every answer, between its polls (docs/routing.md).
+    headers[QUEUE_HEADER] = str(engine.queue_length())
+    return web.Response(body=body, content_type="application/json", headers=headers)
 
 
 def encode_images(images: Sequence[GeneratedImage], created: int) -> bytes:

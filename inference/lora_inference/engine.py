@@ -151,6 +151,11 @@ class Engine:
             ),
         )
 
+    def queue_length(self) -> int:
+        """Requests admitted and not answered by the pipeline yet: waiting plus running. What
+        `occupancy` counts, without its sets, so every generation answer can carry it."""
+        return len(self._queue) + len(self._running)
+
     def update_fleet_gauges(self) -> None:
         """Set the vLLM-named gauges from `occupancy()`; called at each scrape, so never stale."""
         held = self.occupancy()

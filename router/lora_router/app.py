@@ -13,7 +13,6 @@ require a client token).
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import logging
 import time
@@ -137,7 +136,7 @@ async def poll_residency(fleet: Fleet, state: ProxyState) -> None:
         try:
             async with state.http().get(url, timeout=timeout, headers=headers) as resp:
                 if resp.status == 304 and held is not None:
-                    report = dataclasses.replace(held, at=time.monotonic())
+                    report = held.unchanged(time.monotonic())
                 elif resp.status != 200:
                     raise ValueError(f"GET /v1/adapters answered {resp.status}")
                 else:

@@ -9,7 +9,8 @@ and the one mutable record that holds it (`Fleet`).
   every pod.
 - Residency comes from each pod's `GET /v1/adapters`: every adapter's tier (`gpu`, `cpu`,
   `disk`), and, where the server says so, its GPU slots (`max_loras`) and queue
-  (`num_requests_waiting`, `num_requests_running`).
+  (`num_requests_waiting`, `num_requests_running`). The queue is also counted on every
+  generation answer (`x-lora-queue`), so it is fresher than the polls.
 
 The router keeps nothing on disk: after a restart it lists the objects again and polls the pods.
 """
@@ -23,6 +24,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lora_router.routing import Backend, Residency
+
+# The header on a pod's generation answers with its requests waiting and running as it answered.
+QUEUE_HEADER = "x-lora-queue"
 
 
 @dataclass(frozen=True)
@@ -108,12 +112,19 @@ def parse_split(raw: Any) -> Split | None:
 @dataclass(frozen=True)
 class Report:
     residency: Residency
-    queue: int | None  # waiting + running, when the pod reports it
+    # Waiting + running, when the pod reports it: as last counted, by this poll or by one of the
+    # pod's answers since (`Fleet.take_queue`), which come more often than polls.
+    queue: int | None
     base_model: str | None
     at: float  # when it was read (the router's monotonic clock)
     slots: int | None = None  # its GPU slots (max_loras), when it says
     etag: str | None = None  # the answer's version: the next poll asks for a 304 on it
-    mine: int = 0  # this router's requests in flight there when it was read (Fleet.take)
+    mine: int = 0  # this router's requests in flight there when `queue` was counted
+    polled: int | None = None  # the queue this poll read: what a 304 on `etag` says it still is
+
+    def unchanged(self, at: float) -> Report:
+        """This report confirmed at `at` by a 304: residency and queue as this poll read them."""
+        return dataclasses.replace(self, at=at, queue=self.polled)
 
 
 def estimated_load(own: int, queue: int | None, mine_then: int) -> int:
@@ -124,6 +135,14 @@ def estimated_load(own: int, queue: int | None, mine_then: int) -> int:
     if queue is None:
         return own
     return own + max(0, queue - mine_then)
+
+
+def answered_queue(headers: Iterable[tuple[str, str]]) -> int | None:
+    """The queue a pod's answer reports (`x-lora-queue`), or None when it has none (pure)."""
+    for name, value in headers:
+        if name.lower() == QUEUE_HEADER:
+            return int(value) if value.isdigit() else None
+    return None
 
 
 def parse_report(payload: Any, at: float, etag: str | None = None) -> Report:
@@ -176,6 +195,7 @@ def _report(
         at=at,
         slots=max_loras if isinstance(max_loras, int) else None,
         etag=etag,
+        polled=queue,
     )
 
 
@@ -237,6 +257,16 @@ class Fleet:
     def take(self, pod: str, report: Report) -> None:
         """Keep `report` as the pod's, with this router's requests in flight there now."""
         self.reports[pod] = dataclasses.replace(report, mine=self.inflight.get(pod, 0))
+
+    def take_queue(self, pod: str, queue: int) -> None:
+        """The pod's queue as one of its answers counted it, when the answer's head arrived:
+        fresher than its last poll (a poll a second, an answer every generation). This router's
+        requests there then are those in flight less the one answered, which the pod no longer
+        counts. Residency still comes from the polls."""
+        report = self.reports.get(pod)
+        if report is not None:
+            mine = max(0, self.inflight.get(pod, 0) - 1)
+            self.reports[pod] = dataclasses.replace(report, queue=queue, mine=mine)
 
     def backends(self, now: float) -> list[Backend]:
         out = []

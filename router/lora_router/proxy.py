@@ -23,7 +23,7 @@ import time
 from aiohttp import web
 
 from lora_router import bodies, paths, routing, upstream
-from lora_router.fleet import AdapterPlacement, Fleet, Split
+from lora_router.fleet import AdapterPlacement, Fleet, Split, answered_queue
 from lora_router.metrics import Metrics
 from lora_router.state import CONFIG, FLEET, METRICS, STATE, ProxyState
 
@@ -189,6 +189,9 @@ async def _forward(
             metrics.requests.labels(decision.reason, "502").inc()
             log.warning("action=proxy pod=%s result=broken error=%s", decision.pod, e)
             return json_error(f"pod {decision.pod} answered badly: {e}", "BadGateway", 502)
+        queue = answered_queue(answer.headers)
+        if queue is not None:
+            fleet.take_queue(decision.pod, queue)
         try:
             return await _answer(request, decision, answer, metrics)
         finally:

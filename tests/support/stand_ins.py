@@ -29,6 +29,7 @@ class Pod:
         self.token = token  # the client token it requires, as `--client-token-file` makes it
         self.report_gate: asyncio.Event | None = None  # set: /v1/adapters waits for it
         self.queue: tuple[int, int] | None = None  # (waiting, running) it reports, if any
+        self.answered_queue: int | None = None  # the x-lora-queue of its answers, if any
 
     def refusal(self, request: web.Request) -> web.Response | None:
         """The server's 401 when a client token is required and not given."""
@@ -95,7 +96,8 @@ class Pod:
             "authorization": request.headers.get("Authorization"),
             "body": body.decode(),
         }
-        return web.json_response(echo)
+        headers = {} if self.answered_queue is None else {"x-lora-queue": str(self.answered_queue)}
+        return web.json_response(echo, headers=headers)
 
 
 async def pods(

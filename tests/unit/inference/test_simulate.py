@@ -321,6 +321,24 @@ async def test_a_queue_that_is_full_answers_429(
     assert sorted(status for status, _ in answers)[-1] == 429
 
 
+async def test_each_answer_counts_the_queue_it_leaves_behind(
+    start_simulated: Callable[..., Any],
+) -> None:
+    """`x-lora-queue`: the requests waiting and running as an answer leaves, itself not counted
+    (what routers read between their polls)."""
+    slow = replace(PROFILE, size=32, generation_s=((1, 0.3),))
+    server, _ = await start_simulated(slow, sleep=time.sleep, max_batch_size=1)
+    body = {"prompt": "p", "size": "32x32", "num_inference_steps": 20}
+
+    async def queue_left() -> int:
+        async with server.session.post(server.url("/v1/images/generations"), json=body) as r:
+            assert r.status == 200, await r.text()
+            return int(r.headers["x-lora-queue"])
+
+    assert sorted(await asyncio.gather(*(queue_left() for _ in range(3)))) == [0, 1, 2]
+    assert await queue_left() == 0
+
+
 # -- a process that serves without torch ---------------------------------------------------------
 
 BLOCKED = "torch", "diffusers", "peft", "transformers", "lora_inference.slots"

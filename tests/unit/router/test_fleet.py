@@ -11,6 +11,7 @@ from lora_router.fleet import (
     Fleet,
     Report,
     Split,
+    answered_queue,
     estimated_load,
     parse_adapter,
     parse_endpoint_slice,
@@ -92,7 +93,7 @@ def test_reports_read_tiers_slots_queue_and_model() -> None:
     }
     report = parse_report(payload, at=5.0)
     residency = Residency(frozenset("a"), frozenset("b"), True, disk=frozenset("c"))
-    assert report == Report(residency, 4, "tiny", 5.0, slots=2)
+    assert report == Report(residency, 4, "tiny", 5.0, slots=2, polled=4)
     # A server that says nothing of slots or queue: no free slot known, queue unknown.
     old = parse_report({"data": [{"id": "a", "tier": "gpu"}]}, at=1.0)
     assert old.residency.free_slot is False and old.queue is None and old.base_model is None
@@ -101,7 +102,7 @@ def test_reports_read_tiers_slots_queue_and_model() -> None:
     compact = {k: v for k, v in payload.items() if k not in ("object", "data")}
     view = {"object": "residency", "gpu": ["a"], "cpu": ["b"], "disk": ["c"], **compact}
     assert parse_report(view, at=5.0, etag='"v1"') == Report(
-        residency, 4, "tiny", 5.0, slots=2, etag='"v1"'
+        residency, 4, "tiny", 5.0, slots=2, etag='"v1"', polled=4
     )
     with pytest.raises(ValueError, match="cpu names"):
         parse_report({**view, "cpu": "b"}, at=5.0)
@@ -171,6 +172,49 @@ def test_a_pods_load_adds_what_other_routers_sent_there_to_the_routers_own() -> 
     fleet.inflight = {"a": 0}
     assert [b.load for b in fleet.backends(now=11.0)] == [2]
     assert [b.load for b in fleet.backends(now=16.0)] == [0]  # stale: ours alone
+
+
+def test_an_answers_queue_replaces_the_polled_one_until_the_next_poll() -> None:
+    """Each pod answer counts its queue (`x-lora-queue`) as it leaves: the other replicas'
+    requests are then known as of that answer, not as of the last poll."""
+    fleet = Fleet(stale_after_s=5)
+    fleet.slices = {"s": [Endpoint("a", "1:1", True)]}
+    residency = Residency(frozenset(), frozenset(), True)
+    fleet.inflight = {"a": 1}
+    fleet.take("a", Report(residency, 1, None, 10.0, polled=1))  # only ours there
+    fleet.inflight = {"a": 2}
+    assert [b.load for b in fleet.backends(now=11.0)] == [2]
+    # One of ours is answered while the pod holds 4: 1 more of ours, 3 of another replica's.
+    fleet.take_queue("a", 4)
+    assert fleet.reports["a"].queue == 4 and fleet.reports["a"].mine == 1
+    fleet.inflight = {"a": 1}  # the answered one is no longer in flight
+    assert [b.load for b in fleet.backends(now=11.0)] == [4]
+    assert fleet.reports["a"].at == 10.0  # residency as old as it was
+    # A 304 confirms the poll's version: the queue it read is the pod's again.
+    fleet.take("a", fleet.reports["a"].unchanged(12.0))
+    assert fleet.reports["a"].queue == 1 and fleet.reports["a"].at == 12.0
+    assert [b.load for b in fleet.backends(now=12.0)] == [1]
+
+
+def test_an_answer_for_a_pod_without_a_report_changes_nothing() -> None:
+    fleet = Fleet()
+    fleet.inflight = {"a": 1}
+    fleet.take_queue("a", 3)
+    assert fleet.reports == {}
+
+
+@pytest.mark.parametrize(
+    ("headers", "queue"),
+    [
+        ([("Content-Type", "application/json"), ("x-lora-queue", "3")], 3),
+        ([("X-Lora-Queue", "0")], 0),
+        ([("x-lora-model", "a")], None),  # an answer from a server that does not count it
+        ([("x-lora-queue", "-1")], None),
+        ([("x-lora-queue", "many")], None),
+    ],
+)
+def test_the_queue_an_answer_reports(headers: list[tuple[str, str]], queue: int | None) -> None:
+    assert answered_queue(headers) == queue
 
 
 @pytest.mark.parametrize(

@@ -192,6 +192,23 @@ async def test_requests_go_where_the_adapter_is_resident_and_by_queue_without_re
         assert r.status == 200 and r.headers["x-lora-route"] == "no-residency"
 
 
+async def test_each_answer_tells_the_router_its_pods_queue(
+    start_router: StartRouter, start_backend: StartBackend
+) -> None:
+    router = await start_router()
+    a = Pod("a", gpu=("x",))
+    a.queue = (0, 0)
+    await pods(start_backend, router, a)
+    router.place("x", None)
+    await router.wait_reports({"a"})
+    a.answered_queue = 5  # another router's requests arrived since the poll
+    async with router.session.post(router.url("/v1/images/generations"), json=generation("x")) as r:
+        assert r.status == 200 and r.headers["x-lora-queue"] == "5"
+    report = router.fleet.reports["a"]
+    assert (report.queue, report.mine) == (5, 0)
+    assert [b.load for b in router.fleet.backends(time.monotonic())] == [5]
+
+
 async def test_a_stack_goes_where_its_first_member_is_resident(
     start_router: StartRouter, start_backend: StartBackend
 ) -> None:
