@@ -49,11 +49,12 @@ def main() -> None:
             backend.place(f"s{i}", backend.parse_adapter(path, name=f"a{i}", max_rank=64))
     jobs = [ImageJob("a lighthouse", None, (i,)) for i in range(4)]
     scales = {f"s{i}": 1.0 for i in range(4)}
-    cases: dict[str, list[str | None]] = {
-        "base": [None] * 4,
-        "one adapter, unmerged": ["s0"] * 4,
-        "one adapter, merged": ["s0"] * 4,
-        "mixed, 4 adapters": ["s0", "s1", "s2", "s3"],
+    # Each case's slots per image and the merge policy it runs under.
+    cases: dict[str, tuple[list[str | None], MergePolicy]] = {
+        "base": ([None] * 4, "never"),
+        "one adapter, unmerged": (["s0"] * 4, "never"),
+        "one adapter, merged": (["s0"] * 4, "always"),
+        "mixed, 4 adapters": (["s0", "s1", "s2", "s3"], "never"),
     }
 
     def run(slots: list[str | None], steps: int, merge: MergePolicy) -> tuple[float, float, str]:
@@ -72,8 +73,7 @@ def main() -> None:
         torch.cuda.synchronize()
         return time.perf_counter() - wall, time.process_time() - cpu, outcome.path
 
-    for name, slots in cases.items():
-        merge: MergePolicy = "always" if "merged" in name else "never"
+    for name, (slots, merge) in cases.items():
         run(slots, 2, merge)  # warm-up
         rows = [run(slots, 20, merge) for _ in range(2)]
         print(
@@ -84,7 +84,7 @@ def main() -> None:
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     for name in ("mixed, 4 adapters", "base"):
         with torch.profiler.profile(activities=activities) as prof:
-            run(cases[name], 1, "never")
+            run(cases[name][0], 1, "never")
         launches = sum(e.count for e in prof.key_averages() if e.key in LAUNCHES)
         print(f"{name}, 1 step: cuda kernel launches {launches}")
 

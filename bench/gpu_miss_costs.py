@@ -1,10 +1,10 @@
 """A miss's cost next to a generation, on a full-size SDXL on a GPU.
 
 One random-weight SDXL base (fp16, built in code) and five rank-64 adapters (half with
-text-encoder layers); four 20-step 1024x1024 generations of one image, then bench_inference's
-growth table (first use: parse the file and copy it into a slot; swap: copy a parsed adapter
-into a slot; activate: switch the layers before a batch) with 1 and 5 adapters resident. GPU
-only:
+text-encoder layers); four 1024x1024 generations of one image at 20 steps, then of one and of
+four images at 4 steps (the simulated 4-step profile's), then bench_inference's growth table
+(first use: parse the file and copy it into a slot; swap: copy a parsed adapter into a slot;
+activate: switch the layers before a batch) with 1 and 5 adapters resident. GPU only:
 
     PYTHONPATH=inference:volume:playground:bench python3 bench/gpu_miss_costs.py
 """
@@ -51,14 +51,24 @@ def main() -> None:
         ]
         print("sizes MB", [size_mb(p) for p in paths], flush=True)
         backend = DiffusionBackend(pipe, device="cuda", dtype=dtype, slots=6, max_rank=64)
-        generations = []
-        for _ in range(4):
-            torch.cuda.synchronize()
-            started = time.perf_counter()
-            pipe(prompt="a lighthouse", num_inference_steps=20, height=1024, width=1024)
-            torch.cuda.synchronize()
-            generations.append(time.perf_counter() - started)
-        print("generation 20 steps 1024 batch 1 s:", [round(g, 3) for g in generations], flush=True)
+        for steps, batch in ((20, 1), (4, 1), (4, 4)):
+            generations = []
+            for _ in range(4):
+                torch.cuda.synchronize()
+                started = time.perf_counter()
+                pipe(
+                    prompt=["a lighthouse"] * batch,
+                    num_inference_steps=steps,
+                    height=1024,
+                    width=1024,
+                )
+                torch.cuda.synchronize()
+                generations.append(time.perf_counter() - started)
+            print(
+                f"generation {steps} steps 1024 batch {batch} s:",
+                [round(g, 3) for g in generations],
+                flush=True,
+            )
         for resident, first, swap, activate, layers in growth(backend, paths, (1, 5), 3):
             print(
                 f"resident {resident}: first use {first * 1e3:.1f} ms, swap {swap * 1e3:.1f} ms, "

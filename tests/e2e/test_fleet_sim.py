@@ -95,5 +95,5 @@ def test_a_small_simulated_fleet_runs_every_route(
         assert set(cell.tallies["least-queued"].routes) == {"none"}
     line = bench.sim_summary(cells)
     assert line.startswith("fleet-sim: throughput router/round-robin 4step = ")
-    # The no-miss bound is the profile's: 3 pods, one image per 0.323 s x 1.01.
-    assert cells[0].bound == pytest.approx(PODS / (0.323 * 1.01), rel=1e-3)
+    # The no-miss bound is the profile's: 3 pods, one image per 0.345 s x 1.01.
+    assert cells[0].bound == pytest.approx(PODS / (0.345 * 1.01), rel=1e-3)
