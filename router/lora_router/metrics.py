@@ -16,6 +16,25 @@ def _registry() -> CollectorRegistry:
 @dataclass
 class Metrics:
     registry: CollectorRegistry = field(default_factory=_registry)
+    # The counters each request touches, by their labels: `labels()` takes a lock and builds
+    # its key on every call.
+    _answers: dict[tuple[str, str], Counter] = field(default_factory=dict, repr=False)
+    _failures: dict[str, Counter] = field(default_factory=dict, repr=False)
+
+    def answered(self, reason: str, code: int) -> None:
+        """Count one answer in `lora_router_requests_total` (`reason` "none": no pod took it)."""
+        key = (reason, str(code))
+        child = self._answers.get(key)
+        if child is None:
+            child = self._answers[key] = self.requests.labels(*key)
+        child.inc()
+
+    def failure(self, kind: str) -> None:
+        """Count one upstream failure of `kind` in `lora_router_upstream_failures_total`."""
+        child = self._failures.get(kind)
+        if child is None:
+            child = self._failures[kind] = self.failures.labels(kind)
+        child.inc()
 
     def __post_init__(self) -> None:
         r = self.registry
