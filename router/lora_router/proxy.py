@@ -13,19 +13,25 @@ a 502.
 Two headers say what happened: `x-lora-pod` (the pod that answered) and `x-lora-route` (why).
 Only generation is forwarded (`paths.forwarded`, an allowlist); every other path answers 404
 and is never sent to a pod: not load and unload, not a pod's /metrics or /v1/adapters.
+
+`forward` is the exchange itself, whichever server parsed the request: the router's own
+(`server`, for the generations it reads whole) or aiohttp's (`proxy`, the handler of every
+other request). Each gives it a `Reply`, the client's side of the answer.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterable
+from typing import Protocol
 
 from aiohttp import web
 
 from lora_router import bodies, paths, routing, upstream
 from lora_router.fleet import AdapterPlacement, Fleet, Split, answered_queue
 from lora_router.metrics import Metrics
-from lora_router.state import CONFIG, FLEET, METRICS, STATE, ProxyState
+from lora_router.state import CONFIG, STATE, ProxyState
 
 log = logging.getLogger("lora_router")
 
@@ -34,10 +40,68 @@ log = logging.getLogger("lora_router")
 BUFFERED_ANSWER_BYTES = 256 * 1024
 
 
+class Reply(Protocol):
+    """Where one forwarded request's answer goes: the client's connection. An answer is either
+    `error` (the router's own, in the servers' error shape), `send` (whole), or `start`, `write`
+    as often as needed, then `end`; `abort` closes the connection whatever was sent."""
+
+    def error(
+        self, status: int, error_type: str, message: str, headers: dict[str, str] | None = None
+    ) -> None: ...
+
+    def send(self, status: int, reason: str, headers: dict[str, str], body: bytes) -> None: ...
+
+    async def start(
+        self, status: int, reason: str, headers: dict[str, str], length: int | None
+    ) -> None: ...
+
+    async def write(self, data: bytes) -> None: ...
+
+    async def end(self) -> None: ...
+
+    def abort(self) -> None: ...
+
+
 def json_error(message: str, error_type: str, status: int, **headers: str) -> web.Response:
     return web.json_response(
         bodies.error_body(message, error_type, status), status=status, headers=headers
     )
+
+
+class _WebReply:
+    """A `Reply` through aiohttp's server: the response the handler returns."""
+
+    def __init__(self, request: web.Request) -> None:
+        self.request = request
+        self.response: web.StreamResponse | None = None
+
+    def error(
+        self, status: int, error_type: str, message: str, headers: dict[str, str] | None = None
+    ) -> None:
+        self.response = json_error(message, error_type, status, **(headers or {}))
+
+    def send(self, status: int, reason: str, headers: dict[str, str], body: bytes) -> None:
+        self.response = web.Response(status=status, reason=reason, headers=headers, body=body)
+
+    async def start(
+        self, status: int, reason: str, headers: dict[str, str], length: int | None
+    ) -> None:
+        response = self.response = web.StreamResponse(status=status, reason=reason, headers=headers)
+        if length is not None:
+            response.content_length = length
+        await response.prepare(self.request)
+
+    async def write(self, data: bytes) -> None:
+        if self.response is not None:
+            await self.response.write(data)
+
+    async def end(self) -> None:
+        if self.response is not None:
+            await self.response.write_eof()
+
+    def abort(self) -> None:
+        if self.request.transport is not None:
+            self.request.transport.close()
 
 
 async def _read_body(request: web.Request) -> bytes:
@@ -58,18 +122,18 @@ class _Refused(Exception):
         self.status, self.error_type, self.message = status, error_type, message
 
 
-def _adapter_for(request: web.Request, body: bytes) -> str | None:
-    if request.method != "POST" or request.path not in bodies.ADAPTER_PATHS:
+def _adapter_for(fleet: Fleet, method: str, path: str, body: bytes) -> str | None:
+    if method != "POST" or path not in bodies.ADAPTER_PATHS:
         return None
     adapter = bodies.adapter_of(body)
-    if adapter is not None and adapter in request.app[FLEET].base_models():
+    if adapter is not None and adapter in fleet.base_models():
         return None
     return adapter
 
 
 async def proxy(request: web.Request) -> web.StreamResponse:
-    config, fleet, state = request.app[CONFIG], request.app[FLEET], request.app[STATE]
-    metrics = request.app[METRICS]
+    """The handler of every path the router does not answer itself, under aiohttp's server."""
+    config = request.app[CONFIG]
     if not paths.forwarded(request.method, request.path):
         # An allowlist: a pod's /metrics, /v1/adapters, load and unload never go through.
         return json_error(
@@ -79,7 +143,34 @@ async def proxy(request: web.Request) -> web.StreamResponse:
         body = await _read_body(request)
     except _Refused as e:
         return json_error(e.message, e.error_type, e.status)
-    adapter = _adapter_for(request, body)
+    reply = _WebReply(request)
+    await forward(
+        request.app[STATE],
+        reply,
+        request.method,
+        request.path,
+        request.raw_path,
+        request.headers.items(),
+        body,
+    )
+    if reply.response is None:
+        raise RuntimeError("the proxy gave no answer")
+    return reply.response
+
+
+async def forward(
+    state: ProxyState,
+    reply: Reply,
+    method: str,
+    path: str,
+    target: str,
+    headers: Iterable[tuple[str, str]],
+    body: bytes,
+) -> None:
+    """Route one request the router forwards (`paths.forwarded`, its body read whole) and
+    answer it through `reply`: the pod's answer, or the router's 503."""
+    config, fleet, metrics = state.config, state.fleet, state.metrics
+    adapter = _adapter_for(fleet, method, path, body)
     placement = fleet.adapters.get(adapter) if adapter is not None else None
     placed = placement.pods if placement is not None else None
     revision = None
@@ -91,6 +182,7 @@ async def proxy(request: web.Request) -> web.StreamResponse:
         if placement is not None and placement.split is not None:
             placed = fleet.canary_holders(placement, placement.split, time.monotonic())
             revision = placement.split.canary[:12]
+    sent = bodies.forwarded_headers(headers)
     tried: list[str] = []
     failures: list[str] = []
     now = time.monotonic()
@@ -116,21 +208,21 @@ async def proxy(request: web.Request) -> web.StreamResponse:
             metrics.affinity_hits.inc()
         tried.append(decision.pod)
         try:
-            response = await _forward(request, state, decision, body)
+            status = await _forward(state, reply, decision, method, target, sent, body)
         except upstream.Unanswered as e:
             failures.append(f"{decision.pod}: {e}")
-            metrics.failures.labels(e.kind).inc()
+            metrics.failure(e.kind)
             continue
         if revision is not None and placement is not None:
-            metrics.rollout_requests.labels(placement.name, revision, str(response.status)).inc()
-        return response
+            metrics.rollout_requests.labels(placement.name, revision, str(status)).inc()
+        return
     status, what = 503, "no inference pod is Ready"
     if failures:
         what = "the pods failed before answering (" + "; ".join(failures) + ")"
-    metrics.requests.labels("none", str(status)).inc()
+    metrics.answered("none", status)
     if revision is not None and placement is not None:
         metrics.rollout_requests.labels(placement.name, revision, str(status)).inc()
-    return json_error(f"{what}; retry later", "ServiceUnavailable", status, **{"Retry-After": "1"})
+    reply.error(status, "ServiceUnavailable", f"{what}; retry later", {"Retry-After": "1"})
 
 
 def _split(
@@ -150,60 +242,67 @@ def _split(
     return adapter, placement.pods, body, split.stable[:12]
 
 
-async def _send(state: ProxyState, pod: str, request: web.Request, body: bytes) -> upstream.Answer:
+async def _send(
+    state: ProxyState, pod: str, method: str, target: str, headers: dict[str, str], body: bytes
+) -> upstream.Answer:
     endpoint = state.fleet.ready().get(pod)
     if endpoint is None:
         raise upstream.Unanswered("gone", "no longer Ready")
     # When the pod leaves the endpoints before it answers, `endpoints_changed` has the pool
     # give up on it (Unanswered("gone")).
-    return await state.upstream().request(
-        endpoint.address,
-        request.method,
-        request.raw_path,
-        bodies.forwarded_headers(request.headers.items()),
-        body,
-    )
+    return await state.upstream().request(endpoint.address, method, target, headers, body)
 
 
 async def _forward(
-    request: web.Request, state: ProxyState, decision: routing.Decision, body: bytes
-) -> web.StreamResponse:
+    state: ProxyState,
+    reply: Reply,
+    decision: routing.Decision,
+    method: str,
+    target: str,
+    headers: dict[str, str],
+    body: bytes,
+) -> int:
+    """Send the request to the pod `decision` names and its answer to the client; the status
+    answered."""
     metrics, fleet = state.metrics, state.fleet
     started = time.monotonic()
     fleet.inflight[decision.pod] = fleet.inflight.get(decision.pod, 0) + 1
     try:
         try:
-            answer = await _send(state, decision.pod, request, body)
+            answer = await _send(state, decision.pod, method, target, headers, body)
         except TimeoutError:
             # The pod may still be working on it: never sent twice.
-            metrics.failures.labels("timeout").inc()
-            metrics.requests.labels(decision.reason, "504").inc()
-            return json_error(
-                f"pod {decision.pod} did not answer within {state.config.upstream_timeout_s:.0f} s",
-                "GatewayTimeout",
+            metrics.failure("timeout")
+            metrics.answered(decision.reason, 504)
+            reply.error(
                 504,
+                "GatewayTimeout",
+                f"pod {decision.pod} did not answer within {state.config.upstream_timeout_s:.0f} s",
             )
+            return 504
         except upstream.Broken as e:
             # An answer whose head makes no sense: the pod had the request, never sent twice.
-            metrics.failures.labels("midstream").inc()
-            metrics.requests.labels(decision.reason, "502").inc()
+            metrics.failure("midstream")
+            metrics.answered(decision.reason, 502)
             log.warning("action=proxy pod=%s result=broken error=%s", decision.pod, e)
-            return json_error(f"pod {decision.pod} answered badly: {e}", "BadGateway", 502)
+            reply.error(502, "BadGateway", f"pod {decision.pod} answered badly: {e}")
+            return 502
         queue = answered_queue(answer.headers)
         if queue is not None:
             fleet.take_queue(decision.pod, queue)
         try:
-            return await _answer(request, decision, answer, metrics)
+            await _answer(reply, decision, answer, metrics)
         finally:
             answer.close()
+        return answer.status
     finally:
         fleet.inflight[decision.pod] -= 1
         metrics.upstream_seconds.observe(time.monotonic() - started)
 
 
 async def _answer(
-    request: web.Request, decision: routing.Decision, answer: upstream.Answer, metrics: Metrics
-) -> web.StreamResponse:
+    reply: Reply, decision: routing.Decision, answer: upstream.Answer, metrics: Metrics
+) -> None:
     """The pod's answer to the client: its status, headers and bytes, and the router's two."""
     headers = bodies.forwarded_headers(answer.headers)
     headers["x-lora-pod"] = decision.pod
@@ -215,41 +314,36 @@ async def _answer(
         try:
             data = await answer.read()
         except upstream.Broken as e:
-            return await _broken(request, decision, answer, headers, e, metrics)
-        metrics.requests.labels(decision.reason, str(answer.status)).inc()
-        return web.Response(status=answer.status, reason=answer.reason, headers=headers, body=data)
-    response = web.StreamResponse(status=answer.status, reason=answer.reason, headers=headers)
-    if length is not None:
-        response.content_length = length
-    await response.prepare(request)
+            await _broken(reply, decision, answer, headers, e, metrics, started=False)
+            return
+        metrics.answered(decision.reason, answer.status)
+        reply.send(answer.status, answer.reason, headers, data)
+        return
+    await reply.start(answer.status, answer.reason, headers, length)
     try:
         async for chunk in answer.chunks():
-            await response.write(chunk)
+            await reply.write(chunk)
     except upstream.Broken as e:
-        return await _broken(request, decision, answer, headers, e, metrics, response)
-    await response.write_eof()
-    metrics.requests.labels(decision.reason, str(answer.status)).inc()
-    return response
+        await _broken(reply, decision, answer, headers, e, metrics, started=True)
+        return
+    await reply.end()
+    metrics.answered(decision.reason, answer.status)
 
 
 async def _broken(
-    request: web.Request,
+    reply: Reply,
     decision: routing.Decision,
     answer: upstream.Answer,
     headers: dict[str, str],
     error: BaseException,
     metrics: Metrics,
-    response: web.StreamResponse | None = None,
-) -> web.StreamResponse:
+    *,
+    started: bool,
+) -> None:
     """An answer that broke off midway: the client gets its head and then a closed connection,
     an error it sees, never a hang."""
-    metrics.failures.labels("midstream").inc()
+    metrics.failure("midstream")
     log.warning("action=proxy pod=%s result=broken error=%s", decision.pod, error)
-    if response is None:
-        response = web.StreamResponse(status=answer.status, reason=answer.reason, headers=headers)
-        if answer.content_length is not None:
-            response.content_length = answer.content_length
-        await response.prepare(request)
-    if request.transport is not None:
-        request.transport.close()
-    return response
+    if not started:
+        await reply.start(answer.status, answer.reason, headers, answer.content_length)
+    reply.abort()
