@@ -11,6 +11,7 @@ from collections.abc import Sequence
 import uvloop
 from aiohttp import web
 
+from lora_router import server
 from lora_router.app import create_app, metrics_app
 from lora_router.config import RouterConfig, parse_args
 from lora_router.metrics import Metrics
@@ -35,9 +36,12 @@ async def serve(
         web.AppRunner(app, access_log=None),
         web.AppRunner(metrics_app(metrics), access_log=None),
     ]
-    for runner, port in zip(runners, (config.port, config.metrics_port), strict=True):
+    for runner in runners:
         await runner.setup()
-        await web.TCPSite(runner, "0.0.0.0", port).start()
+    # Generations are read and answered by the router's own server, the rest by aiohttp's
+    # (lora_router.server).
+    await server.Site(runners[0], "0.0.0.0", config.port).start()
+    await web.TCPSite(runners[1], "0.0.0.0", config.metrics_port).start()
     log.info(
         "listening on :%d (metrics :%d) for %s/%s, polling residency %s",
         config.port,
@@ -54,7 +58,8 @@ async def serve(
         log.info("action=shutdown result=draining seconds=%s", config.shutdown_delay_s)
         await asyncio.sleep(config.shutdown_delay_s)
     finally:
-        # In-flight requests finish (the sites' graceful shutdown) before the sessions close.
+        # In-flight requests finish (the sites' graceful shutdown) before the pool and the
+        # session close.
         for runner in runners:
             await runner.cleanup()
 

@@ -1,5 +1,7 @@
 """A live router on 127.0.0.1 whose fleet a test sets directly (the API watches are a seam:
-`create_app(sources=...)`), in front of live HTTP backends."""
+`create_app(sources=...)`), in front of live HTTP backends. The router listens as
+`python -m lora_router` does: its own server for the generations, aiohttp's for the rest
+(`lora_router.server.Site`)."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from lora_router.app import create_app
 from lora_router.config import RouterConfig
 from lora_router.fleet import AdapterPlacement, Endpoint, Fleet
 from lora_router.metrics import Metrics
+from lora_router.server import Site
 from lora_router.state import STATE, ProxyState
 
 from tests.support import polling
@@ -28,14 +31,15 @@ async def listed(fleet: Fleet, state: ProxyState) -> None:
 
 @dataclass
 class Router:
-    server: TestServer
+    site: Site
+    runner: web.AppRunner
     app: web.Application
     fleet: Fleet
     metrics: Metrics
     session: ClientSession
 
     def url(self, path: str) -> str:
-        return str(self.server.make_url(path))
+        return f"http://127.0.0.1:{self.site.port}{path}"
 
     def set_pods(self, pods: dict[str, str], ready: bool = True) -> None:
         """Pod name -> host:port, as one EndpointSlice."""
@@ -66,16 +70,18 @@ async def start_router() -> AsyncIterator[StartRouter]:
     async def start(**overrides: Any) -> Router:
         metrics = Metrics()
         app = create_app(replace(ROUTER_CONFIG, **overrides), sources=[listed], metrics=metrics)
-        server = TestServer(app, host="127.0.0.1")
-        await server.start_server()
-        router = Router(server, app, app[STATE].fleet, metrics, ClientSession())
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        site = Site(runner, "127.0.0.1", 0)
+        await site.start()
+        router = Router(site, runner, app, app[STATE].fleet, metrics, ClientSession())
         started.append(router)
         return router
 
     yield start
     for router in started:
         await router.session.close()
-        await router.server.close()
+        await router.runner.cleanup()
 
 
 @pytest_asyncio.fixture
