@@ -24,8 +24,9 @@ request, and aiohttp's server (a request handler, a task, a timer, its request a
 objects for each) costs about as much CPU as everything else the router does for a request
 (docs/benchmarks.md, "The router's own cost per request").
 
-Must not: route (`routing`), talk to the pods (`upstream`), or answer anything but what
-`proxy.forward` says.
+Must not: route (`routing`) or talk to the pods (`upstream`): what it answers is
+`proxy.forward`'s, or, when that raises, what aiohttp's server answers then (the HTTP error
+raised, or a 500).
 """
 
 from __future__ import annotations
@@ -35,9 +36,9 @@ import json
 import logging
 import re
 import time
-from dataclasses import dataclass
 from email.utils import formatdate
 from http import HTTPStatus
+from typing import NamedTuple
 
 from aiohttp import web
 from aiohttp.http import SERVER_SOFTWARE
@@ -55,8 +56,8 @@ SHUTDOWN_TIMEOUT_S = 60.0  # aiohttp's: how long `stop` waits for the answers in
 _PIPELINED_BYTES = 64 * 1024  # read ahead of the request being answered before pausing
 _SWEEP_S = 60.0  # how often idle connections are looked at
 
-# Anything in a head but printable ASCII, HT and CRLF line ends.
-_FORBIDDEN = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]|\r(?!\n)|(?<!\r)\n")
+# Control characters but HT, CR and LF (a CR or LF outside a CRLF is found by counting).
+_CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
 _TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 # Headers whose requests aiohttp's server takes: it decodes a compressed body, answers 100
 # before reading one, de-chunks one, refuses an upgrade.
@@ -65,8 +66,7 @@ _EMPTY_BODY = frozenset((204, 304, *range(100, 200)))
 _SERVER_ERROR = b"500 Internal Server Error\n\nServer got itself in trouble"
 
 
-@dataclass(frozen=True, slots=True)
-class Request:
+class Request(NamedTuple):
     """A request head the router's own server answers."""
 
     method: str
@@ -85,9 +85,10 @@ def parse_head(head: bytes, max_body: int) -> Request | None:
     if len(head) > MAX_HEAD_BYTES or not head.isascii():
         return None
     text = head.decode("ascii")
-    if _FORBIDDEN.search(text) is not None:
-        return None
     lines = text.split("\r\n")
+    breaks = len(lines) - 1
+    if text.count("\r") != breaks or text.count("\n") != breaks or _CONTROL.search(text):
+        return None
     parts = lines[0].split(" ")
     if len(parts) != 3 or len(lines) > _MAX_HEADERS + 1:
         return None
@@ -99,10 +100,8 @@ def parse_head(head: bytes, max_body: int) -> Request | None:
     else:
         return None
     path = target.partition("?")[0]
-    if not paths.forwarded(method, path) or method != method.upper() or "\t" in target:
-        return None
-    if "#" in target:
-        return None
+    if not paths.forwarded(method, path) or method != method.upper() or "#" in target:
+        return None  # an escaped path, an absolute URL, a lower-case method: aiohttp's
     headers: list[tuple[str, str]] = []
     length: int | None = None
     close = keep_alive = False
@@ -328,6 +327,12 @@ class _Connection(asyncio.Protocol):
             )  # fmt: skip
         except ConnectionError:
             self.keep_alive = False  # the client left mid-answer
+        except web.HTTPException as e:  # as aiohttp's server answers one a handler raised
+            if self.started:
+                self.keep_alive = False
+            else:
+                headers = {**e.headers, "Content-Type": "text/plain; charset=utf-8"}
+                self._write_answer(e.status, e.reason, headers, (e.text or "").encode())
         except Exception:
             log.exception("action=proxy result=error")
             self.keep_alive = False
@@ -441,8 +446,9 @@ class _Connection(asyncio.Protocol):
         return text.encode("utf-8")
 
     def _write(self, data: bytes) -> None:
-        if not self.lost and self.transport is not None:
-            self.transport.write(data)
+        transport = self.transport
+        if not self.lost and transport is not None and not transport.is_closing():
+            transport.write(data)
 
     async def _drain(self) -> None:
         if self.drained is not None:

@@ -184,6 +184,20 @@ async def test_the_routers_own_errors_are_the_ones_aiohttps_server_gives(twins: 
     assert mine[0].status == 503 and mine[0].header("Retry-After") == "1"
 
 
+async def test_a_router_without_its_pool_answers_as_aiohttps_server_does(twins: Twins) -> None:
+    pools = [app[STATE].pool for app in twins.apps]
+    for app in twins.apps:
+        app[STATE].pool = None  # as before the app's startup
+    try:
+        message = post(headers=CLOSE)
+        mine, theirs = await exchange(twins.own, message), await exchange(twins.plain, message)
+    finally:
+        for app, pool in zip(twins.apps, pools, strict=True):
+            app[STATE].pool = pool
+    assert [comparable(a) for a in mine] == [comparable(a) for a in theirs]
+    assert mine[0].status == 503 and b"starting" in mine[0].body
+
+
 async def test_answers_of_unknown_length_stream_as_aiohttps_server_streams_them(
     twins: Twins, start_backend: StartBackend
 ) -> None:
