@@ -28,6 +28,8 @@ import hashlib
 import json
 import os
 import platform
+import pstats
+import re
 import socket
 import statistics
 import subprocess
@@ -250,12 +252,16 @@ async def send(url: str, stream: list[str], concurrency: int) -> float:
 async def measure(
     args: argparse.Namespace, baseline_dir: Path
 ) -> dict[str, dict[str, list[float]]]:
-    profile = {"BENCH_PROFILE": str(Path(args.profile).resolve())} if args.profile else {}
+    profiles: dict[str, dict[str, str]] = {"before": {}, "after": {}}
+    if args.profile:
+        path = Path(args.profile).resolve()
+        profiles["after"]["BENCH_PROFILE"] = str(path)
+        profiles["before"]["BENCH_PROFILE"] = str(path.with_stem(f"{path.stem}-before"))
     names = [f"adapter-{i:02d}" for i in range(args.adapters)]
     pods, runners = await start_pods(args, names)
     routers = [
-        Router("before", baseline_dir, pods, names, {}),
-        Router("after", ROOT / "router", pods, names, profile),
+        Router("before", baseline_dir, pods, names, profiles["before"]),
+        Router("after", ROOT / "router", pods, names, profiles["after"]),
     ]
     results: dict[str, dict[str, list[float]]] = {
         r.label: {"req": [], "idle": [], "system": []} for r in routers
@@ -292,6 +298,45 @@ async def measure(
     return results
 
 
+# The parts of a router's profile (`--profile`): the first whose pattern matches where a
+# function lives ("file:function"; builtins are "~:<method ...>").
+PARTS = [
+    ("the router's server on the client side (`server`)", r"lora_router/server\.py:"),
+    ("the router's pool to the pods (`upstream`)", r"lora_router/upstream\.py:"),
+    ("the router's own code (decisions, proxy, polls)", r"lora_router/"),
+    ("aiohttp's client to the pods, and its streams", r"aiohttp/(client|connector|streams|trac)"),
+    ("aiohttp's server on the client side", r"aiohttp/"),
+    ("socket calls seen apart (asyncio's loop only)", r"^~:.*_socket\.socket"),
+    (
+        "the event loop (callbacks, tasks; uvloop's calls)",
+        r"asyncio/|selectors|uvloop|^~:.*Context",
+    ),
+    ("prometheus, json, yarl, multidict, logging", r"prometheus|json/|yarl|multidict|logging/"),
+    ("other (builtins: dicts, strings, bytes)", r""),
+]
+
+
+def profile_parts(path: Path) -> dict[str, float]:
+    """A cProfile's own time (seconds) by part (`PARTS`)."""
+    parts = dict.fromkeys((name for name, _ in PARTS), 0.0)
+    stats = pstats.Stats(str(path)).stats  # type: ignore[attr-defined]
+    for (file, _, function), (_, _, own, _, _) in stats.items():
+        where = f"{file}:{function}"
+        parts[next(name for name, pattern in PARTS if re.search(pattern, where))] += own
+    return parts
+
+
+def print_profiles(before: Path, after: Path) -> None:
+    """Each router's profile by part, in shares of the baseline's whole profiled time (the
+    profiler slows Python code more than C: the shares, not the times, are what it says)."""
+    b, a = profile_parts(before), profile_parts(after)
+    total = sum(b.values())
+    print(f"\nprofiled time by part, % of the baseline's ({before.name}, {after.name})")
+    for name in b:
+        print(f"  {name:<56}{100 * b[name] / total:>7.1f}%{100 * a[name] / total:>7.1f}%")
+    print(f"  {'total':<56}{100.0:>7.1f}%{100 * sum(a.values()) / total:>7.1f}%")
+
+
 def export(revision: str, into: Path) -> Path:
     """The router package at `revision`, written under `into`."""
     archive = subprocess.run(
@@ -315,12 +360,19 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--answer-bytes", type=int, default=12_000, help="a generation's answer")
-    parser.add_argument("--profile", help="write cProfile stats of this tree's router here")
+    parser.add_argument(
+        "--profile",
+        help="write cProfile stats of this tree's router here, and the baseline's beside it "
+        "(NAME-before.prof for NAME.prof)",
+    )
     parser.add_argument("--idle-s", type=float, default=3.0, help="idle time measured per round")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="lora-bench-hop-") as scratch:
         baseline = export(args.baseline, Path(scratch))
         results = asyncio.run(measure(args, baseline))
+    if args.profile:
+        path = Path(args.profile).resolve()
+        print_profiles(path.with_stem(f"{path.stem}-before"), path)
     before = statistics.median(results["before"]["req"])
     after = statistics.median(results["after"]["req"])
     print(
