@@ -47,11 +47,11 @@ SD 1.5, 4 GB in float32 and about 7 s an image on one of these cores, does not f
 a 2-core machine), so the pods serve it with one torch thread each, at 64x64 pixels and 1
 denoising step, with rank 16/32/64 adapters (half of them with text-encoder layers). Measured
 alone on one core, a fresh load (read and convert the file) costs about 6 ms and a copy into a
-slot about 2 ms against a generation of about 55 ms: about 12% and 3% of a request. On an H200
+slot about 2 ms against a generation of about 55 ms: about 12% and 3% of a request. On a GPU
 with a full-size SDXL at 20 steps (bench/gpu_miss_costs.py) a rank-64 adapter's first use costs
-about 30% of a one-image generation and its copy into a slot about 4%; 4 steps at 64x64 here
-would make every miss 3x cheaper than that. The run prints the times the pods measured. The
-tiers are the chart's defaults: --max-loras 4 GPU slots and --max-cpu-loras 32 (< K) per pod.
+about 45% of a one-image generation and its copy into a slot about 1%. The run prints the times
+the pods measured. The tiers are the chart's defaults: --max-loras 4 GPU slots and
+--max-cpu-loras 32 (< K) per pod.
 
     .venv/bin/python bench/bench_fleet.py             # N=4, K=100, 8 round pairs of 100 requests
     .venv/bin/python bench/bench_fleet.py --quick     # 2 round pairs of 40 requests
@@ -63,7 +63,7 @@ Results go in docs/benchmarks.md together with the command.
 
 Simulated GPU pods (`--simulate PROFILE`, `--simulate-suite`). The pods run
 `lora-inference serve --simulate PROFILE` (the chart's inference.extraArgs): the real server
-with a pipeline that sleeps for an H200's measured costs and imports no torch, so tens of pods
+with a pipeline that sleeps for a GPU's measured costs and imports no torch, so tens of pods
 fit here. Three routes on the same pods: round-robin (the pods' Service), least-queued (the load
 generator sends each request straight to the pod with the fewest of its requests in flight: a
 least-request balancer without affinity) and the router; each cell is a stream (Zipf(1.1) or

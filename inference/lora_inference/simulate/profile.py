@@ -7,7 +7,7 @@ gives, for one model on one GPU at its own image size and step count:
   between them linear, beyond the last the last segment's slope);
 - `batch_factor`: a call's cost against the base model's: one adapter `merged` (what the
   server's cost model chooses on a GPU) or unmerged (`adapter`, with `--merge never`); a batch
-  that mixes adapters `1 + mixed_per_adapter x adapters`, one launch set per adapter and layer;
+  that mixes adapters `1 + mixed_per_adapter x adapters` (fitted to a measured call of several);
 - `adapter_mb_per_rank`: how large an adapter of a given rank is on this model, in the model's
   dtype (`unet`, plus `text_encoders` when it adapts them);
 - `first_use_s_per_mb`: an adapter's first use (read, hash, convert, copy into a slot) per MB,
