@@ -256,7 +256,7 @@ async def measure(
     if args.profile:
         path = Path(args.profile).resolve()
         profiles["after"]["BENCH_PROFILE"] = str(path)
-        profiles["before"]["BENCH_PROFILE"] = str(path.with_stem(f"{path.stem}-before"))
+        profiles["before"]["BENCH_PROFILE"] = str(baseline_profile(path))
     names = [f"adapter-{i:02d}" for i in range(args.adapters)]
     pods, runners = await start_pods(args, names)
     routers = [
@@ -316,6 +316,11 @@ PARTS = [
 ]
 
 
+def baseline_profile(path: Path) -> Path:
+    """Where the baseline's profile goes, beside this tree's at `path`: NAME-before.prof."""
+    return path.with_stem(f"{path.stem}-before")
+
+
 def profile_parts(path: Path) -> dict[str, float]:
     """A cProfile's own time (seconds) by part (`PARTS`)."""
     parts = dict.fromkeys((name for name, _ in PARTS), 0.0)
@@ -372,7 +377,7 @@ def main() -> int:
         results = asyncio.run(measure(args, baseline))
     if args.profile:
         path = Path(args.profile).resolve()
-        print_profiles(path.with_stem(f"{path.stem}-before"), path)
+        print_profiles(baseline_profile(path), path)
     before = statistics.median(results["before"]["req"])
     after = statistics.median(results["after"]["req"])
     print(
