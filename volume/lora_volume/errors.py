@@ -42,3 +42,9 @@ class UnsupportedFormat(VolumeError):
 class InvalidAdapter(VolumeError):
     """A file that claims to be a LoRA and is not a sane one: a corrupt safetensors header,
     tensors that are not LoRA pairs, an unreadable adapter_config.json or LoRA metadata."""
+
+
+class InvalidJson(InvalidAdapter):
+    """JSON in an adapter's files (a safetensors header, the JSON in its metadata,
+    adapter_config.json) that is not JSON, or breaks a bound of `boundedjson.Limits`: longer,
+    deeper, with more values or a longer number than any adapter's. Refused before it is built."""

@@ -3,18 +3,22 @@
 Everything here reads bytes and JSON only. It imports no torch and no diffusers, so the operator
 uses the same checks when it stages a download, and a pickle file is refused without ever being
 opened. Its errors (`lora_volume.errors`) name no `param`: every fault here is the file's.
+
+The bytes are a tenant's: every JSON document here (the header, the JSON strings in its metadata,
+adapter_config.json) is parsed by `boundedjson` within the limits below, its length checked before
+it is read, so no file costs more memory than those limits allow (docs/security.md).
 """
 
 from __future__ import annotations
 
-import json
 import math
+import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lora_volume import errors, formats
+from lora_volume import boundedjson, errors, formats
 
 # Formats that execute code when loaded. They are refused by name, never opened.
 PICKLE_SUFFIXES = frozenset({".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle"})
@@ -23,8 +27,23 @@ WEIGHT_FILE_NAMES = ("pytorch_lora_weights.safetensors", "adapter_model.safetens
 ADAPTER_CONFIG = "adapter_config.json"
 LORA_METADATA_KEY = "lora_adapter_metadata"  # diffusers' LoRA config in a safetensors header
 
-# A LoRA header lists a few thousand tensors at most; a larger header is a corrupt or hostile file.
-MAX_HEADER_BYTES = 64 * 1024 * 1024
+# A LoRA's header lists its tensors (about 130 bytes each) and its trainer's metadata. Built in
+# code (tests/support/bombs.py, checked by tests/unit/volume/test_header_bounds.py), a Flux LoRA
+# at rank 128 on every layer and both text encoders (1647 tensors) with kohya's metadata of an
+# 8000-tag dataset takes 0.6 MiB and 19k values; an SDXL LoHa with DoRA on every layer (6276
+# tensors), the same metadata and a 256 KiB thumbnail 1.6 MiB and 73k values. The limits are 5x
+# and 3x the larger one, and refusing the worst header they allow costs tens of MiB, where the
+# operator holds 1 GiB for 4 stagings at once. A header nests 3 deep ({tensor: {"shape": [..]}};
+# the metadata's values are strings) and its numbers are u64s, 20 digits at most.
+MAX_HEADER_BYTES = 8 * 1024 * 1024
+HEADER_LIMITS = boundedjson.Limits(
+    max_bytes=MAX_HEADER_BYTES, max_depth=3, max_values=250_000, max_number_chars=20
+)
+# The JSON strings inside a header's metadata (kohya's `ss_tag_frequency`, diffusers'
+# `lora_adapter_metadata`): {dataset: {tag: count}}, a LoraConfig per component.
+METADATA_LIMITS = boundedjson.Limits(max_bytes=MAX_HEADER_BYTES, max_depth=16, max_values=250_000)
+# peft's adapter_config.json: a few KB, tens of KB with a rank pattern for every layer.
+ADAPTER_CONFIG_LIMITS = boundedjson.Limits(max_bytes=1024 * 1024, max_depth=16, max_values=100_000)
 
 _DTYPE_BYTES = {
     "BOOL": 1,
@@ -68,38 +87,64 @@ class AdapterConfig:
     alpha: float | None
 
 
-def _corrupt(path_hint: str, why: str) -> errors.InvalidAdapter:
-    return errors.InvalidAdapter(
-        f"{path_hint} is not a valid safetensors file ({why}); re-export or re-download it"
-    )
+def _corrupt(
+    path_hint: str, why: str, kind: type[errors.InvalidAdapter] = errors.InvalidAdapter
+) -> errors.InvalidAdapter:
+    return kind(f"{path_hint} is not a valid safetensors file ({why}); re-export or re-download it")
 
 
 def parse_safetensors_header(
-    prefix: bytes, file_size: int, *, name: str = "file"
+    prefix: bytes | memoryview, file_size: int, *, name: str = "file"
 ) -> SafetensorsHeader:
     """Parse and check a safetensors header (pure).
 
-    `prefix` must hold at least the 8-byte length and the JSON header. Checks that every tensor's
-    byte range matches its dtype and shape, that ranges neither overlap nor leave gaps, and that
-    they end exactly at the end of the file: a truncated file or a header that lies about sizes is
-    rejected before any tensor is read.
+    `prefix` must hold at least the 8-byte length and the JSON header (the whole file will do:
+    the header is read where it lies). Checks that every tensor's byte range matches its dtype
+    and shape, that ranges neither overlap nor leave gaps, and that they end exactly at the end
+    of the file: a truncated file or a header that lies about sizes is rejected before any
+    tensor is read. The header's JSON is parsed within HEADER_LIMITS.
     """
     if file_size < 8 or len(prefix) < 8:
         raise _corrupt(name, "shorter than the 8-byte header length")
     (header_len,) = struct.unpack("<Q", prefix[:8])
-    if header_len > MAX_HEADER_BYTES or 8 + header_len > file_size:
-        raise _corrupt(name, f"header length {header_len} does not fit in a {file_size}-byte file")
+    check_header_length(header_len, file_size, name=name)
     if len(prefix) < 8 + header_len:
         raise _corrupt(name, "header is truncated")
+    return _parse_header_json(memoryview(prefix)[8 : 8 + header_len], file_size, name=name)
+
+
+def check_header_length(header_len: int, file_size: int, *, name: str = "file") -> None:
+    """Refuse a declared header length before its bytes are read (pure): longer than the file,
+    or over MAX_HEADER_BYTES."""
+    if 8 + header_len > file_size:
+        raise _corrupt(
+            name,
+            f"its header declares {header_len} bytes, more than the {file_size}-byte file holds: "
+            "the file is truncated or not safetensors",
+        )
+    if header_len > MAX_HEADER_BYTES:
+        raise errors.InvalidJson(
+            f"{name} has a safetensors header of {header_len} bytes, over the limit of "
+            f"{MAX_HEADER_BYTES} ({MAX_HEADER_BYTES // 2**20} MiB); a LoRA's header takes well "
+            "under 2 MiB: save the file again without large metadata (embedded images, captions)"
+        )
+
+
+def _parse_header_json(
+    header: memoryview | bytes, file_size: int, *, name: str
+) -> SafetensorsHeader:
     try:
-        raw = json.loads(prefix[8 : 8 + header_len])
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise _corrupt(name, f"header is not JSON: {e}") from e
+        raw = boundedjson.parse(header, HEADER_LIMITS, where="its header")
+    except errors.InvalidJson as e:
+        raise _corrupt(name, e.message, errors.InvalidJson) from e
     if not isinstance(raw, dict):
         raise _corrupt(name, "header is not a JSON object")
-    metadata = raw.pop("__metadata__", None) or {}
+    metadata = raw.pop("__metadata__", None)
+    if metadata is None:
+        metadata = {}
     if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
         raise _corrupt(name, "__metadata__ must map strings to strings")
+    header_len = header.nbytes if isinstance(header, memoryview) else len(header)
     data_size = file_size - 8 - header_len
     tensors: dict[str, TensorEntry] = {}
     for key, entry in raw.items():
@@ -117,14 +162,18 @@ def parse_safetensors_header(
 
 def read_safetensors_header(path: Path, *, name: str = "file") -> SafetensorsHeader:
     """Read the header of the safetensors file at `path` (not its tensors) and check it as
-    `parse_safetensors_header` does."""
-    size = path.stat().st_size
+    `parse_safetensors_header` does; its declared length is checked before its bytes are read."""
     with path.open("rb") as f:
-        prefix = f.read(8)
-        if len(prefix) == 8:
-            (header_len,) = struct.unpack("<Q", prefix)
-            prefix += f.read(min(header_len, MAX_HEADER_BYTES))
-    return parse_safetensors_header(prefix, size, name=name)
+        size = os.fstat(f.fileno()).st_size
+        length = f.read(8)
+        if size < 8 or len(length) < 8:
+            raise _corrupt(name, "shorter than the 8-byte header length")
+        (header_len,) = struct.unpack("<Q", length)
+        check_header_length(header_len, size, name=name)
+        header = f.read(header_len)
+    if len(header) < header_len:
+        raise _corrupt(name, "header is truncated")
+    return _parse_header_json(header, size, name=name)
 
 
 def _parse_entry(name: str, key: str, entry: Any) -> TensorEntry:
@@ -133,12 +182,12 @@ def _parse_entry(name: str, key: str, entry: Any) -> TensorEntry:
     dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
     if dtype not in _DTYPE_BYTES:
         raise _corrupt(name, f"tensor {key!r} has unknown dtype {dtype!r}")
-    if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
+    if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
         raise _corrupt(name, f"tensor {key!r} has an invalid shape {shape!r}")
     if (
         not isinstance(offsets, list)
         or len(offsets) != 2
-        or not all(isinstance(o, int) for o in offsets)
+        or not all(type(o) is int for o in offsets)
         or not 0 <= offsets[0] <= offsets[1]
     ):
         raise _corrupt(name, f"tensor {key!r} has invalid data_offsets {offsets!r}")
@@ -204,11 +253,19 @@ def read_adapter_config(adapter_path: Path) -> AdapterConfig | None:
     config_file = directory / ADAPTER_CONFIG
     if not config_file.is_file():
         return None
+    limit = ADAPTER_CONFIG_LIMITS.max_bytes
     try:
-        text = config_file.read_text()
-    except (OSError, UnicodeDecodeError) as e:
+        with config_file.open("rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size > limit:
+                raise errors.InvalidJson(
+                    f"{config_file} is {size} bytes, over the limit of {limit} "
+                    f"({limit // 2**20} MiB); peft writes a few KB: keep only its configuration"
+                )
+            data = f.read(limit + 1)  # a file that grows meanwhile is refused by the parser
+    except OSError as e:
         raise errors.InvalidAdapter(f"{config_file} cannot be read: {e}") from e
-    raw = _json_object(text, where=str(config_file))
+    raw = _json_object(data, ADAPTER_CONFIG_LIMITS, where=str(config_file))
     base = raw.get("base_model_name_or_path")
     rank = raw.get("r")
     alpha = raw.get("lora_alpha")
@@ -228,7 +285,9 @@ def lora_metadata(header: SafetensorsHeader, *, name: str) -> dict[str, Any] | N
     raw = header.metadata.get(LORA_METADATA_KEY)
     if not raw:
         return None
-    return _json_object(raw, where=f"the {LORA_METADATA_KEY} header of adapter {name!r}")
+    return _json_object(
+        raw, METADATA_LIMITS, where=f"the {LORA_METADATA_KEY} header of adapter {name!r}"
+    )
 
 
 def trigger_words(header: SafetensorsHeader, *, most: int = 5) -> tuple[str, ...]:
@@ -244,8 +303,10 @@ def trigger_words(header: SafetensorsHeader, *, most: int = 5) -> tuple[str, ...
     words.extend(w.strip() for w in phrase.split(",") if w.strip())
     counts: dict[str, int] = {}
     try:
-        frequency = json.loads(header.metadata.get("ss_tag_frequency", "{}"))
-    except json.JSONDecodeError:
+        frequency = boundedjson.parse(
+            header.metadata.get("ss_tag_frequency", "{}"), METADATA_LIMITS, where="ss_tag_frequency"
+        )
+    except errors.InvalidJson:
         frequency = {}
     for tags in frequency.values() if isinstance(frequency, dict) else ():
         for tag, count in tags.items() if isinstance(tags, dict) else ():
@@ -255,11 +316,8 @@ def trigger_words(header: SafetensorsHeader, *, most: int = 5) -> tuple[str, ...
     return tuple(dict.fromkeys(words))[:most]
 
 
-def _json_object(text: str, *, where: str) -> dict[str, Any]:
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise errors.InvalidAdapter(f"{where} is not valid JSON: {e}") from e
+def _json_object(data: bytes | str, limits: boundedjson.Limits, *, where: str) -> dict[str, Any]:
+    value = boundedjson.parse(data, limits, where=where)
     if not isinstance(value, dict):
         raise errors.InvalidAdapter(f"{where} must hold a JSON object")
     return value
