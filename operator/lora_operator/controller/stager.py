@@ -3,6 +3,12 @@ volume, retrying transient failures with backoff, and stages a composition again
 revision its members make changes. It owns the record's `staging` sub-record (the state status
 renders, the task, its generation) and the set of compositions. Which sources it may fetch, and
 from where, is `consent`'s and `sources`' to decide; the store (`staging`) writes the volume.
+
+Every staging task ends in a status: a StagingError as its kind says, and any other exception (a
+bug, or a fault no check names) as `StagingCrashed`, permanent for that generation, with its
+traceback in the log. So no file, however hostile, leaves an adapter Pending behind a task that
+died, or is staged again and again: not by this process, nor by a restarted one (the Failed
+status, of this generation, is its memory).
 """
 
 from __future__ import annotations
@@ -23,6 +29,22 @@ from lora_operator.model import AdapterInfo, StagedRef
 from lora_operator.resume import needs_staging
 
 log = logging.getLogger("lora_operator")
+
+
+class StagingCrashed(errors.PermanentStagingError):
+    """Staging stopped on an exception that is no StagingError. Permanent: what failed this way
+    once would fail again (the same file, the same bug), and a retry could be the crash a
+    restarted operator repeats; a new spec stages it again."""
+
+    reason = "InternalError"
+
+    @classmethod
+    def of(cls, e: BaseException) -> StagingCrashed:
+        # The type only: an exception's text may hold a signed URL, and messages never do.
+        return cls(
+            f"staging stopped on an unexpected {type(e).__name__}, a fault of the operator's "
+            "(its log has the traceback: report it); change the spec to stage it again"
+        )
 
 
 class Stager(Actor):
@@ -85,6 +107,7 @@ class Stager(Actor):
         staging.task = asyncio.create_task(
             self._stage(rec, previous), name=f"stage {info.namespace}/{info.name}"
         )
+        staging.task.add_done_callback(_log_if_died)
         self.signals.mark(rec.key)
 
     def restage_compositions_of(self, member: AdapterInfo) -> None:
@@ -117,6 +140,14 @@ class Stager(Actor):
                     if delay is None:
                         return
                     await asyncio.sleep(delay)
+                except Exception as e:
+                    log.exception(
+                        "action=stage adapter=%s/%s result=crashed error=%s",
+                        *rec.key,
+                        type(e).__name__,
+                    )
+                    self._failed(rec, StagingCrashed.of(e))
+                    return
         finally:
             state.in_progress = False
             self.signals.mark(rec.key)
@@ -229,6 +260,9 @@ class Stager(Actor):
             # The status goes without it until the next staging; serving is unaffected.
             log.warning("action=describe adapter=%s/%s error=%s", *rec.key, e)
             return
+        except Exception:  # the same, for a fault no check names: this runs in a handler
+            log.exception("action=describe adapter=%s/%s result=crashed", *rec.key)
+            return
         self.signals.mark(rec.key)
 
     def _publish_target(self, info: AdapterInfo) -> None:
@@ -315,6 +349,13 @@ class Stager(Actor):
         reason = consent.address_refusal(host, port, addresses, api_addresses, api_endpoints)
         if reason is not None:
             raise consent.HostRefused(f"{what}: {reason}; the operator never fetches from there")
+
+
+def _log_if_died(task: asyncio.Task[None]) -> None:
+    """A staging task ends by returning or by its cancellation (`_stage` turns every failure
+    into a status); one that ended otherwise is logged here, not left to the garbage collector."""
+    if not task.cancelled() and (e := task.exception()) is not None:
+        log.error("action=stage task=%r result=died", task.get_name(), exc_info=e)
 
 
 async def _resolve(host: str) -> set[str]:
