@@ -51,6 +51,14 @@ def _size_arg(text: str) -> int:
         raise argparse.ArgumentTypeError(str(e)) from e
 
 
+def _cidr_arg(text: str) -> str:
+    try:
+        consent.parse_networks([text])
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from e
+    return text.strip()
+
+
 @dataclass(frozen=True)
 class OperatorConfig:
     volume_root: Path = Path(DEFAULT_POD_VOLUME_ROOT)
@@ -65,7 +73,11 @@ class OperatorConfig:
     inference_workloads: tuple[str, ...] | None = None
     inference_legacy_service_accounts: tuple[str, ...] = ()
     # Where sources may be fetched from, and who may use the operator's cloud identity.
-    source_hosts: tuple[str, ...] = ()
+    source_hosts: tuple[str, ...] = ()  # empty: no remote host; "*": any host
+    # Address ranges sources may reach although refused by default (an internal mirror), and
+    # ranges refused besides the defaults (the cluster's pod and Service ranges): consent.Rules.
+    source_allow_cidrs: tuple[str, ...] = ()
+    source_refuse_cidrs: tuple[str, ...] = ()
     ambient_namespaces: tuple[str, ...] = ("*",)
     namespaces: tuple[str, ...] = ()  # empty: every namespace
     standalone: bool = True
@@ -111,7 +123,12 @@ class OperatorConfig:
 
     @property
     def source_rules(self) -> consent.Rules:
-        return consent.Rules(hosts=self.source_hosts, ambient=self.ambient_namespaces)
+        return consent.Rules(
+            hosts=self.source_hosts,
+            ambient=self.ambient_namespaces,
+            allow=consent.parse_networks(self.source_allow_cidrs),
+            refuse=consent.parse_networks(self.source_refuse_cidrs),
+        )
 
 
 def parse_args(argv: Sequence[str] | None = None) -> OperatorConfig:
@@ -187,8 +204,26 @@ def parse_args(argv: Sequence[str] | None = None) -> OperatorConfig:
         "--source-host",
         action="append",
         default=[],
-        help="a host https://, hf:// and s3:// sources may name (repeatable; *.example.com for "
-        "its subdomains); default: any host",
+        help="a host https://, hf:// and s3:// sources and their redirects may name (repeatable; "
+        "*.example.com for its subdomains, * for any host); default: none, volume paths only",
+    )
+    p.add_argument(
+        "--source-allow-cidr",
+        action="append",
+        default=[],
+        type=_cidr_arg,
+        metavar="CIDR",
+        help="an address range sources may reach although it is refused by default (loopback, "
+        "private, CGNAT...: an internal mirror); repeatable",
+    )
+    p.add_argument(
+        "--source-refuse-cidr",
+        action="append",
+        default=[],
+        type=_cidr_arg,
+        metavar="CIDR",
+        help="an address range sources may never reach besides the default ones (the "
+        "cluster's pod and Service ranges); repeatable",
     )
     ambient = p.add_mutually_exclusive_group()
     ambient.add_argument(
@@ -263,6 +298,8 @@ def parse_args(argv: Sequence[str] | None = None) -> OperatorConfig:
         inference_workloads=tuple(a.inference_workload) if a.inference_workload else None,
         inference_legacy_service_accounts=tuple(a.inference_legacy_service_account),
         source_hosts=tuple(h for h in a.source_host if h),
+        source_allow_cidrs=tuple(a.source_allow_cidr),
+        source_refuse_cidrs=tuple(a.source_refuse_cidr),
         ambient_namespaces=()
         if a.no_ambient_credentials
         else tuple(a.ambient_credentials_namespace or ("*",)),

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import ipaddress
 from pathlib import Path
 
 import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 from lora_operator import errors, sources
 
 
@@ -49,6 +52,9 @@ def test_parse_source(uri: str, revision: str | None, expected: sources.Source) 
         ("https://user:pw@h.example/x", None, "must not carry credentials"),
         ("https:///x", None, "names no host"),
         ("https://h.example/x", "main", "hf:// sources only"),
+        ("https://evil.example\\.s3.amazonaws.com/x", None, "backslash"),
+        ("https://h.example%2F@x/y", None, "must not carry credentials"),
+        ("https://2130706433/x", None, "numeric"),
     ],
     ids=[
         "http",
@@ -61,6 +67,9 @@ def test_parse_source(uri: str, revision: str | None, expected: sources.Source) 
         "userinfo",
         "no-host",
         "revision-on-https",
+        "backslash",
+        "encoded-userinfo",
+        "decimal-host",
     ],
 )
 def test_parse_source_refuses(uri: str, revision: str | None, fragment: str) -> None:
@@ -145,3 +154,175 @@ def test_credentials_half_aws_pair_refused() -> None:
     with pytest.raises(errors.InvalidSource, match="set both") as e:
         sources.credentials_from_secret({"AWS_ACCESS_KEY_ID": "AKIAXYZ"})
     assert "AKIAXYZ" not in e.value.message
+
+
+# ---- one reading of a URL, held against urllib.parse and urllib3
+
+
+@pytest.mark.parametrize(
+    ("url", "expected"),
+    [
+        ("https://h.example/a/b.safetensors", ("https", "h.example", 443, "/a/b.safetensors")),
+        ("https://H.Example./a?x=1#frag", ("https", "h.example", 443, "/a?x=1")),
+        ("http://127.0.0.1:8080/a", ("http", "127.0.0.1", 8080, "/a")),
+        ("https://[::1]:8443/a", ("https", "::1", 8443, "/a")),
+        ("https://[::ffff:169.254.169.254]/a", ("https", "::ffff:a9fe:a9fe", 443, "/a")),
+        ("https://xn--bcher-kva.example/a", ("https", "xn--bcher-kva.example", 443, "/a")),
+        ("https://h.example", ("https", "h.example", 443, "/")),
+    ],
+    ids=["plain", "case-dot-fragment", "port", "ipv6", "mapped", "punycode", "no-path"],
+)
+def test_parse_url(url: str, expected: tuple[str, str, int, str]) -> None:
+    target = sources.parse_url(url)
+    assert (target.scheme, target.host, target.port, target.request_target) == expected
+
+
+@pytest.mark.parametrize(
+    ("url", "why"),
+    [
+        ("https://evil.example\\.s3.amazonaws.com/x", "backslash"),
+        ("https://h.example/a\\b", "backslash"),
+        ("https://a@h.example/x", "user information"),
+        ("https://h.example:443@evil.example/x", "user information"),
+        ("https://evil.example%2f.h.example/x", "percent-encoded"),
+        ("https://h%2eexample/x", "percent-encoded"),
+        ("https://h.example\tevil/x", "control character"),
+        ("https://h.example/\x00", "control character"),
+        ("https://h.example /x", "space"),
+        ("https://bücher.example/x", "non-ASCII"),
+        ("https://h.example\u3002evil/x", "non-ASCII"),
+        ("https://ⓔⓥⓘⓛ.example/x", "non-ASCII"),
+        ("https://2130706433/x", "numeric"),
+        ("https://0x7f000001/x", "numeric"),
+        ("https://0x7f.0.0.1/x", "numeric"),
+        ("https://127.1/x", "numeric"),
+        ("https://0177.0.0.1/x", "numeric"),
+        ("https://010.0.0.1/x", "numeric"),
+        ("https://a..b/x", "not a valid DNS name"),
+        ("https://-a.example/x", "not a valid DNS name"),
+        ("https://a_b.example/x", "not a DNS name"),
+        ("https://[fe80::1%25eth0]/x", "percent-encoded"),
+        ("https://[::1/x", "not a DNS name"),
+        ("https://h.example:99999/x", "out of range"),
+        ("https://h.example:0/x", "out of range"),
+        ("https:///x", "no host"),
+        ("ftp://h.example/x", "not http or https"),
+        ("//h.example/x", "not an absolute"),
+    ],
+    ids=lambda v: v if len(v) < 40 else v[:40],
+)
+def test_parse_url_refuses(url: str, why: str) -> None:
+    with pytest.raises(ValueError, match=why):
+        sources.parse_url(url)
+
+
+def _readings(url: str) -> set[tuple[str, str, int | None]]:
+    """(scheme, host, port) as urllib.parse and urllib3 read `url`, normalised alike."""
+    from urllib.parse import urlsplit
+
+    from urllib3.util import parse_url
+
+    def plain(host: str | None) -> str:
+        host = (host or "").lower().strip("[]").rstrip(".")
+        return str(ipaddress.ip_address(host)) if ":" in host else host
+
+    split, u3 = urlsplit(url), parse_url(url)
+    default = {"http": 80, "https": 443}.get(split.scheme.lower())
+    return {
+        (split.scheme.lower(), plain(split.hostname), split.port or default),
+        ((u3.scheme or "").lower(), plain(u3.host), u3.port or default),
+    }
+
+
+_URLS = st.tuples(
+    st.sampled_from(["https://", "http://", "HTTPS://", "https:/", "https:\\\\", "ftp://"]),
+    st.lists(
+        st.sampled_from(
+            ["h", "example", ".", "-", "127.0.0.1", "[::1]", "%2e", "@", "\\", "é", "0x7f", "1"]
+        ),
+        min_size=1,
+        max_size=4,
+    ).map("".join),
+    st.sampled_from(["", ":443", ":8443", ":", ":0", ":99999", ":8o"]),
+    st.sampled_from(["", "/", "/a", "?q", "#f", "/\\x", "/@evil", "?@evil.example", "#@evil"]),
+).map("".join)
+
+
+@settings(max_examples=400, deadline=None)
+@given(_URLS)
+@example("https://h.example:8443/a")
+@example("http://[::1]/")
+@example("https://h.example./?a#b")
+def test_what_parse_url_accepts_every_parser_reads_alike(url: str) -> None:
+    """The differential: a URL parse_url accepts is read with the same scheme, host and port
+    by urllib.parse and urllib3 (a URL they read differently is refused)."""
+    try:
+        target = sources.parse_url(url)
+    except ValueError:
+        return
+    assert _readings(url) == {(target.scheme, target.host, target.port)}
+
+
+def test_hf_urls_match_huggingface_hub() -> None:
+    import huggingface_hub
+
+    for repo, filename, revision in (
+        ("org/repo", "w.safetensors", "main"),
+        ("org/repo", "sub dir/w v2.safetensors", "v1.0"),
+        ("org/repo", "w.safetensors", "refs/pr/1"),
+    ):
+        source = sources.HfSource(repo, filename, revision)
+        ours = sources.hf_file_url("https://huggingface.co", source, filename)
+        theirs = huggingface_hub.hf_hub_url(
+            repo, filename, revision=revision, endpoint="https://huggingface.co"
+        )
+        assert ours == theirs
+    listing = sources.hf_listing_url("https://hub/", sources.HfSource("o/r", None, "refs/pr/1"))
+    assert listing == "https://hub/api/models/o/r/revision/refs%2Fpr%2F1"
+
+
+def test_hf_listing() -> None:
+    body = b'{"id": "o/r", "siblings": [{"rfilename": "a.safetensors"}, {"x": 1}, 3]}'
+    assert sources.parse_hf_listing(body) == ["a.safetensors"]
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"[" * 33 + b"]" * 33,
+        b'{"siblings": [' + b"[]," * 500_000 + b"[]]}",
+        b'{"siblings": [' + b"1" * 5000 + b"]}",
+        b" " * (sources.HF_LISTING_LIMITS.max_bytes + 1),
+        b"[1, 2",
+        b'{"a": NaN}',
+    ],
+    ids=["deep", "many", "huge-number", "large", "truncated", "nan"],
+)
+def test_hf_listing_is_bounded(body: bytes) -> None:
+    with pytest.raises(ValueError, match="not JSON within") as e:
+        sources.parse_hf_listing(body)
+    assert "[" not in str(e.value) and "1111" not in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [b'{"siblings": "[[[["}', b'{"siblings": {}}', b"[]", b'"x"'],
+    ids=["string", "object", "array", "string-document"],
+)
+def test_hf_listing_without_a_list_of_files(body: bytes) -> None:
+    with pytest.raises(ValueError, match="no list of files"):
+        sources.parse_hf_listing(body)
+
+
+@pytest.mark.parametrize(
+    ("body", "code"),
+    [
+        (b"<Error><Code>NoSuchKey</Code><Message>x</Message></Error>", "NoSuchKey"),
+        (b"<Error><Code>AccessDenied</Code></Error>", "AccessDenied"),
+        (b"<Error><Code>SomethingTheHostMadeUp</Code></Error>", None),
+        (b"<html>internal admin page</html>", None),
+    ],
+    ids=["not-found", "denied", "unknown-code", "not-s3"],
+)
+def test_s3_error_code_only_names_codes_s3_documents(body: bytes, code: str | None) -> None:
+    assert sources.s3_error_code(body) == code
