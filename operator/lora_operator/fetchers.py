@@ -1,24 +1,33 @@
 """Fetching a source's bytes into a `sinks.Sink`: https, hf://, s3:// and volume paths.
 
+Every remote request goes through `egress.get`, the one guarded HTTP client: the Hub through
+its plain HTTP endpoints (the file listing, `resolve/`), S3 through GETs that botocore signs
+(SigV4) and egress sends; no library opens a socket of its own. `Fetcher` binds
+the operator's rules (`egress.Guard`) to `fetch`; without a guard nothing remote is fetched.
+
 Each fetcher writes the whole content into the sink, calling `sink.reset()` before a retry, and
 raises `lora_operator.errors` (a volume path's own checks raise `lora_volume.errors`, which
-`staging.Store.stage` maps): 404/403 and other 4xx are permanent, 5xx, 408, 429 and
-connection errors are retried with backoff and then transient. Credentials go into request
-headers or clients only; they never appear in a message or a log line.
+`staging.Store.stage` maps): a refused host or address is `consent.HostRefused`, 404/403 and
+other 4xx are permanent, 5xx, 408, 429, connection errors and a resolver that does not answer
+are retried with backoff and then transient. Credentials go into request headers or signed
+URLs only; messages name what failed in words of their own, never the URL's query, a header,
+nor anything the host answered but its status.
 """
 
 from __future__ import annotations
 
 import asyncio
-import re
+import os
+import ssl
 import time
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 from lora_volume import files, layout
 
-from lora_operator import backoff, errors, sinks, sources
+from lora_operator import backoff, consent, egress, errors, sinks, sources
 
 CHUNK_BYTES = 1024 * 1024
 # An https read waits until it has its whole size (or the end): small while the source is slow,
@@ -27,6 +36,8 @@ CHUNK_BYTES = 1024 * 1024
 MIN_READ_BYTES = 8 * 1024
 FAST_READ_S = 0.05
 SLOW_READ_S = 0.5
+# What is read of an error answer, for S3's error code: never quoted.
+ERROR_BODY_BYTES = 16 * 1024
 
 
 @dataclass(frozen=True)
@@ -82,6 +93,49 @@ def _status_error(
     return errors.InvalidSource(f"{what} answered HTTP {status}; check the URI")
 
 
+class _Writer(Protocol):
+    """What a download writes into: a `sinks.Sink`, or `_Buffer` for a small answer."""
+
+    @property
+    def size(self) -> int: ...
+
+    def expect(self, declared: int | None) -> None: ...
+
+    def write(self, chunk: bytes) -> None: ...
+
+    def reset(self) -> None: ...
+
+
+# The error for an answer that is neither a success nor worth retrying: (status, headers,
+# the first ERROR_BODY_BYTES of its body) -> the error raised.
+Refusal = Callable[[int, Mapping[str, str], bytes], errors.StagingError]
+
+_NO_GUARD = egress.Guard(consent.Rules())
+
+
+@dataclass(frozen=True)
+class Fetcher:
+    """`fetch` bound to the operator's settings: the fetch a `staging.Store` is given."""
+
+    volume_root: Path
+    guard: egress.Guard
+    policy: RetryPolicy = field(default_factory=RetryPolicy)
+    hf_endpoint: str | None = None
+
+    async def __call__(
+        self, source: sources.Source, credentials: sources.Credentials, sink: sinks.Sink
+    ) -> None:
+        await fetch(
+            source,
+            credentials,
+            sink,
+            policy=self.policy,
+            volume_root=self.volume_root,
+            hf_endpoint=self.hf_endpoint,
+            guard=self.guard,
+        )
+
+
 async def fetch(
     source: sources.Source,
     credentials: sources.Credentials,
@@ -90,20 +144,23 @@ async def fetch(
     policy: RetryPolicy | None = None,
     volume_root: Path | None = None,
     hf_endpoint: str | None = None,
+    guard: egress.Guard | None = None,
 ) -> None:
-    """Fetch any source into `sink` (the default fetcher of `staging.Store`).
+    """Fetch any source into `sink`.
 
-    `hf_endpoint` overrides the Hub's address (a mirror); None keeps huggingface_hub's default,
-    which honours HF_ENDPOINT.
+    `hf_endpoint` overrides the Hub's address (a mirror); None reads HF_ENDPOINT, then the Hub.
+    `guard`: the rules every remote request is checked against; None fetches from no remote
+    host (an empty `sourceHosts`).
     """
     policy = policy or RetryPolicy()
+    guard = guard or _NO_GUARD
     if isinstance(source, sources.HttpsSource):
         headers = {"Authorization": credentials.authorization} if credentials.authorization else {}
-        await fetch_https(source.url, sink, headers=headers, policy=policy)
+        await fetch_https(source.url, sink, headers=headers, policy=policy, guard=guard)
     elif isinstance(source, sources.HfSource):
-        await fetch_hf(source, credentials, sink, policy=policy, endpoint=hf_endpoint)
+        await fetch_hf(source, credentials, sink, policy=policy, endpoint=hf_endpoint, guard=guard)
     elif isinstance(source, sources.S3Source):
-        await fetch_s3(source, credentials, sink, policy=policy)
+        await fetch_s3(source, credentials, sink, policy=policy, guard=guard)
     else:
         if volume_root is None:
             raise errors.InvalidSource(
@@ -118,6 +175,7 @@ async def fetch_https(
     *,
     headers: dict[str, str],
     policy: RetryPolicy,
+    guard: egress.Guard | None = None,
     secret_hint: str = "AUTHORIZATION",
 ) -> None:
     """GET `url` into the sink in a worker thread, retrying as `classify_status` says.
@@ -127,70 +185,75 @@ async def fetch_https(
     through Python, and a large download no longer takes the loop's time from every other
     adapter the operator is reconciling.
     """
-    await asyncio.to_thread(_fetch_https_sync, url, sink, headers, policy, secret_hint)
+    what = sink.description
+
+    def refusal(status: int, _: Mapping[str, str], __: bytes) -> errors.StagingError:
+        return _status_error(classify_status(status), status, what, secret_hint)
+
+    await asyncio.to_thread(
+        _download, lambda: (url, headers), sink, policy, guard or _NO_GUARD, what, refusal
+    )
 
 
-def _fetch_https_sync(
-    url: str, sink: sinks.Sink, headers: dict[str, str], policy: RetryPolicy, secret_hint: str
+def _download(
+    request: Callable[[], tuple[str, Mapping[str, str]]],
+    sink: _Writer,
+    policy: RetryPolicy,
+    guard: egress.Guard,
+    what: str,
+    refusal: Refusal,
 ) -> None:
+    """GET the URL `request()` gives, with its headers (asked again for each attempt: a
+    signature is made anew), into `sink` through `egress.get`, retrying what `classify_status`
+    says to retry and failed connections; `refusal` makes the error of any other answer that is
+    not a success."""
     import urllib3
     from urllib3 import exceptions as u3
 
-    what = sink.description
-    # identity: the hash and the size limit apply to the bytes of the file itself (a server
-    # that compresses anyway is decoded below).
-    request_headers = {**headers, "Accept-Encoding": "identity"}
     timeout = urllib3.Timeout(connect=policy.connect_timeout_s, read=policy.read_timeout_s)
-    # Redirects are followed (a Hub answers with one to its CDN); urllib3 drops Authorization
-    # when one leads to another host. Every other retry is ours, below.
-    retries = urllib3.Retry(total=None, connect=0, read=0, status=0, other=0, redirect=10)
     last = "no attempt"
-    with urllib3.PoolManager(timeout=timeout, retries=retries) as http:
-        for attempt in range(policy.attempts):
-            if attempt:
-                time.sleep(policy.delay(attempt - 1))
-                sink.reset()
-            try:
-                resp = http.request("GET", url, headers=request_headers, preload_content=False)
-                try:
-                    verdict = classify_status(resp.status)
-                    if verdict == "retry":
-                        last = f"HTTP {resp.status}"
-                        resp.drain_conn()  # a short error body; the connection can serve again
-                        continue
-                    if verdict != "ok":
-                        raise _status_error(verdict, resp.status, what, secret_hint)
-                    declared = resp.headers.get("Content-Length")
-                    length = int(declared) if declared and declared.isdigit() else None
-                    sink.expect(length)
-                    size = MIN_READ_BYTES
-                    while True:
-                        started = time.monotonic()
-                        chunk = resp.read(size, decode_content=True)
-                        if not chunk:
-                            break
-                        sink.write(chunk)
-                        size = next_read_size(size, time.monotonic() - started)
-                    if length is not None and sink.size != length and not _encoded(resp):
-                        last = f"body ended after {sink.size} of {length} bytes"
-                        continue
-                    resp.release_conn()
-                    return
-                finally:
-                    # Anything not read to its end (a failure, a refusal) closes its connection
-                    # rather than going back to the pool with a body still in it.
-                    resp.close()
-            except (u3.LocationValueError, u3.URLSchemeUnknown, ValueError) as e:
-                raise errors.InvalidSource(f"{what}: {_short(e)}; check the URI") from e
-            except u3.MaxRetryError as e:
-                if isinstance(e.reason, u3.ResponseError):  # the redirects ran out
-                    raise errors.InvalidSource(f"{what}: too many redirects; check the URI") from e
-                last = f"{type(e.reason).__name__}: {_short(e.reason)}" if e.reason else "failed"
-            except (u3.TimeoutError, TimeoutError):
-                last = "timed out"
-            except (u3.HTTPError, OSError) as e:
-                # A truncated body (IncompleteRead), a reset connection, a TLS failure.
-                last = f"{type(e).__name__}: {_short(e)}"
+    for attempt in range(policy.attempts):
+        if attempt:
+            time.sleep(policy.delay(attempt - 1))
+            sink.reset()
+        url, headers = request()
+        # identity: the hash and the size limit apply to the bytes of the file itself (a
+        # server that compresses anyway is decoded below).
+        headers = {**headers, "Accept-Encoding": "identity"}
+        try:
+            with egress.get(url, guard=guard, headers=headers, timeout=timeout, what=what) as resp:
+                if classify_status(resp.status) == "retry":
+                    last = f"HTTP {resp.status}"
+                    continue
+                if classify_status(resp.status) != "ok":
+                    body = resp.read(ERROR_BODY_BYTES, decode_content=True)
+                    raise refusal(resp.status, resp.headers, body)
+                declared = resp.headers.get("Content-Length")
+                length = int(declared) if declared and declared.isdigit() else None
+                sink.expect(length)
+                size = MIN_READ_BYTES
+                while True:
+                    started = time.monotonic()
+                    chunk = resp.read(size, decode_content=True)
+                    if not chunk:
+                        break
+                    sink.write(chunk)
+                    size = next_read_size(size, time.monotonic() - started)
+                if length is not None and sink.size != length and not _encoded(resp):
+                    last = "the body ended before the length it declared"
+                    continue
+                return
+        except egress.DnsUnavailable:
+            last = "the host's name could not be resolved for now"
+        except (u3.TimeoutError, TimeoutError):
+            last = "timed out"
+        except (u3.SSLError, ssl.SSLError):
+            last = "TLS failed: the certificate is not trusted or not for this host"
+        except u3.NewConnectionError:
+            last = "the connection was refused or the host is unreachable"
+        except (u3.HTTPError, OSError):
+            # A truncated body, a reset connection: nothing of the answer is quoted.
+            last = "the connection failed or was cut"
     raise errors.SourceUnavailable(
         f"{what} could not be downloaded after {policy.attempts} attempts ({last}); "
         "staging retries later"
@@ -203,11 +266,35 @@ def _encoded(resp: Any) -> bool:
     return encoding.lower() != "identity"
 
 
-def _short(e: BaseException) -> str:
-    # Messages can carry the full URL (with a signed query string): keep the first line and
-    # drop anything after a '?', and urllib3's "HTTPSConnection(host=..., port=...): " prefix.
-    text = str(e).splitlines()[0].split("?")[0] if str(e) else "no detail"
-    return re.sub(r"^\w*Connection\([^)]*\):\s*", "", text)[:200]
+class _Buffer:
+    """A small answer read into memory, refused past `limit` bytes (the Hub's listing)."""
+
+    def __init__(self, limit: int, what: str) -> None:
+        self.limit, self.what = limit, what
+        self.chunks: list[bytes] = []
+        self.size = 0
+
+    def expect(self, declared: int | None) -> None:
+        if declared is not None and declared > self.limit:
+            raise self._too_large()
+
+    def write(self, chunk: bytes) -> None:
+        self.size += len(chunk)
+        if self.size > self.limit:
+            raise self._too_large()
+        self.chunks.append(chunk)
+
+    def reset(self) -> None:
+        self.chunks, self.size = [], 0
+
+    def _too_large(self) -> errors.StagingError:
+        return errors.InvalidSource(f"{self.what} is larger than {self.limit} bytes")
+
+    def value(self) -> bytes:
+        return b"".join(self.chunks)
+
+
+# ---- hf://: the Hub's plain HTTP endpoints
 
 
 async def fetch_hf(
@@ -217,37 +304,81 @@ async def fetch_hf(
     *,
     policy: RetryPolicy,
     endpoint: str | None = None,
+    guard: egress.Guard | None = None,
 ) -> None:
-    """Resolve the file with huggingface_hub, then stream it like any https download."""
-    import huggingface_hub
-    from huggingface_hub import errors as hf_errors
+    """List the repository (when the URI names no file) and download the file, both from the
+    Hub's HTTP endpoints through the guarded client; the Hub's redirects to its CDN hosts are
+    followed and each one checked."""
+    await asyncio.to_thread(
+        _fetch_hf_sync, source, credentials, sink, policy, endpoint, guard or _NO_GUARD
+    )
 
+
+def hf_endpoint_url(endpoint: str | None) -> str:
+    """The Hub's address: the operator's setting, else HF_ENDPOINT, else the Hub."""
+    return endpoint or os.environ.get("HF_ENDPOINT") or sources.DEFAULT_HF_ENDPOINT
+
+
+def _fetch_hf_sync(
+    source: sources.HfSource,
+    credentials: sources.Credentials,
+    sink: sinks.Sink,
+    policy: RetryPolicy,
+    endpoint: str | None,
+    guard: egress.Guard,
+) -> None:
     what = sources.describe(source)
+    hub = hf_endpoint_url(endpoint)
+    headers = {"Authorization": f"Bearer {credentials.hf_token}"} if credentials.hf_token else {}
     filename = source.filename
     if filename is None:
-        api = huggingface_hub.HfApi(endpoint=endpoint, token=credentials.hf_token or False)
+        listing = _Buffer(sources.HF_LISTING_LIMITS.max_bytes, f"{what}: the Hub's file listing")
+        url = sources.hf_listing_url(hub, source)
+        _download(lambda: (url, headers), listing, policy, guard, what, _hf_listing_refusal(what))
         try:
-            names = await asyncio.to_thread(
-                api.list_repo_files, source.repo_id, revision=source.revision
-            )
-        except (hf_errors.RepositoryNotFoundError, hf_errors.RevisionNotFoundError) as e:
-            raise errors.SourceNotFound(
-                f"{what}: repository or revision not found (or private: set HF_TOKEN in the "
-                "Secret named by source.secretRef)"
-            ) from e
-        except hf_errors.GatedRepoError as e:
-            raise errors.SourceForbidden(
-                f"{what} is gated: accept its terms on the Hub and set HF_TOKEN in the Secret"
-            ) from e
-        except (hf_errors.HfHubHTTPError, OSError) as e:
-            raise errors.SourceUnavailable(f"{what}: the Hub could not be reached") from e
+            names = sources.parse_hf_listing(listing.value())
+        except ValueError as e:
+            raise errors.InvalidSource(f"{what}: the Hub's file listing is refused: {e}") from e
         filename = sources.choose_hf_file(names, source=what)
         sources.check_not_pickle(sources.HfSource(source.repo_id, filename, source.revision))
-    url = huggingface_hub.hf_hub_url(
-        source.repo_id, filename, revision=source.revision, endpoint=endpoint
-    )
-    headers = {"Authorization": f"Bearer {credentials.hf_token}"} if credentials.hf_token else {}
-    await fetch_https(url, sink, headers=headers, policy=policy, secret_hint="HF_TOKEN")
+    file_url = sources.hf_file_url(hub, source, filename)
+    _download(lambda: (file_url, headers), sink, policy, guard, what, _hf_file_refusal(what))
+
+
+def _gated(status: int, headers: Mapping[str, str], what: str) -> errors.StagingError | None:
+    if status in (401, 403) and headers.get("X-Error-Code") == "GatedRepo":
+        return errors.SourceForbidden(
+            f"{what} is gated: accept its terms on the Hub and set HF_TOKEN in the Secret"
+        )
+    return None
+
+
+def _hf_listing_refusal(what: str) -> Refusal:
+    def refusal(status: int, headers: Mapping[str, str], _: bytes) -> errors.StagingError:
+        gated = _gated(status, headers, what)
+        if gated is not None:
+            return gated
+        if status in (401, 404):  # the Hub answers 401 for a missing repository, too
+            return errors.SourceNotFound(
+                f"{what}: repository or revision not found (or private: set HF_TOKEN in the "
+                "Secret named by source.secretRef)"
+            )
+        return _status_error(classify_status(status), status, what, "HF_TOKEN")
+
+    return refusal
+
+
+def _hf_file_refusal(what: str) -> Refusal:
+    def refusal(status: int, headers: Mapping[str, str], _: bytes) -> errors.StagingError:
+        gated = _gated(status, headers, what)
+        if gated is not None:
+            return gated
+        return _status_error(classify_status(status), status, what, "HF_TOKEN")
+
+    return refusal
+
+
+# ---- s3://: signed by botocore, sent by egress
 
 
 async def fetch_s3(
@@ -256,9 +387,11 @@ async def fetch_s3(
     sink: sinks.Sink,
     *,
     policy: RetryPolicy,
+    guard: egress.Guard | None = None,
 ) -> None:
-    """GetObject with boto3 in a worker thread, signed as `choose_s3_auth` decides."""
-    await asyncio.to_thread(_fetch_s3_sync, source, credentials, sink, policy)
+    """GetObject as a GET that botocore signs (SigV4, as `choose_s3_auth` decides) and the
+    guarded client sends, in a worker thread."""
+    await asyncio.to_thread(_fetch_s3_sync, source, credentials, sink, policy, guard or _NO_GUARD)
 
 
 S3Auth = Literal["secret", "chain", "unsigned"]
@@ -278,36 +411,59 @@ def choose_s3_auth(*, secret_has_keys: bool, chain_has_credentials: bool) -> S3A
     return "chain" if chain_has_credentials else "unsigned"
 
 
-def _s3_client(credentials: sources.Credentials, policy: RetryPolicy) -> Any:
+def _s3_request(
+    source: sources.S3Source, credentials: sources.Credentials, region: str | None
+) -> tuple[str, Callable[[], tuple[str, Mapping[str, str]]]]:
+    """The region a GetObject of `source` is signed for, and what makes the request: its URL
+    (botocore's endpoint and addressing rules) and its headers, signed anew each time.
+    botocore only builds and signs: it sends nothing."""
     import boto3
     from botocore import UNSIGNED
+    from botocore.auth import S3SigV4Auth
+    from botocore.awsrequest import AWSRequest
     from botocore.config import Config
+    from botocore.credentials import Credentials
 
     session = boto3.session.Session()
     has_keys = credentials.aws_access_key_id is not None
     # The chain is consulted only without keys, and only for namespaces the platform team
     # lends the operator's identity to (consent.Rules.ambient): resolving it may ask a
-    # metadata endpoint.
-    auth = choose_s3_auth(
-        secret_has_keys=has_keys,
-        chain_has_credentials=not has_keys
-        and credentials.ambient
-        and session.get_credentials() is not None,
-    )
-    config = Config(
-        retries={"max_attempts": policy.attempts, "mode": "standard"},
-        connect_timeout=policy.connect_timeout_s,
-        read_timeout=policy.read_timeout_s,
-        signature_version=UNSIGNED if auth == "unsigned" else None,
-    )
-    return session.client(
+    # metadata endpoint (the operator's own identity, never a URL a source names).
+    chain = session.get_credentials() if not has_keys and credentials.ambient else None
+    auth = choose_s3_auth(secret_has_keys=has_keys, chain_has_credentials=chain is not None)
+    signer: Any = None
+    if auth == "secret":
+        signer = Credentials(credentials.aws_access_key_id, credentials.aws_secret_access_key)
+    elif auth == "chain":
+        signer = chain
+    # An unsigned client only builds the URL (endpoint, region, path or virtual-host style).
+    client = session.client(
         "s3",
         endpoint_url=credentials.aws_endpoint_url,
-        region_name=credentials.aws_region or session.region_name or "us-east-1",
-        aws_access_key_id=credentials.aws_access_key_id,
-        aws_secret_access_key=credentials.aws_secret_access_key,
-        config=config,
+        region_name=region or credentials.aws_region or session.region_name or "us-east-1",
+        config=Config(signature_version=UNSIGNED),
     )
+    signing_region = str(client.meta.region_name)
+    url: str = client.generate_presigned_url(
+        "get_object", Params={"Bucket": source.bucket, "Key": source.key}
+    )
+
+    def request() -> tuple[str, Mapping[str, str]]:
+        if signer is None:
+            return url, {}
+        aws = AWSRequest(method="GET", url=url)
+        S3SigV4Auth(signer.get_frozen_credentials(), "s3", signing_region).add_auth(aws)
+        return url, {k: str(v) for k, v in aws.headers.items()}
+
+    return signing_region, request
+
+
+class _OtherRegion(Exception):
+    """S3 says the bucket is in `region`: signed again for it, once."""
+
+    def __init__(self, region: str) -> None:
+        super().__init__(region)
+        self.region = region
 
 
 def _fetch_s3_sync(
@@ -315,45 +471,54 @@ def _fetch_s3_sync(
     credentials: sources.Credentials,
     sink: sinks.Sink,
     policy: RetryPolicy,
+    guard: egress.Guard,
 ) -> None:
-    from botocore.exceptions import BotoCoreError, ClientError
+    from botocore.exceptions import BotoCoreError
 
     what = sink.description
-    client = _s3_client(credentials, policy)
-    last = "no attempt"
-    for attempt in range(policy.attempts):
-        if attempt:
-            sink.reset()
+    region: str | None = None
+    for _ in range(2):
         try:
-            response = client.get_object(Bucket=source.bucket, Key=source.key)
-            sink.expect(response.get("ContentLength"))
-            body = response["Body"]
-            try:
-                for chunk in body.iter_chunks(CHUNK_BYTES):
-                    sink.write(chunk)
-            finally:
-                body.close()
+            signing_region, request = _s3_request(source, credentials, region)
+        except (BotoCoreError, ValueError) as e:
+            raise errors.InvalidSource(
+                f"{what}: the S3 request cannot be made ({type(e).__name__}); check "
+                "AWS_ENDPOINT_URL and AWS_REGION in the Secret named by source.secretRef"
+            ) from e
+        try:
+            _download(request, sink, policy, guard, what, _s3_refusal(what, signing_region))
             return
-        except ClientError as e:
-            code = str(e.response.get("Error", {}).get("Code", ""))
-            status = int(e.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
-            if code in ("NoSuchKey", "NoSuchBucket", "404", "NotFound") or status == 404:
-                raise errors.SourceNotFound(f"{what}: {code or 'not found'}; check the URI") from e
-            if code in ("AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "403"):
-                raise errors.SourceForbidden(
-                    f"{what}: {code}; check AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY and "
-                    "AWS_ENDPOINT_URL in the Secret named by source.secretRef, or, without "
-                    "keys there, the operator's own cloud identity (its ServiceAccount's role)"
-                ) from e
-            if status and classify_status(status) != "retry":
-                raise errors.InvalidSource(f"{what}: {code} (HTTP {status})") from e
-            last = code or f"HTTP {status}"
-        except BotoCoreError as e:
-            last = type(e).__name__
-    raise errors.SourceUnavailable(
-        f"{what} could not be downloaded after {policy.attempts} attempts ({last}); "
-        "staging retries later"
+        except _OtherRegion as moved:
+            if region is not None:
+                break
+            region = moved.region
+            sink.reset()
+    raise errors.InvalidSource(
+        f"{what}: S3 keeps sending the request to another region; set AWS_REGION in the Secret"
     )
+
+
+def _s3_refusal(what: str, signing_region: str) -> Refusal:
+    def refusal(status: int, headers: Mapping[str, str], body: bytes) -> errors.StagingError:
+        code = sources.s3_error_code(body)
+        region = sources.s3_region(headers.get("x-amz-bucket-region"))
+        if status in (301, 400) and region is not None and region != signing_region:
+            raise _OtherRegion(region)
+        if code in sources.S3_NOT_FOUND_CODES or status == 404:
+            return errors.SourceNotFound(f"{what}: {code or 'not found'}; check the URI")
+        if code in sources.S3_FORBIDDEN_CODES or status in (401, 403):
+            return errors.SourceForbidden(
+                f"{what}: {code or f'HTTP {status}'}; check AWS_ACCESS_KEY_ID, "
+                "AWS_SECRET_ACCESS_KEY and AWS_ENDPOINT_URL in the Secret named by "
+                "source.secretRef, or, without keys there, the operator's own cloud identity "
+                "(its ServiceAccount's role)"
+            )
+        return errors.InvalidSource(f"{what}: {code or 'refused'} (HTTP {status})")
+
+    return refusal
+
+
+# ---- paths on the volume
 
 
 async def fetch_volume(source: sources.VolumeSource, volume_root: Path, sink: sinks.Sink) -> None:

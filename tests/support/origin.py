@@ -22,24 +22,38 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 class Origin:
-    """A server on 127.0.0.1: tests add routes (path -> handler, or one of the `serve*` kinds
-    below, which return the URL) and read `hits` (path -> requests, unknown paths included: they
-    answer 404). With `cert` and `key` it speaks HTTPS. `close()` stops it."""
+    """A server on 127.0.0.1 (or another loopback `host`, on `port`: 0 picks a free one): tests
+    add routes (path -> handler, or one of the `serve*` kinds below, which return the URL) and
+    read `hits` (path -> requests, unknown paths included: they answer 404) and `requests`
+    (path -> the headers of each request). With `cert` and `key` it speaks HTTPS and records
+    the name each client asked for in `server_names` (SNI). `close()` stops it."""
 
-    def __init__(self, cert: Path | None = None, key: Path | None = None) -> None:
+    def __init__(
+        self,
+        cert: Path | None = None,
+        key: Path | None = None,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+    ) -> None:
+        self.host = host
         self.routes: dict[str, Handler] = {}
         self.hits: dict[str, int] = {}
+        self.requests: dict[str, list[dict[str, str]]] = {}
+        self.server_names: list[str | None] = []
         self._context: ssl.SSLContext | None = None
         if cert is not None and key is not None:
             self._context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
             self._context.load_cert_chain(str(cert), str(key))
+            self._context.sni_callback = self._sni
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
         self._thread.start()
         self._runner: web.AppRunner | None = None
         # Bound by the server itself (port 0), so no other process can take the port first.
         try:
-            self.port: int = asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(10)
+            started = asyncio.run_coroutine_threadsafe(self._start(port), self._loop)
+            self.port: int = started.result(10)
         except BaseException:
             self.close()
             raise
@@ -48,7 +62,7 @@ class Origin:
     def base(self) -> str:
         """The scheme, host and port, e.g. `https://127.0.0.1:40123`."""
         scheme = "https" if self._context is not None else "http"
-        return f"{scheme}://127.0.0.1:{self.port}"
+        return f"{scheme}://{self.host}:{self.port}"
 
     def url(self, path: str) -> str:
         return f"{self.base}{path}"
@@ -113,6 +127,18 @@ class Origin:
         self.routes[path] = handler
         return self.url(path)
 
+    def redirect(self, path: str, location: str, status: int = 302) -> str:
+        """Answer `status` with `location` (sent as it is) and a body that is never read."""
+
+        async def handler(_: web.Request) -> web.StreamResponse:
+            return web.Response(status=status, headers={"Location": location}, text="moved")
+
+        self.routes[path] = handler
+        return self.url(path)
+
+    def _sni(self, _: ssl.SSLObject, name: str | None, __: ssl.SSLContext) -> None:
+        self.server_names.append(name)
+
     def close(self) -> None:
         try:
             if self._runner is not None:
@@ -126,6 +152,7 @@ class Origin:
     def _app(self) -> web.Application:
         async def dispatch(request: web.Request) -> web.StreamResponse:
             self.hits[request.path] = self.hits.get(request.path, 0) + 1
+            self.requests.setdefault(request.path, []).append(dict(request.headers))
             handler = self.routes.get(request.path)
             if handler is None:
                 raise web.HTTPNotFound()
@@ -135,11 +162,11 @@ class Origin:
         app.router.add_route("GET", "/{tail:.*}", dispatch)
         return app
 
-    async def _start(self) -> int:
+    async def _start(self, port: int) -> int:
         # A handler still sending when the test ends (serve_slowly) is not waited for long.
         self._runner = web.AppRunner(self._app(), shutdown_timeout=2)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", 0, ssl_context=self._context)
+        site = web.TCPSite(self._runner, self.host, port, ssl_context=self._context)
         await site.start()
         return int(self._runner.addresses[0][1])
 

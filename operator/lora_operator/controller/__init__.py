@@ -36,7 +36,7 @@ from urllib.parse import urlsplit
 
 import kopf
 
-from lora_operator import kube, peering, staging
+from lora_operator import egress, fetchers, kube, peering, staging
 from lora_operator.config import OperatorConfig
 from lora_operator.controller.autoscaler import Autoscaler
 from lora_operator.controller.collector import Collector
@@ -86,6 +86,12 @@ class Controller:
                 max_bytes=config.max_adapter_bytes,
                 max_concurrent=config.max_concurrent_stagings,
                 hf_endpoint=config.hf_endpoint,
+                # Every remote fetch checked where it connects (egress), against the rules.
+                fetch=fetchers.Fetcher(
+                    config.volume_root,
+                    egress.Guard(config.source_rules, lambda: self.seams.api_endpoint),
+                    hf_endpoint=config.hf_endpoint,
+                ),
             ),
             api=api,
         )

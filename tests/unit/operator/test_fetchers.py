@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from lora_operator import fetchers
+from lora_operator import fetchers, sources
 
 
 @pytest.mark.parametrize(
@@ -32,11 +32,14 @@ def test_backoff_is_bounded() -> None:
     assert [policy.delay(i) for i in range(5)] == [1, 2, 4, 5, 5]
 
 
-def test_hf_url_carries_the_revision() -> None:
-    import huggingface_hub
-
-    url = huggingface_hub.hf_hub_url("org/repo", "w.safetensors", revision="v1.0")
-    assert url.endswith("/org/repo/resolve/v1.0/w.safetensors")
+def test_hf_url_carries_the_revision(monkeypatch: pytest.MonkeyPatch) -> None:
+    source = sources.HfSource("org/repo", "w.safetensors", "v1.0")
+    monkeypatch.delenv("HF_ENDPOINT", raising=False)
+    url = sources.hf_file_url(fetchers.hf_endpoint_url(None), source, "w.safetensors")
+    assert url == "https://huggingface.co/org/repo/resolve/v1.0/w.safetensors"
+    monkeypatch.setenv("HF_ENDPOINT", "https://mirror.internal")
+    assert fetchers.hf_endpoint_url(None) == "https://mirror.internal"
+    assert fetchers.hf_endpoint_url("https://set.by.flag") == "https://set.by.flag"
 
 
 def test_https_reads_grow_while_fast_and_shrink_while_slow() -> None:

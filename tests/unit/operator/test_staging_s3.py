@@ -15,11 +15,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from lora_operator import errors, fetchers, sources, staging
+from lora_operator import errors, fetchers, sources
 
 from tests.support.http import free_port
 from tests.support.loras import lora_bytes, sha
-from tests.support.staging import NS, tmp_entries, visible
+from tests.support.staging import NS, make_store, tmp_entries, visible
 
 BUCKET = "lora-bucket"
 FAST = fetchers.RetryPolicy(attempts=2, backoff_s=0.01)
@@ -96,7 +96,7 @@ def creds(s3_endpoint: str) -> sources.Credentials:
 async def test_s3_stage(creds: sources.Credentials, tmp_path: Path) -> None:
     seen: list[int] = []
     source = sources.parse_source(f"s3://{BUCKET}/adapters/pixel.safetensors")
-    staged = await staging.Store(tmp_path, policy=FAST).stage(
+    staged = await make_store(tmp_path, policy=FAST).stage(
         NS, "pixel", source, credentials=creds, sha256=sha(lora_bytes(30)), progress=seen.append
     )
     assert staged.sha256 == sha(lora_bytes(30))
@@ -110,7 +110,7 @@ async def test_s3_missing_is_permanent(
     creds: sources.Credentials, tmp_path: Path, uri: str
 ) -> None:
     with pytest.raises(errors.SourceNotFound, match="check the URI"):
-        await staging.Store(tmp_path, policy=FAST).stage(
+        await make_store(tmp_path, policy=FAST).stage(
             NS, "x", sources.parse_source(uri), credentials=creds
         )
     assert visible(tmp_path) == [] and tmp_entries(tmp_path) == []
@@ -118,7 +118,7 @@ async def test_s3_missing_is_permanent(
 
 async def test_s3_size_limit(creds: sources.Credentials, tmp_path: Path) -> None:
     with pytest.raises(errors.TooLarge):
-        await staging.Store(tmp_path, max_bytes=10_000, policy=FAST).stage(
+        await make_store(tmp_path, max_bytes=10_000, policy=FAST).stage(
             NS,
             "x",
             sources.parse_source(f"s3://{BUCKET}/adapters/big.safetensors"),
@@ -136,7 +136,7 @@ async def test_s3_unreachable_is_transient(tmp_path: Path) -> None:
         }
     )
     with pytest.raises(errors.SourceUnavailable) as e:
-        await staging.Store(tmp_path, policy=FAST).stage(
+        await make_store(tmp_path, policy=FAST).stage(
             NS, "x", sources.parse_source(f"s3://{BUCKET}/k.safetensors"), credentials=creds
         )
     assert not e.value.permanent
@@ -215,7 +215,7 @@ def no_aws_identity(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 async def _stage_private(endpoint: str, volume: Path, secret: dict[str, str]) -> str:
     creds = sources.credentials_from_secret({"AWS_ENDPOINT_URL": endpoint, **secret})
     source = sources.parse_source(f"s3://{BUCKET}/private.safetensors")
-    staged = await staging.Store(volume, policy=FAST).stage(NS, "p", source, credentials=creds)
+    staged = await make_store(volume, policy=FAST).stage(NS, "p", source, credentials=creds)
     return staged.sha256
 
 
