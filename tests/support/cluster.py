@@ -67,6 +67,8 @@ class Operator:
             str(self.metrics_port),
             "--resync-seconds",
             "5",
+            # The tests' sources: an origin on this machine's 127.0.0.1, under any name.
+            *("--source-host", "*", "--source-allow-cidr", "127.0.0.0/8"),
             *self.extra,
         ]
         env = {**os.environ, "LORA_ADMIN_TOKEN": TOKEN, **self.env}
