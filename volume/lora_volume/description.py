@@ -28,7 +28,7 @@ from lora_volume import files, formats
 STACK = formats.Format("stack", "Stack of adapters")
 _BY_KEY = {f.key: f for f in (*formats.SERVED, STACK)}
 # A longer "word" is no trigger word but a caption, or a hostile file's way to make the status
-# an API write too large to accept (the metadata may fill a 64 MiB header): left out.
+# an API write too large to accept (the metadata may fill an 8 MiB header): left out.
 MAX_WORD_CHARS = 100
 
 # Component names as diffusers' pipelines (and so the server's `targets`) spell them.
