@@ -32,13 +32,15 @@ def run(config: OperatorConfig, *, stop_flag: asyncio.Event | None = None) -> No
 
 def main(argv: Sequence[str] | None = None) -> int:
     config = parse_args(argv)
-    if config.admin_token is None and not config.no_admin_token:
+    needs_admin_token = config.pod_token_service_account is None and not config.no_admin_token
+    if config.admin_token is None and needs_admin_token:
         # No silent open door: pods that require a token would refuse every call, and pods
         # that require none are a choice to make on the command line.
         print(
             f"lora-operator: no admin token: {tokens.origin(config.admin_token_file)} holds "
             "none; pass --admin-token-file (the chart mounts its Secret there), or "
-            "--no-admin-token for inference pods that require none",
+            "--pod-token-service-account for pods that check the operator's ServiceAccount "
+            "tokens, or --no-admin-token for inference pods that require none",
             file=sys.stderr,
         )
         return 2

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
 
-from lora_operator import consent, limits, tokens, trust
+from lora_operator import consent, limits, podtokens, tokens, trust
 from lora_operator.model import DEFAULT_POD_VOLUME_ROOT
 
 # Decimal (SI) and binary (IEC) multiples, and Kubernetes' quantity suffixes (Ki, Mi, Gi...), so
@@ -51,6 +51,13 @@ def _size_arg(text: str) -> int:
         raise argparse.ArgumentTypeError(str(e)) from e
 
 
+def _quota_arg(text: str) -> int | None:
+    """A size, or `none` (or 0) for no limit."""
+    if text.strip().lower() == "none":
+        return None
+    return _size_arg(text) or None
+
+
 def _cidr_arg(text: str) -> str:
     try:
         consent.parse_networks([text])
@@ -67,6 +74,10 @@ class OperatorConfig:
     admin_token_file: Path | None = None
     # Run with no admin token at all (pods that require none): only with --no-admin-token.
     no_admin_token: bool = False
+    # Send pods tokens of this ServiceAccount (namespace, name), bound to each pod's namespace,
+    # instead of the admin token (podtokens.BoundTokens); None: the admin token.
+    pod_token_service_account: tuple[str, str] | None = None
+    pod_token_lifetime_s: int = podtokens.DEFAULT_LIFETIME_S
     # Which labelled pods are the release's inference pods (trust.Policy; None: not checked).
     inference_namespaces: tuple[str, ...] | None = None
     inference_service_account: str | None = None
@@ -89,6 +100,8 @@ class OperatorConfig:
     metrics_port: int = 9090
     max_concurrent_stagings: int = limits.DEFAULT_MAX_CONCURRENT
     max_adapter_bytes: int = limits.DEFAULT_MAX_BYTES
+    # The bytes of the volume one namespace's revisions may hold (quota.py); None: no limit.
+    namespace_quota: int | None = limits.DEFAULT_NAMESPACE_QUOTA
     max_concurrent_loads: int = 16
     resync_s: float = 30.0
     load_timeout_s: float = 120.0
@@ -176,6 +189,19 @@ def parse_args(argv: Sequence[str] | None = None) -> OperatorConfig:
         "missing or empty token refuses to start",
     )
     p.add_argument(
+        "--pod-token-service-account",
+        metavar="NAMESPACE/NAME",
+        help="call inference pods with tokens of this ServiceAccount (the operator's own) from "
+        "the TokenRequest API, bound to each pod's namespace, instead of the admin token; the "
+        "pods check them with TokenReview (the chart's default)",
+    )
+    p.add_argument(
+        "--pod-token-seconds",
+        type=int,
+        default=podtokens.DEFAULT_LIFETIME_S,
+        help="the lifetime asked for each such token (at least 600); renewed at two thirds",
+    )
+    p.add_argument(
         "--inference-namespace",
         action="append",
         default=None,
@@ -249,6 +275,14 @@ def parse_args(argv: Sequence[str] | None = None) -> OperatorConfig:
         help="the largest adapter file, e.g. 2GiB or 500MB (default 2GiB)",
     )
     p.add_argument(
+        "--namespace-quota",
+        type=_quota_arg,
+        default=limits.DEFAULT_NAMESPACE_QUOTA,
+        metavar="SIZE",
+        help="the bytes of the adapter volume one namespace's adapters may hold, e.g. 20GiB "
+        "(default 20GiB); 'none' or 0: no limit",
+    )
+    p.add_argument(
         "--max-concurrent-loads", type=int, default=16, help="calls to pods in flight at once"
     )
     p.add_argument(
@@ -285,6 +319,14 @@ def parse_args(argv: Sequence[str] | None = None) -> OperatorConfig:
         )
     if a.peering and any(set(ns) & set("*?[]!") for ns in a.namespace):
         p.error("with --peering, name each --namespace exactly (no patterns)")
+    pod_token_sa: tuple[str, str] | None = None
+    if a.pod_token_service_account:
+        ns, _, name = a.pod_token_service_account.partition("/")
+        if not ns or not name or "/" in name:
+            p.error("--pod-token-service-account takes NAMESPACE/NAME")
+        pod_token_sa = (ns, name)
+    if a.pod_token_seconds < 600:
+        p.error("--pod-token-seconds must be at least 600 (the TokenRequest API's minimum)")
     if a.peering_lifetime_seconds < 15:
         # kopf renews an entry 5-10 s before it expires: shorter lifetimes renew every second.
         p.error("--peering-lifetime-seconds must be at least 15")
@@ -293,6 +335,8 @@ def parse_args(argv: Sequence[str] | None = None) -> OperatorConfig:
         admin_token=token,
         admin_token_file=a.admin_token_file,
         no_admin_token=a.no_admin_token,
+        pod_token_service_account=pod_token_sa,
+        pod_token_lifetime_s=a.pod_token_seconds,
         inference_namespaces=tuple(a.inference_namespace) if a.inference_namespace else None,
         inference_service_account=a.inference_service_account or None,
         inference_workloads=tuple(a.inference_workload) if a.inference_workload else None,
@@ -312,6 +356,7 @@ def parse_args(argv: Sequence[str] | None = None) -> OperatorConfig:
         metrics_port=a.metrics_port,
         max_concurrent_stagings=a.max_concurrent_stagings,
         max_adapter_bytes=a.max_adapter_bytes,
+        namespace_quota=a.namespace_quota,
         max_concurrent_loads=a.max_concurrent_loads,
         resync_s=a.resync_seconds,
         load_timeout_s=a.load_timeout_seconds,

@@ -6,8 +6,9 @@
 
 Both kinds of object are held in kopf indices keyed by namespace (`lora_adapters`,
 `inference_pods`), complete before the first event handler runs; only pods with the
-`lora.dev/inference` label are watched at all, and only those `trust.refusal` accepts are
-indexed and reconciled. kopf's only write to an adapter is its finalizer
+`lora.dev/inference` label are watched at all; those `trust.static_refusal` refuses are never
+indexed, and the others are reconciled once the controller's identity prover has read their
+owner chain and trusts them. kopf's only write to an adapter is its finalizer
 (added once, removed after deletion): no diff-base annotation, no handler progress, no Events.
 """
 
@@ -69,7 +70,7 @@ def build_registry(controller: Controller) -> kopf.OperatorRegistry:
     @kopf.index(id="inference_pods", **pods)  # type: ignore[arg-type]
     async def inference_pods(body: kopf.Body, **_: Any) -> dict[str, PodInfo]:
         info = pod_info(body)
-        if trust.refusal(info, controller.trust) is not None:
+        if trust.static_refusal(info, controller.prover.policy) is not None:
             return {}  # a look-alike: never placed on, never targeted
         return {info.namespace: info}
 

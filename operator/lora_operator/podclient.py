@@ -4,18 +4,18 @@ Every failure becomes a `PodError` that says whether retrying can help: a refusa
 itself (422, 415, a path outside the pod's roots) is permanent until the spec or the deployment
 changes; timeouts, connection errors, 429, 5xx and 401 are transient. A 401 is what a token
 rotation looks like while the kubelet has given the new Secret to one side and not yet to the
-other: it is retried with the usual backoff, with the token file read again at every call.
+other, or a bound token the pod no longer accepts: it is retried with the usual backoff, with
+the credentials (`podtokens`) asked again at every call and told of the 401.
 """
 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any
 
 import aiohttp
 
-from lora_operator import planning, tokens
+from lora_operator import kube, planning, podtokens
 from lora_operator.model import PodInfo
 
 # 404 on load: the pod does not see the revision yet (a lagging shared file system) - retry.
@@ -33,14 +33,12 @@ class PodError(Exception):
 class PodClient:
     def __init__(
         self,
+        credentials: podtokens.Credentials,
         *,
-        admin_token: str | None,
         timeout_s: float,
         models_timeout_s: float = 10,
-        token_file: Path | None = None,
     ):
-        self._token = admin_token
-        self._token_file = tokens.TokenFile(token_file, admin_token) if token_file else None
+        self.credentials = credentials
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
         self._models_timeout = aiohttp.ClientTimeout(total=models_timeout_s)
         self._session: aiohttp.ClientSession | None = None
@@ -56,11 +54,6 @@ class PodClient:
         if self._session is not None:
             await self._session.close()
             self._session = None
-
-    @property
-    def headers(self) -> dict[str, str]:
-        token = self._token_file.get() if self._token_file is not None else self._token
-        return {"Authorization": f"Bearer {token}"} if token else {}
 
     @property
     def session(self) -> aiohttp.ClientSession:
@@ -106,10 +99,19 @@ class PodClient:
         if pod.ip is None:
             raise PodError(f"pod {pod.name} has no IP yet", permanent=False)
         try:
+            headers = await self.credentials.header(pod.namespace)
+        except (kube.ApiError, aiohttp.ClientError, TimeoutError) as e:
+            raise PodError(
+                f"no token for the pods of namespace {pod.namespace} (TokenRequest): {e}",
+                permanent=False,
+            ) from e
+        try:
             async with self.session.request(
-                method, pod.url(path), json=body, headers=self.headers, timeout=timeout
+                method, pod.url(path), json=body, headers=headers, timeout=timeout
             ) as resp:
                 text = await resp.text()
+                if resp.status == 401:
+                    self.credentials.rejected(pod.namespace)
                 if resp.status >= 400:
                     raise PodError(
                         f"{method} {path} answered {resp.status}: {_error_message(text)}",

@@ -1,30 +1,38 @@
-"""Which labelled pods are the release's inference pods: the only ones that get the admin token
-and load calls (pure: no I/O, no clock, no kopf).
+"""Which labelled pods are the release's inference pods: the only ones that get a pod token and
+load calls (pure: no I/O, no clock, no kopf).
 
-The label `lora.dev/inference` finds candidates; anyone who may create a pod can set it. A pod
-is trusted only when, besides, all of these hold (each is skipped when the policy leaves it
-open, as an operator run by hand does; the chart sets all three):
+The label `lora.dev/inference` finds candidates; anyone who may create a pod can set it, and
+names prove nothing either: a pod may carry any `ownerReferences`, and a tenant may create a
+ReplicaSet named like the release's. A pod is trusted only when all of these hold (each is
+skipped when the policy leaves it open, as an operator run by hand does; the chart sets all):
 
 - its namespace is one of the release's (`--inference-namespace`);
 - it runs as the release's inference ServiceAccount (`--inference-service-account`): a pod can
-  use a ServiceAccount of its own namespace only. A pod owned by one of the release's workloads
-  may also run as a ServiceAccount named in `--inference-legacy-service-account` (the chart names
-  `default`, what its earlier versions ran inference pods as), so that the pods of the previous
-  version keep their adapters while a `helm upgrade` replaces them;
-- its controlling owner is one of the release's workloads (`--inference-workload`): a
-  Deployment (through its ReplicaSet `<deployment>-<pod-template-hash>`), or a StatefulSet or
-  Deployment naming it directly.
+  use a ServiceAccount of its own namespace only. `--inference-legacy-service-account` accepts
+  another name too (an upgrade from a chart that ran the pods as `default`), never alone: the
+  owner chain below must still hold;
+- its controlling owner chain, each link read from the API server and matched by UID, ends at
+  one of the release's workloads (`--inference-workload`): Pod -> ReplicaSet -> Deployment, or
+  Pod -> StatefulSet. A pod whose ownerReference names a Deployment directly is forged
+  (Deployments own ReplicaSets, not pods); a reference whose UID is not the named object's is
+  forged or stale; and the pod's ServiceAccount must be the one its workload's template names.
 
-`refusal` returns why a pod is not trusted, in words for an Event, or None.
+The I/O is the controller's (`controller.identity`): it asks `next_owner` which object to read,
+reads it, and repeats, then asks `refusal` for the verdict on the chain it read.
+`static_refusal` is the part that needs no chain (kopf's index applies it to every event).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from lora_operator.model import PodInfo
 
-TEMPLATE_HASH_LABEL = "pod-template-hash"
+# The workload kinds a chain may end at, and the owner kinds a pod may name.
+DEPLOYMENT, REPLICASET, STATEFULSET = "Deployment", "ReplicaSet", "StatefulSet"
+MAX_CHAIN = 2  # Pod -> ReplicaSet -> Deployment
 
 
 @dataclass(frozen=True)
@@ -34,40 +42,84 @@ class Policy:
     namespaces: frozenset[str] | None = None
     service_account: str | None = None
     workloads: frozenset[str] | None = None
-    # Also accepted for pods owned by one of `workloads` (never alone: see the module docstring).
+    # Also accepted for pods whose owner chain proves them (see the module docstring).
     legacy_service_accounts: frozenset[str] = frozenset()
 
     @property
     def open(self) -> bool:
         return self.namespaces is None and self.service_account is None and self.workloads is None
 
+    @property
+    def needs_chain(self) -> bool:
+        """Whether a verdict needs the owner chain read from the API server."""
+        return self.workloads is not None
 
-def workload_of(pod: PodInfo) -> str | None:
-    """The workload that controls `pod`: a Deployment's name (its ReplicaSet's name less the
-    pod's template hash), a StatefulSet's or a Deployment's own; None for a bare pod or any
-    other owner (pure)."""
-    if pod.owner is None:
-        return None
-    kind, name, _ = pod.owner
-    if kind in ("StatefulSet", "Deployment"):
-        return name
-    if kind == "ReplicaSet":
-        suffix = f"-{pod.label_map.get(TEMPLATE_HASH_LABEL, '')}"
-        if len(suffix) > 1 and name.endswith(suffix) and len(name) > len(suffix):
-            return name[: -len(suffix)]
+
+@dataclass(frozen=True)
+class Ref:
+    """An ownerReference: what an object says its controlling owner is."""
+
+    kind: str
+    name: str
+    uid: str
+
+
+@dataclass(frozen=True)
+class Owner:
+    """An owner as the API server returned it."""
+
+    kind: str
+    name: str
+    uid: str
+    controller: Ref | None  # its own controlling owner
+    service_account: str  # the ServiceAccount its pod template names ("default" when none)
+
+
+def owner_from(kind: str, body: Mapping[str, Any]) -> Owner:
+    """The parts of a ReplicaSet, Deployment or StatefulSet the verdict reads (pure)."""
+    meta = body.get("metadata") or {}
+    template = ((body.get("spec") or {}).get("template") or {}).get("spec") or {}
+    return Owner(
+        kind=kind,
+        name=str(meta.get("name", "")),
+        uid=str(meta.get("uid", "")),
+        controller=controller_ref(meta.get("ownerReferences")),
+        service_account=str(template.get("serviceAccountName") or "default"),
+    )
+
+
+def controller_ref(refs: object) -> Ref | None:
+    """The ownerReference marked `controller: true`, if any (pure)."""
+    for o in refs if isinstance(refs, list) else ():
+        if isinstance(o, Mapping) and o.get("controller"):
+            return Ref(str(o.get("kind", "")), str(o.get("name", "")), str(o.get("uid", "")))
     return None
 
 
-def refusal(pod: PodInfo, policy: Policy) -> str | None:
-    """Why `pod` is not one of the release's inference pods, or None when it is (pure)."""
+def next_owner(pod: PodInfo, chain: Sequence[Owner]) -> Ref | None:
+    """The next owner to read from the API server to judge `pod`, given what was read so far;
+    None when the chain is complete or cannot go on (pure)."""
+    if not chain:
+        if pod.owner is None or pod.owner[0] not in (REPLICASET, STATEFULSET):
+            return None
+        return Ref(*pod.owner)
+    last = chain[-1]
+    if len(chain) >= MAX_CHAIN or last.kind != REPLICASET or last.controller is None:
+        return None
+    if last.controller.kind != DEPLOYMENT:
+        return None
+    return last.controller
+
+
+def static_refusal(pod: PodInfo, policy: Policy) -> str | None:
+    """Why `pod` cannot be one of the release's, judged from the pod alone, or None when the
+    owner chain may still prove it (pure)."""
     if policy.namespaces is not None and pod.namespace not in policy.namespaces:
         return (
             f"namespace {pod.namespace} is not one of the release's inference namespaces "
             f"({', '.join(sorted(policy.namespaces)) or 'none'})"
         )
-    workload = workload_of(pod)
-    owned = policy.workloads is not None and workload in policy.workloads
-    legacy = owned and pod.service_account in policy.legacy_service_accounts
+    legacy = policy.needs_chain and pod.service_account in policy.legacy_service_accounts
     if (
         policy.service_account is not None
         and pod.service_account != policy.service_account
@@ -77,10 +129,53 @@ def refusal(pod: PodInfo, policy: Policy) -> str | None:
             f"it runs as ServiceAccount {pod.service_account!r}, not the release's inference "
             f"ServiceAccount {policy.service_account!r}"
         )
-    if policy.workloads is not None and not owned:
-        owner = f"{pod.owner[0]} {pod.owner[1]}" if pod.owner else "no workload (a bare pod)"
+    if not policy.needs_chain:
+        return None
+    if pod.owner is None:
+        return "it has no controlling owner (a bare pod), so no release workload made it"
+    kind, name, _ = pod.owner
+    if kind == DEPLOYMENT:
         return (
-            f"it is owned by {owner}, not by one of the release's inference workloads "
-            f"({', '.join(sorted(policy.workloads)) or 'none'})"
+            f"its ownerReference names Deployment {name} directly, but Deployments own "
+            "ReplicaSets, never pods: the reference is forged"
+        )
+    if kind not in (REPLICASET, STATEFULSET):
+        return f"it is owned by {kind} {name}, not by a ReplicaSet or StatefulSet"
+    return None
+
+
+def refusal(pod: PodInfo, policy: Policy, chain: Sequence[Owner] = ()) -> str | None:
+    """Why `pod` is not one of the release's inference pods, or None when it is, given the
+    owners read from the API server along its chain (`next_owner`'s order) (pure)."""
+    reason = static_refusal(pod, policy)
+    if reason is not None or policy.workloads is None or pod.owner is None:
+        return reason  # (a bare pod is refused by static_refusal when the chain is needed)
+    ref = Ref(*pod.owner)
+    workload: Owner | None = None
+    for owner in chain:
+        if owner.kind != ref.kind or owner.name != ref.name:
+            return f"the API server returned {owner.kind} {owner.name} for {ref.kind} {ref.name}"
+        if owner.uid != ref.uid:
+            return (
+                f"its owner reference names {ref.kind} {ref.name} with UID {ref.uid}, but that "
+                f"object's UID is {owner.uid}: the reference is forged or stale"
+            )
+        if owner.kind != REPLICASET:
+            workload = owner
+            break
+        if owner.controller is None or owner.controller.kind != DEPLOYMENT:
+            return f"its ReplicaSet {owner.name} is not controlled by a Deployment"
+        ref = owner.controller
+    if workload is None:
+        return f"its owner {ref.kind} {ref.name} does not exist (any more)"
+    if workload.name not in policy.workloads:
+        return (
+            f"it is owned by {workload.kind} {workload.name}, not by one of the release's "
+            f"inference workloads ({', '.join(sorted(policy.workloads)) or 'none'})"
+        )
+    if pod.service_account != workload.service_account:
+        return (
+            f"it runs as ServiceAccount {pod.service_account!r}, but {workload.kind} "
+            f"{workload.name} runs its pods as {workload.service_account!r}"
         )
     return None

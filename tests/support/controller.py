@@ -84,6 +84,10 @@ class FakeApi:
         self.secrets: dict[str, kube.SecretRead] = {}  # by name; else an empty one that consents
         self.removed: list[tuple[str, str, str]] = []  # (object, annotation, resourceVersion)
         self.remove_errors: list[Exception] = []  # raised by the next annotation removals
+        # apps/v1 objects by (kind, name), what an inference pod's owner chain is read from.
+        self.owners: dict[tuple[str, str], dict[str, Any]] = {}
+        self.owner_errors: list[Exception] = []  # raised by the next reads of an owner
+        self.owner_reads: list[tuple[str, str]] = []
 
     async def patch_adapter_status(
         self, namespace: str, name: str, status: Mapping[str, Any]
@@ -94,6 +98,17 @@ class FakeApi:
         if self.secret_errors:
             raise self.secret_errors.pop(0)
         return self.secrets.get(name, kube.SecretRead({}, {consent.CONSENT_KEY: "true"}, {}))
+
+    async def read_owner(self, namespace: str, kind: str, name: str) -> dict[str, Any] | None:
+        self.owner_reads.append((kind, name))
+        if self.owner_errors:
+            raise self.owner_errors.pop(0)
+        return self.owners.get((kind, name))
+
+    async def request_token(
+        self, namespace: str, service_account: str, audience: str, seconds: int
+    ) -> tuple[str, float]:
+        return f"token-for-{audience}", float(seconds)
 
     async def create_event(
         self, regarding: Mapping[str, str], name: str, type_: str, reason: str, note: str

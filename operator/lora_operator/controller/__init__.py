@@ -14,13 +14,15 @@ waiting, each over its own part of the state:
 | status writer | writer | each record's `status`; which adapters are due; the phase gauge |
 | rollouts | rollouts | each record's `rolling` |
 | event recorder | recorder | the Event series; the untrusted pods reported |
+| identity prover | identity | which labelled pods are the release's (their owner chains, read) |
 | collector | collector | when to collect the volume |
 | finalizer | finalizer | each record's `deletion`; the adapters waiting to be unloaded |
 
 Actors reach each other only through `signals.Signals` (plain calls on the one event loop);
 each exposes `forget(key)` for an adapter that is gone. This module wires them, and is the
 surface kopf's handlers call: `adapter_changed`, `pod_changed`, `delete`, `start`, `stop`,
-`set_active`, `use_credentials`, `on_stop`.
+`set_active`, `use_credentials`, `on_stop`. A pod is worked on only once the identity prover
+trusts it.
 
 With several replicas (`--peering`), everything here waits while `peering.Mirror` says another
 replica acts; the first thing a replica does when it starts acting is to clean `.tmp/`.
@@ -36,11 +38,12 @@ from urllib.parse import urlsplit
 
 import kopf
 
-from lora_operator import egress, fetchers, kube, peering, staging
+from lora_operator import egress, fetchers, kube, peering, podtokens, staging
 from lora_operator.config import OperatorConfig
 from lora_operator.controller.autoscaler import Autoscaler
 from lora_operator.controller.collector import Collector
 from lora_operator.controller.finalizer import Finalizer
+from lora_operator.controller.identity import Identity
 from lora_operator.controller.placer import Placer
 from lora_operator.controller.recorder import Recorder
 from lora_operator.controller.records import AdapterRecord, Cache, PodRecord, seed
@@ -74,12 +77,7 @@ class Controller:
         self.config = config
         self.metrics = metrics or Metrics()
         self.seams = Seams(
-            pods=pods
-            or PodClient(
-                admin_token=config.admin_token,
-                token_file=config.admin_token_file,
-                timeout_s=config.load_timeout_s,
-            ),
+            pods=pods or PodClient(self._pod_credentials(), timeout_s=config.load_timeout_s),
             volume=volume
             or staging.Store(
                 config.volume_root,
@@ -92,12 +90,14 @@ class Controller:
                     egress.Guard(config.source_rules, lambda: self.seams.api_endpoint),
                     hf_endpoint=config.hf_endpoint,
                 ),
+                namespace_quota=config.namespace_quota,
+                on_usage=self.metrics.set_namespace_usage,
             ),
             api=api,
         )
+        self.metrics.set_namespace_quota(config.namespace_quota)
         if api is not None:
             self.seams.logged_in.set()
-        self.trust = config.trust_policy
         self.identity = identity or peering.own_identity()
         self.priority = (
             config.peering_priority
@@ -115,8 +115,24 @@ class Controller:
         self.collector = hub.collector = Collector(shared)
         self.finalizer = hub.finalizer = Finalizer(shared)
         self.recorder = hub.recorder = Recorder(shared)
+        self.prover = Identity(shared)
+        self.cache.trusted = self.prover.trusted
+        hub.on_pod = self.pod_changed
         self.autoscaler = Autoscaler(shared)
         self._on_stop: list[Callable[[], Coroutine[Any, Any, None]]] = []
+
+    def _pod_credentials(self) -> podtokens.Credentials:
+        """What the pods are sent: tokens of the operator's ServiceAccount bound to each pod's
+        namespace (the chart's way), or the admin token."""
+        account = self.config.pod_token_service_account
+        if account is None:
+            return podtokens.AdminToken(self.config.admin_token, self.config.admin_token_file)
+        return podtokens.BoundTokens(
+            self._api_for_tokens, *account, lifetime_s=self.config.pod_token_lifetime_s
+        )
+
+    async def _api_for_tokens(self) -> podtokens.TokenSource:
+        return await self.seams.api_after_login()
 
     # -- the seams and the records, as tests and handlers see them ------------------------------
 
@@ -269,8 +285,9 @@ class Controller:
     def pod_changed(self, info: PodInfo, deleted: bool = False) -> None:
         if deleted:
             self.recorder.forget_pod(info.key)
-        elif self.recorder.refuse(info, self.trust):
-            deleted = True  # not one of the release's inference pods: no worker, no call
+            self.prover.forget_pod(info)
+        elif not self.prover.judge(info):
+            deleted = True  # not (yet) proven one of the release's: no worker, no call
         self.placer.stale(info.namespace)
         if deleted:
             self.workers.forget(info.key)

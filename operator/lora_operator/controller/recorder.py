@@ -10,7 +10,7 @@ import logging
 import time
 import uuid
 
-from lora_operator import events, trust
+from lora_operator import events
 from lora_operator.controller.seams import Key
 from lora_operator.controller.signals import Actor, Shared
 from lora_operator.model import INFERENCE_LABEL, AdapterInfo, PodInfo, object_ref
@@ -23,7 +23,7 @@ class Recorder(Actor):
         super().__init__(shared)
         self._series = events.Series()
         self._slots = asyncio.Semaphore(8)
-        # Labelled pods that are not the release's (trust.refusal), by key: the uid an Event
+        # Labelled pods that are not the release's (identity decided), by key: the uid an Event
         # was posted for, so that each such pod is reported once.
         self._distrusted: dict[Key, str] = {}
 
@@ -43,14 +43,11 @@ class Recorder(Actor):
         )
         self.signals.spawn(self._send(object_ref(info), name, count, note))
 
-    def refuse(self, info: PodInfo, policy: trust.Policy) -> bool:
-        """Whether `info` is not one of the release's inference pods (trust.refusal); such a
-        pod gets no worker, so no call at all (no admin token, no load), and an Event says why."""
-        reason = trust.refusal(info, policy)
-        if reason is None:
-            return False
+    def untrusted(self, info: PodInfo, reason: str) -> None:
+        """`info` is not one of the release's inference pods (identity decided why): an Event
+        says so, once per pod."""
         if self._distrusted.get(info.key) == info.uid or not self.seams.active.is_set():
-            return True
+            return
         self._distrusted[info.key] = info.uid
         log.warning("action=distrust pod=%s/%s reason=%r", *info.key, reason)
         regarding = {"apiVersion": "v1", "kind": "Pod", "name": info.name, "uid": info.uid}
@@ -61,12 +58,10 @@ class Recorder(Actor):
             "Warning",
             "UntrustedInferencePod",
             f"pod {info.name} has the label {INFERENCE_LABEL} but is not one of the release's "
-            f"inference pods: {reason}. The operator sends it no admin token and loads nothing "
-            "on it.",
+            f"inference pods: {reason}. The operator sends it no token and loads nothing on it.",
         )
         event = f"{info.name}.{uuid.uuid4().hex[:16]}"
         self.signals.spawn(self._send({**regarding, "namespace": info.namespace}, event, 1, note))
-        return True
 
     async def _send(
         self, regarding: dict[str, str], name: str, count: int, note: events.Note

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -154,6 +154,9 @@ class Cache:
         self.pods: dict[Key, PodRecord] = {}
         self.pods_index: kopf.Index[str, PodInfo] | None = None
         self.adapters_index: kopf.Index[str, AdapterInfo] | None = None
+        # Whether a pod is proven one of the release's (the identity prover's verdicts): the
+        # index holds every labelled pod that may be, placement counts only those that are.
+        self.trusted: Callable[[PodInfo], bool] = lambda _: True
 
     def forget(self, key: Key) -> AdapterRecord | None:
         return self.adapters.pop(key, None)
@@ -174,7 +177,7 @@ class Cache:
     def indexed_pods(self, namespace: str) -> Iterable[PodInfo]:
         if self.pods_index is None:
             return [p.info for p in self.pods_in(namespace)]
-        return list(self.pods_index.get(namespace, ()))
+        return [p for p in self.pods_index.get(namespace, ()) if self.trusted(p)]
 
     def current(self, info: AdapterInfo) -> tuple[AdapterInfo, AdapterRecord | None]:
         """The newest of what kopf's index and the cache know of an adapter."""

@@ -9,7 +9,7 @@ the signals to reach the others (`Shared`).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -18,7 +18,7 @@ from lora_operator.config import OperatorConfig
 from lora_operator.controller.records import Cache
 from lora_operator.controller.seams import Key, Seams
 from lora_operator.metrics import Metrics
-from lora_operator.model import AdapterInfo
+from lora_operator.model import AdapterInfo, PodInfo
 
 if TYPE_CHECKING:
     from lora_operator.controller.collector import Collector
@@ -59,6 +59,12 @@ class Signals(Protocol):
     def post(self, info: AdapterInfo, note: events.Note) -> None:
         """An Event about the adapter (the event recorder)."""
 
+    def pod_refused(self, info: PodInfo, reason: str) -> None:
+        """A labelled pod is not one of the release's inference pods (the event recorder)."""
+
+    def pod_proven(self, info: PodInfo) -> None:
+        """A pod's identity was decided: take its event again (the controller)."""
+
     def spawn(self, coro: Coroutine[Any, Any, None], name: str | None = None) -> None:
         """Run in the background, cancelled at stop."""
 
@@ -96,6 +102,7 @@ class Hub:
     rollouts: Rollouts
     finalizer: Finalizer
     recorder: Recorder
+    on_pod: Callable[[PodInfo], None]  # the controller's pod_changed
 
     def __init__(self) -> None:
         self.background: set[asyncio.Task[None]] = set()
@@ -126,6 +133,12 @@ class Hub:
 
     def post(self, info: AdapterInfo, note: events.Note) -> None:
         self.recorder.post(info, note)
+
+    def pod_refused(self, info: PodInfo, reason: str) -> None:
+        self.recorder.untrusted(info, reason)
+
+    def pod_proven(self, info: PodInfo) -> None:
+        self.on_pod(info)
 
     def spawn(self, coro: Coroutine[Any, Any, None], name: str | None = None) -> None:
         task = asyncio.create_task(coro, name=name)

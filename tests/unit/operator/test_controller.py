@@ -403,4 +403,4 @@ async def test_a_labelled_pod_that_is_not_the_releases_gets_no_call_and_an_event
         assert rig.api.status["a"][-1]["ready"] == "1/1"
         assert "lookalike" not in rig.pods.reads and ("load", "lookalike", "a") not in rig.log
         (note,) = [n for o, _, _, n in rig.api.events if o == "lookalike"]
-        assert "ServiceAccount 'default'" in note and "no admin token" in note
+        assert "ServiceAccount 'default'" in note and "no token" in note

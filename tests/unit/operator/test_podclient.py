@@ -11,6 +11,7 @@ import pytest_asyncio
 from aiohttp import web
 from lora_operator import config, model, planning
 from lora_operator.podclient import PodClient, PodError
+from lora_operator.podtokens import AdminToken, BoundTokens
 
 SHA = "c" * 64
 
@@ -57,7 +58,7 @@ async def pod() -> AsyncIterator[tuple[model.PodInfo, dict[str, Any]]]:
 
 async def test_load_sends_the_pods_path_token_scale_and_pin(pod: Any) -> None:
     info, seen = pod
-    async with PodClient(admin_token="s3cret", timeout_s=5) as client:
+    async with PodClient(AdminToken("s3cret"), timeout_s=5) as client:
         await client.load(info, planning.Want("a", SHA, -1.5, True), inplace=True)
         assert (await client.models(info)).base_model == "b"
         await client.unload(info, "gone")  # 404: already gone is fine
@@ -81,7 +82,7 @@ async def test_refusals_are_permanent_and_overload_transient(
 ) -> None:
     info, seen = pod
     seen["status"] = status
-    async with PodClient(admin_token=None, timeout_s=5) as client:
+    async with PodClient(AdminToken(None), timeout_s=5) as client:
         with pytest.raises(PodError) as e:
             await client.load(info, planning.Want("a", SHA, 1.0, False), inplace=False)
     assert e.value.permanent is permanent
@@ -92,7 +93,7 @@ async def test_a_rotated_token_file_is_sent_from_the_next_call(pod: Any, tmp_pat
     info, seen = pod
     token = tmp_path / "token"
     token.write_text("old\n")
-    async with PodClient(admin_token="old", token_file=token, timeout_s=5) as client:
+    async with PodClient(AdminToken("old", token), timeout_s=5) as client:
         await client.load(info, planning.Want("a", SHA, 1.0, False), inplace=False)
         assert seen["auth"] == "Bearer old"
         # The kubelet swaps the file; mid-swap, an empty file keeps the token in use.
@@ -104,6 +105,84 @@ async def test_a_rotated_token_file_is_sent_from_the_next_call(pod: Any, tmp_pat
         assert seen["auth"] == "Bearer new-token"
 
 
+class Minter:
+    """The TokenRequest API as BoundTokens sees it (our seam): counts what it was asked."""
+
+    def __init__(self, lifetime_s: float = 3600) -> None:
+        self.asked: list[tuple[str, str, str, int]] = []
+        self.lifetime_s = lifetime_s
+
+    async def request_token(
+        self, namespace: str, service_account: str, audience: str, seconds: int
+    ) -> tuple[str, float]:
+        self.asked.append((namespace, service_account, audience, seconds))
+        return f"jwt-{audience}-{len(self.asked)}", self.lifetime_s
+
+
+async def test_bound_tokens_are_per_namespace_renewed_and_dropped_on_a_401() -> None:
+    minter = Minter(lifetime_s=900)
+    now = [1000.0]
+
+    async def api() -> Minter:
+        return minter
+
+    tokens = BoundTokens(api, "lora", "rel-operator", lifetime_s=3600, clock=lambda: now[0])
+    a1 = await tokens.header("team-a")
+    assert a1 == {"Authorization": "Bearer jwt-lora.dev/inference/team-a-1"}
+    assert minter.asked == [("lora", "rel-operator", "lora.dev/inference/team-a", 3600)]
+    # Many calls at once for one namespace: one TokenRequest.
+    import asyncio
+
+    headers = await asyncio.gather(*(tokens.header("team-b") for _ in range(20)))
+    assert len(minter.asked) == 2 and len({h["Authorization"] for h in headers}) == 1
+    assert await tokens.header("team-a") == a1
+    # The API server gave 900 s: renewed after two thirds of that, not of the 3600 asked.
+    now[0] += 599
+    assert await tokens.header("team-a") == a1
+    now[0] += 2
+    assert await tokens.header("team-a") != a1
+    assert len(minter.asked) == 3
+    tokens.rejected("team-a")
+    await tokens.header("team-a")
+    assert len(minter.asked) == 4
+
+
+async def test_a_pod_gets_its_own_namespaces_token_and_a_401_renews_it(pod: Any) -> None:
+    info, seen = pod
+    minter = Minter()
+
+    async def api() -> Minter:
+        return minter
+
+    async with PodClient(BoundTokens(api, "lora", "op"), timeout_s=5) as client:
+        await client.load(info, planning.Want("a", SHA, 1.0, False), inplace=False)
+        assert seen["auth"] == "Bearer jwt-lora.dev/inference/ns-1"
+        seen["status"] = 401
+        with pytest.raises(PodError):
+            await client.load(info, planning.Want("a", SHA, 1.0, False), inplace=False)
+        seen["status"] = 200
+        await client.load(info, planning.Want("a", SHA, 1.0, False), inplace=False)
+        assert seen["auth"] == "Bearer jwt-lora.dev/inference/ns-2"
+
+
+async def test_no_token_to_be_had_is_a_transient_pod_error(pod: Any) -> None:
+    from lora_operator import kube
+
+    info, _ = pod
+
+    class Refusing:
+        async def request_token(self, *_: Any) -> tuple[str, float]:
+            raise kube.ApiError(403, "cannot create serviceaccounts/token")
+
+    async def api() -> Refusing:
+        return Refusing()
+
+    async with PodClient(BoundTokens(api, "lora", "op"), timeout_s=5) as client:
+        with pytest.raises(PodError) as e:
+            await client.models(info)
+    assert not e.value.permanent and "TokenRequest" in e.value.message
+
+
 async def test_an_unreachable_pod_is_transient() -> None:
     info = model.pod_info(
         {
@@ -111,7 +190,7 @@ async def test_an_unreachable_pod_is_transient() -> None:
             "status": {"podIP": "127.0.0.1"},
         }
     )
-    async with PodClient(admin_token=None, timeout_s=2) as client:
+    async with PodClient(AdminToken(None), timeout_s=2) as client:
         with pytest.raises(PodError) as e:
             await client.models(info)
     assert e.value.permanent is False

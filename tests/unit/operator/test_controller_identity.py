@@ -1,0 +1,124 @@
+"""The identity prover in the controller: a labelled pod is worked on only once its owner chain,
+read from the (fake) API server by UID, ends at one of the release's workloads. The decisions
+themselves are test_trust.py's; here: what reaches the pods, the Events, the retries."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+from lora_operator import kube
+from lora_operator.model import PodInfo, pod_info
+
+from tests.support.controller import NS, Rig, adapter
+from tests.support.polling import until
+
+POLICY = dict(
+    inference_namespaces=(NS,),
+    inference_service_account="rel-inference",
+    inference_workloads=("rel-inference",),
+)
+RS: dict[str, Any] = {
+    "kind": "ReplicaSet",
+    "name": "rel-inference-5f7c9",
+    "uid": "rs1",
+    "controller": True,
+}
+DEPLOY: dict[str, Any] = {
+    "kind": "Deployment",
+    "name": "rel-inference",
+    "uid": "d1",
+    "controller": True,
+}
+
+
+def apps_object(ref: dict[str, Any], owner: dict[str, Any] | None) -> dict[str, Any]:
+    return {
+        "metadata": {
+            "name": ref["name"],
+            "uid": ref["uid"],
+            "ownerReferences": [owner] * bool(owner),
+        },
+        "spec": {"template": {"spec": {"serviceAccountName": "rel-inference"}}},
+    }
+
+
+def labelled_pod(name: str, owner: dict[str, Any] | None) -> PodInfo:
+    meta: dict[str, Any] = {
+        "namespace": NS,
+        "name": name,
+        "uid": f"uid-{name}",
+        "labels": {"lora.dev/inference": "true"},
+        "ownerReferences": [owner] if owner else [],
+    }
+    return pod_info(
+        {
+            "metadata": meta,
+            "spec": {"serviceAccountName": "rel-inference"},
+            "status": {"podIP": "10.0.0.1", "conditions": [{"type": "Ready", "status": "True"}]},
+        }
+    )
+
+
+def release_objects(rig: Rig) -> None:
+    rig.api.owners[("ReplicaSet", RS["name"])] = apps_object(RS, DEPLOY)
+    rig.api.owners[("Deployment", DEPLOY["name"])] = apps_object(DEPLOY, None)
+
+
+async def test_only_the_pod_whose_chain_is_proven_gets_calls(tmp_path: Path) -> None:
+    async with Rig(tmp_path, **POLICY) as rig:
+        release_objects(rig)
+        # A tenant's own ReplicaSet, named like the release's and claiming the real
+        # Deployment by name and UID; the Deployment does not claim it back, its RS is rs1.
+        mine = {**RS, "name": "rel-inference-x", "uid": "rs9"}
+        rig.api.owners[("ReplicaSet", "rel-inference-x")] = apps_object(
+            mine, {**DEPLOY, "uid": "guess"}
+        )
+        c = rig.controller
+        c.start()
+        c.adapter_changed(adapter(rig.volume, "a"))
+        genuine = labelled_pod("genuine", RS)
+        forged_uid = labelled_pod("forged-uid", {**RS, "uid": "rs-guessed"})
+        own_rs = labelled_pod("own-rs", mine)
+        direct = labelled_pod("direct", DEPLOY)
+        for p in (genuine, forged_uid, own_rs, direct):
+            c.pod_changed(p)
+        await until("the genuine pod loaded", lambda: ("load", "genuine", "a") in rig.log)
+        await until(
+            "an Event for each look-alike",
+            lambda: len([e for e in rig.api.events if e[2] == "UntrustedInferencePod"]) == 3,
+        )
+        await asyncio.sleep(0.5)  # resyncs: still nothing for the look-alikes
+        assert {entry[1] for entry in rig.log} == {"genuine"}
+        notes = " ".join(e[3] for e in rig.api.events if e[2] == "UntrustedInferencePod")
+        assert "forged or stale" in notes and "Deployments own ReplicaSets" in notes
+        # Placement counts the genuine pod only: the adapter is Ready on 1/1.
+        await until("Ready", lambda: rig.ready("a"))
+        assert rig.api.status["a"][-1]["ready"] == "1/1"
+        # Siblings of a proven ReplicaSet reuse what was read.
+        reads = len(rig.api.owner_reads)
+        c.pod_changed(labelled_pod("sibling", RS))
+        await until("the sibling loaded", lambda: ("load", "sibling", "a") in rig.log)
+        assert len(rig.api.owner_reads) == reads
+
+
+async def test_a_chain_that_cannot_be_read_yet_is_read_again(tmp_path: Path) -> None:
+    async with Rig(tmp_path, **POLICY) as rig:
+        release_objects(rig)
+        rig.api.owner_errors = [kube.ApiError(503, "unavailable")]
+        c = rig.controller
+        c.start()
+        c.adapter_changed(adapter(rig.volume, "a"))
+        c.pod_changed(labelled_pod("p", RS))
+        await until("loaded after the retry", lambda: ("load", "p", "a") in rig.log, timeout=10)
+        assert not [e for e in rig.api.events if e[2] == "UntrustedInferencePod"]
+
+
+async def test_an_owner_reference_that_is_no_name_is_refused_without_a_read(tmp_path: Path) -> None:
+    async with Rig(tmp_path, **POLICY) as rig:
+        c = rig.controller
+        c.start()
+        c.pod_changed(labelled_pod("p", {**RS, "name": "../../secrets/x"}))
+        await until("refused", lambda: any(e[2] == "UntrustedInferencePod" for e in rig.api.events))
+        assert "not a Kubernetes name" in rig.api.events[-1][3]
