@@ -24,7 +24,7 @@ from typing import Any
 
 import lora_playground as playground
 from aiohttp import web
-from lora_volume import formats
+from lora_volume import formats, layout
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from lora_inference import api, errors
@@ -160,16 +160,25 @@ async def list_models(request: web.Request) -> web.Response:
     _authorise_client(request)
     config = request.app[CONFIG]
     created = int(request.app[STARTED_AT])
-    cards = [_card(config.model_id, str(config.model), None, created)]
+    # No card shows a path on the pod (the model's, or the adapter volume's): `root` is what
+    # the card was made from, by name.
+    cards = [_card(config.model_id, config.model_id, None, created)]
     if config.simulate:
         cards[0]["simulated"] = config.simulate  # benchmarks and tests: no real model
     engine = _started(request.app)
     if engine is not None:
         for record in engine.registry.records():
-            card = _card(record.name, str(record.path), config.model_id, created)
+            # A revision the operator published: `root` names its LoRAAdapter (a rollout's
+            # alias is served from another adapter's revision), `revision` is the revision's
+            # sha256, and the operator recognises its own adapters by the two. Any other
+            # adapter's `root` is its own name and its `revision` null.
+            published = layout.published_revision(record.path)
+            root = published.adapter if published is not None else record.name
+            card = _card(record.name, root, config.model_id, created)
             # Beyond vLLM's card: what the operator compares with the LoRAAdapter's spec, and
             # the demand it scales hot adapters by.
             card.update(
+                revision=published.sha256 if published is not None else None,
                 scale=record.scale,
                 pinned=record.pinned,
                 sha256=record.sha256,

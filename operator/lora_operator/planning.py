@@ -1,11 +1,13 @@
 """What one pod should hold versus what it reports, and the calls that close the gap (pure).
 
-A pod reports its adapters in `GET /v1/models`. An adapter the operator loaded has its card's
-`root` inside the adapter volume's layout, `.../<name>/revisions/<sha256>`: that is how the
-operator recognises its own adapters after a restart without keeping any state, and how it leaves
-static (`--lora`) and hand-loaded adapters alone. A card served under a rollout's alias
-(`<name>_<sha prefix>`, rollout.py) is the operator's too: its root names the adapter and the
-revision the alias is made of.
+A pod reports its adapters in `GET /v1/models`. An adapter the operator loaded is a revision
+directory of the adapter volume's layout, `.../<name>/revisions/<sha256>`, and its card says so:
+`root` is the adapter's name and `revision` the sha256 (an older server's card, or vLLM's, has
+the directory's path as its `root` instead; `parse_models` reads both). That is how the operator
+recognises its own adapters after a restart without keeping any state, and how it leaves static
+(`--lora`) and hand-loaded adapters alone. A card served under a rollout's alias
+(`<name>_<sha prefix>`, rollout.py) is the operator's too: it names the adapter and the revision
+the alias is made of.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from lora_volume import layout
 from lora_operator import rollout
 from lora_operator.model import AdapterInfo, PodInfo, StagedRef
 
-_REVISION_ROOT = re.compile(r"/([^/]+)/" + layout.REVISIONS + r"/([0-9a-f]{64})/?$")
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
 
 @dataclass(frozen=True)
@@ -97,10 +99,9 @@ def parse_models(payload: Any) -> PodReport:
             base = base or raw["id"]
             continue
         name = raw["id"]
-        match = _REVISION_ROOT.search(str(raw.get("root") or ""))
-        revision = adapter = None
-        if match and match.group(1) in (name, rollout.adapter_of_alias(name, match.group(2))):
-            adapter, revision = match.group(1), match.group(2)
+        adapter, revision = _published(raw)
+        if revision is None or adapter not in (name, rollout.adapter_of_alias(name, revision)):
+            adapter = revision = None
         scale = raw.get("scale")
         pinned = raw.get("pinned")
         cards[name] = Card(
@@ -117,6 +118,17 @@ def parse_models(payload: Any) -> PodReport:
         max_loras=_count(payload.get("max_loras")),
         max_cpu_loras=_count(payload.get("max_cpu_loras")),
     )
+
+
+def _published(card: Mapping[str, Any]) -> tuple[str | None, str | None]:
+    """The (adapter, revision) a card says it was loaded from: `root` and `revision`, or, on an
+    older server's card (or vLLM's) without `revision`, the revision directory's path in
+    `root`. (None, None) when it names no published revision."""
+    root, revision = card.get("root"), card.get("revision")
+    if isinstance(revision, str) and _SHA256.match(revision):
+        return (root, revision) if isinstance(root, str) else (None, None)
+    found = layout.published_revision(root) if isinstance(root, str) else None
+    return (found.adapter, found.sha256) if found is not None else (None, None)
 
 
 def _count(value: Any) -> int | None:

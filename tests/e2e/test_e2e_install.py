@@ -28,7 +28,7 @@ INSTANCE = f"app.kubernetes.io/instance={RELEASE}"
 
 def holds(h: Harness, ns: str, pod: str, sha: str) -> bool:
     card = release.served_adapters(h, ns, pod).get("pixel-art")
-    return card is not None and card["root"].endswith(f"/pixel-art/revisions/{sha}")
+    return card is not None and (card.get("root"), card.get("revision")) == ("pixel-art", sha)
 
 
 def pixels(png: bytes) -> bytes:

@@ -630,4 +630,4 @@ def test_the_backup_task_restores_adapters_without_downloading(
     log = h.kubectl("logs", "-n", ns, operator, "-c", "operator")
     assert "action=staged" not in log, log[-3000:]
     (pod,) = secured.pods("inference")
-    assert release.served_adapters(h, ns, pod)["pixel-art"]["root"].endswith(sha)
+    assert release.served_adapters(h, ns, pod)["pixel-art"]["revision"] == sha

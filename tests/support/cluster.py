@@ -289,7 +289,7 @@ def pod_ips(h: Harness, ns: str, n: int) -> dict[str, str]:
 
 def holds(ip: str, name: str, sha: str) -> bool:
     card = models(ip).get(name)
-    return card is not None and card["root"].endswith(f"/{name}/revisions/{sha}")
+    return card is not None and (card.get("root"), card.get("revision")) == (name, sha)
 
 
 def adapter_names(prefix: str, k: int) -> list[str]:

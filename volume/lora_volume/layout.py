@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path, PurePath
-from typing import TypeVar
+from typing import NamedTuple, TypeVar
 
 from lora_volume import errors, targeting
 
@@ -68,6 +68,23 @@ def check_adapter_name(name: object, *, param: str = "lora_name") -> str:
 def revision_dir(root: _P, name: str, sha256: str) -> _P:
     """A published revision; `root` may be the operator's path or a pod's (a PurePosixPath)."""
     return root / name / REVISIONS / sha256
+
+
+class PublishedRevision(NamedTuple):
+    adapter: str  # the adapter directory's name: the LoRAAdapter it is a revision of
+    sha256: str  # the revision directory's name
+
+
+_REVISION_PATH = re.compile(r"/([^/]+)/" + REVISIONS + r"/([0-9a-f]{64})/?$")
+
+
+def published_revision(path: str | PurePath) -> PublishedRevision | None:
+    """The adapter and revision a path of the form `.../<name>/revisions/<sha256>` names, or
+    None for any other path (pure: the path is read as text, never resolved). The server puts
+    both in its `/v1/models` card; the operator reads them back from an older server's card
+    (or vLLM's), whose `root` is the path itself."""
+    match = _REVISION_PATH.search(str(path))
+    return PublishedRevision(match.group(1), match.group(2)) if match else None
 
 
 def current_link(root: Path, name: str) -> Path:

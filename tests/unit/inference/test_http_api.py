@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import json
+import shutil
+from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
+from lora_operator import planning
 
 from tests.support.http import assert_error
 from tests.unit.inference.bad_adapters import BadAdapter
@@ -117,16 +122,48 @@ async def test_models_and_adapters_listing(server: Server, assets: Assets) -> No
     _, models = await server.get("/v1/models")
     base_id = server.engine.config.model_id
     cards = {m["id"]: m for m in models["data"]}
-    assert cards[base_id]["parent"] is None
+    assert cards[base_id] == cards[base_id] | {"root": base_id, "parent": None}
+    # Loaded from a path that is no published revision: its own name, no revision.
     assert cards["pixel"] == cards["pixel"] | {
         "object": "model",
-        "root": str(assets.adapter_a.resolve()),
+        "root": "pixel",
         "parent": base_id,
+        "revision": None,
     }
     _, adapters = await server.get("/v1/adapters")
     (entry,) = adapters["data"]
     assert entry["id"] == "pixel" and entry["tier"] == "gpu" and entry["hits"] == 1
     assert len(entry["sha256"]) == 64 and entry["size_bytes"] > 0 and entry["pinned"] is False
+
+
+async def test_a_published_revisions_card_names_it_without_a_path(
+    start_server: Callable[..., Awaitable[Server]], assets: Assets, tmp_path: Path
+) -> None:
+    """What vLLM's clients see (`id`, `object`, `root`, `parent`) and what the operator reads
+    back (`root`: the adapter, `revision`): no path on the pod, for an adapter and for a
+    rollout's alias of one of its revisions; the operator's parser takes both as its own."""
+    sha = "ab" * 32
+    revision = tmp_path / "team-a" / "pixel" / "revisions" / sha
+    shutil.copytree(assets.adapter_a, revision)  # a directory, as the operator publishes it
+    server = await start_server(adapter_root=tmp_path / "team-a")
+    alias = f"pixel_{sha[:12]}"
+    for name in ("pixel", alias):
+        await server.post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(revision)})
+    _, models = await server.get("/v1/models")
+    base_id = server.engine.config.model_id
+    cards = {m["id"]: m for m in models["data"]}
+    for name in ("pixel", alias):
+        assert cards[name] == cards[name] | {
+            "id": name,
+            "object": "model",
+            "root": "pixel",
+            "parent": base_id,
+            "revision": sha,
+        }
+    assert str(tmp_path) not in json.dumps(models)
+    report = planning.parse_models(models)
+    assert report.managed() == {"pixel": sha, alias: sha}
+    assert report.revisions() == {("pixel", sha)}
 
 
 async def test_health_ready_metrics(server: Server, assets: Assets) -> None:

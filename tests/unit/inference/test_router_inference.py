@@ -50,6 +50,8 @@ async def test_the_openai_client_works_through_the_router(
     models = await client.models.list()
     model_id = servers[0].engine.config.model_id
     assert [m.id for m in models.data] == [model_id, "pixel-art", "watercolor"]
+    # What the client sees the models were made from: names, never a path on a pod.
+    assert [m.to_dict()["root"] for m in models.data] == [model_id, "pixel-art", "watercolor"]
 
     try:
         await client.images.generate(model="ghost", prompt="x", size="32x32", extra_body=EXTRA)

@@ -25,39 +25,51 @@ def want(name: str, sha: str = SHA1, scale: float = 1.0, pinned: bool = False) -
     return Want(name=name, sha256=sha, scale=scale, pinned=pinned)
 
 
-def test_parse_models_tells_managed_from_static_adapters() -> None:
+def adapter_card(
+    served: str, adapter: str, sha: str, shape: str, **extra: object
+) -> dict[str, object]:
+    """A `/v1/models` adapter card for the revision `sha` of `adapter`, served as `served`, as
+    the server renders it now (`revision`, `root` the adapter's name) or as an older server
+    (or vLLM) did: `root` the revision directory's path on the pod."""
+    if shape == "card":
+        fields: dict[str, object] = {"root": adapter, "revision": sha}
+    else:
+        fields = {"root": f"/var/lib/lora/adapters/ns/{adapter}/revisions/{sha}"}
+    return {"id": served, "object": "model", "parent": "base", **fields, **extra}
+
+
+SHAPES = pytest.mark.parametrize("shape", ["card", "old-card"])
+
+
+@SHAPES
+def test_parse_models_tells_managed_from_static_adapters(shape: str) -> None:
     payload = {
         "data": [
-            {"id": "base", "root": "/models/base", "parent": None},
-            {
-                "id": "ours",
-                "root": f"/var/lib/lora/adapters/ns/ours/revisions/{SHA1}",
-                "parent": "base",
-                "scale": -0.5,
-                "pinned": True,
-            },
-            {"id": "static", "root": "/opt/loras/static", "parent": "base"},
-            # Someone else's revision directory under another name is not ours to manage.
-            {"id": "alias", "root": f"/v/ns/ours/revisions/{SHA1}", "parent": "base"},
+            {"id": "base", "root": "base", "parent": None},
+            adapter_card("ours", "ours", SHA1, shape, scale=-0.5, pinned=True),
+            # What the server shows for an adapter that is no published revision.
+            {"id": "static", "root": "static", "revision": None, "parent": "base"},
+            {"id": "old-static", "root": "/opt/loras/static", "parent": "base"},
+            # Someone else's revision under another name is not ours to manage.
+            adapter_card("alias", "ours", SHA1, shape),
         ]
     }
     r = planning.parse_models(payload)
     assert r.base_model == "base"
     assert r.cards["ours"] == Card("ours", SHA1, -0.5, True, adapter="ours")
-    assert r.cards["static"].managed is False
-    assert r.cards["alias"].managed is False
+    assert not any(r.cards[n].managed for n in ("static", "old-static", "alias"))
     assert r.managed() == {"ours": SHA1}
 
 
-def test_a_rollouts_alias_is_a_revision_of_its_adapter() -> None:
-    root = "/var/lib/lora/adapters/ns/ours/revisions/"
+@SHAPES
+def test_a_rollouts_alias_is_a_revision_of_its_adapter(shape: str) -> None:
     payload = {
         "data": [
             {"id": "base", "parent": None},
-            {"id": "ours", "root": root + SHA1, "parent": "base"},
-            {"id": f"ours_{SHA2[:12]}", "root": root + SHA2, "parent": "base"},
+            adapter_card("ours", "ours", SHA1, shape),
+            adapter_card(f"ours_{SHA2[:12]}", "ours", SHA2, shape),
             # An alias whose prefix is another revision's is someone else's.
-            {"id": f"ours_{SHA1[:12]}", "root": root + SHA2, "parent": "base"},
+            adapter_card(f"ours_{SHA1[:12]}", "ours", SHA2, shape),
         ]
     }
     r = planning.parse_models(payload)
@@ -67,6 +79,26 @@ def test_a_rollouts_alias_is_a_revision_of_its_adapter() -> None:
     # The load call names the alias and the adapter's own revision directory.
     canary = Want(f"ours_{SHA2[:12]}", SHA2, 1.0, False, adapter="ours")
     assert planning.load_path(PurePosixPath("/v/ns"), canary) == f"/v/ns/ours/revisions/{SHA2}"
+
+
+def test_a_rolling_upgrade_reads_old_and_new_pods_alike() -> None:
+    """Pods of the release before (the path in `root`) and after (no path) report the same
+    adapters: the operator takes both for its own, at the same revisions."""
+    old, new = (
+        planning.parse_models({"data": [adapter_card("ours", "ours", SHA1, shape)]})
+        for shape in ("old-card", "card")
+    )
+    assert old.cards == new.cards and new.managed() == {"ours": SHA1}
+    # A card with both reads its fields, not the path; a bad revision field falls back to it.
+    both = adapter_card("ours", "ours", SHA2, "card")
+    assert planning.parse_models({"data": [both]}).managed() == {"ours": SHA2}
+    for revision in ("x" * 64, "A" * 64, 7):
+        broken = {**adapter_card("ours", "ours", SHA1, "old-card"), "revision": revision}
+        assert planning.parse_models({"data": [broken]}).managed() == {"ours": SHA1}
+    # Neither a path nor a name makes `root` a revision without a valid `revision`.
+    for root in (None, 3, "ours", f"/x/ours/revisions/{SHA1[:63]}"):
+        card = {"id": "ours", "parent": "base", "root": root}
+        assert planning.parse_models({"data": [card]}).managed() == {}
 
 
 def test_parse_models_accepts_vllm_cards_without_our_fields() -> None:
