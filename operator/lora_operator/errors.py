@@ -89,6 +89,16 @@ class DiskFull(TransientStagingError):
     reason = "DiskFull"
 
 
+class QuotaExceeded(TransientStagingError):
+    """The namespace's adapters would take more of the volume than `--namespace-quota`: no
+    retry helps until the namespace frees some (an adapter deleted and collected) or the quota
+    is raised, so the adapter is Degraded at the first failure; the retries go on and stage it
+    once there is room."""
+
+    reason = "QuotaExceeded"
+    degrades_at_once = True
+
+
 class MemberNotStaged(TransientStagingError):
     """A member of `spec.compose` has no staged revision yet: staged again once it has."""
 

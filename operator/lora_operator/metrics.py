@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import math
 from dataclasses import dataclass, field
 
 from aiohttp import web
@@ -68,6 +70,33 @@ class Metrics:
         self.collected_bytes = Counter(
             "lora_operator_collected_bytes", "Bytes freed by garbage collection", registry=r
         )
+        self.namespace_volume = Gauge(
+            "lora_operator_namespace_volume_bytes",
+            "Bytes of the adapter volume a namespace uses: the distinct files its revisions "
+            "hold (a file shared with another namespace counts in both) and what its downloads "
+            "in progress have reserved; counted against its quota",
+            ["namespace"],
+            registry=r,
+        )
+        self.namespace_quota = Gauge(
+            "lora_operator_namespace_quota_bytes",
+            "Bytes of the adapter volume each namespace may use (--namespace-quota; +Inf: no "
+            "limit)",
+            registry=r,
+        )
+        self.namespace_quota.set(math.inf)
+
+    def set_namespace_quota(self, limit: int | None) -> None:
+        self.namespace_quota.set(math.inf if limit is None else limit)
+
+    def set_namespace_usage(self, namespace: str, used: int) -> None:
+        """A namespace's usage of the volume (the store's `on_usage`, from any thread); a
+        namespace that uses nothing has no series."""
+        if used:
+            self.namespace_volume.labels(namespace).set(used)
+            return
+        with contextlib.suppress(KeyError):
+            self.namespace_volume.remove(namespace)
 
     def set_phases(self, phases: dict[str, int]) -> None:
         for phase in status.PHASES:

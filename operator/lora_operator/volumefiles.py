@@ -1,7 +1,8 @@
 """The store's operations on the volume's files, each atomic: a revision built in `.tmp/` and
 renamed into place, `current` a new symbolic link renamed over the old one, the target written
-in `.tmp/` and renamed over; unpublishing, what the volume holds (`scan_volume`), deleting what
-`gc` plans (`apply_gc`), and clearing `.tmp/` of what interrupted stagings left.
+in `.tmp/` and renamed over; unpublishing, what the volume holds (`scan_volume`), what each
+namespace's revisions hold (`held_objects`, its usage for `quota`), deleting what `gc` plans
+(`apply_gc`), and clearing `.tmp/` of what interrupted stagings left.
 
 Blocking file-system calls only (the `Store` runs them in threads, under its lock). A kill at any
 point leaves at most files under `.tmp/`, never a partial revision.
@@ -14,13 +15,14 @@ import contextlib
 import errno
 import os
 import shutil
+import stat
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
 from lora_volume import layout, targeting
 
-from lora_operator import gc
+from lora_operator import gc, quota
 
 
 def build_revision(volume_root: Path, revision: Path, fill: Callable[[Path], None]) -> None:
@@ -148,6 +150,41 @@ def scan_volume(volume_root: Path) -> gc.VolumeSnapshot:
         else set()
     )
     return gc.VolumeSnapshot(frozenset(revisions), frozenset(current), frozenset(objects))
+
+
+def held_objects(
+    volume_root: Path, namespace: str | None = None
+) -> dict[str, dict[quota.ObjectKey, int]]:
+    """The files each namespace's revisions hold (`revision_files`), every namespace's or
+    `namespace`'s only; hand-placed files outside `revisions/` count for no one."""
+    if namespace is not None:
+        ns_dirs = [layout.namespace_root(volume_root, namespace)]
+    else:
+        # .objects, .tmp and _shared are no namespace's: no Kubernetes name starts so.
+        ns_dirs = [d for d in _subdirs(volume_root) if d.name[0].isalnum()]
+    held: dict[str, dict[quota.ObjectKey, int]] = {}
+    for ns_dir in ns_dirs:
+        files: dict[quota.ObjectKey, int] = {}
+        for adapter in _subdirs(ns_dir):
+            for revision in _subdirs(adapter / layout.REVISIONS):
+                files.update(revision_files(revision))
+        held[ns_dir.name] = files
+    return held
+
+
+def revision_files(revision: Path) -> dict[quota.ObjectKey, int]:
+    """The files of one revision directory (a composition's members included), by identity: a
+    hard link to a stored object is that object."""
+    files: dict[quota.ObjectKey, int] = {}
+    for folder, _, names in os.walk(revision):
+        for file in names:
+            try:
+                st = os.lstat(os.path.join(folder, file))
+            except FileNotFoundError:
+                continue  # collected meanwhile
+            if stat.S_ISREG(st.st_mode):
+                files[(st.st_dev, st.st_ino)] = st.st_size
+    return files
 
 
 def apply_gc(volume_root: Path, plan: gc.GcPlan) -> int:

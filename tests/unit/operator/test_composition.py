@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -171,8 +172,10 @@ async def test_a_composed_revision_holds_its_manifest_and_links_to_the_members_w
         weights = found / entry.file
         assert os.path.samefile(weights, layout.object_path(tmp_path, entry.sha256))
     assert duo.size == len(manifest) + sum(s.size for s in staged.values())
-    # Again: the same revision, reused; a member's content gone: waiting, nothing published.
+    # Again: the same revision, reused; a member's revision gone (collected with its object):
+    # waiting, nothing published.
     assert (await store.stage_composition(NS, "duo", entries)).reused
+    shutil.rmtree(staged["a"].path)
     layout.object_path(tmp_path, staged["a"].sha256).unlink()
     moved = (stacks.StackEntry("a", staged["a"].sha256, 0.9), entries[0])
     with pytest.raises(errors.MemberNotStaged, match="'a'"):
@@ -180,6 +183,23 @@ async def test_a_composed_revision_holds_its_manifest_and_links_to_the_members_w
     assert store.current_revision(NS, "duo") == duo.sha256
     # The collected object's weights live on in the composed revision (a hard link).
     assert (found / entries[1].file).read_bytes() == lora_bytes(0)
+
+
+async def test_a_composition_takes_no_weights_its_namespace_has_not_staged(
+    tmp_path: Path,
+) -> None:
+    """A member's revision is looked up in the composition's own namespace: another
+    namespace's stored weights, named by their sha256, are never linked."""
+    store = staging.Store(tmp_path)
+    src = tmp_path / "team-b" / "src" / "private.safetensors"
+    src.parent.mkdir(parents=True)
+    src.write_bytes(lora_bytes(3))
+    private = await store.stage("team-b", "private", sources.VolumeSource(src))
+    stolen = (stacks.StackEntry("private", private.sha256, 1.0),)
+    with pytest.raises(errors.MemberNotStaged, match="'private'"):
+        await store.stage_composition(NS, "duo", stolen)
+    assert store.current_revision(NS, "duo") is None
+    assert not layout.namespace_root(tmp_path, NS).exists()
 
 
 # ---- the controller
