@@ -411,51 +411,68 @@ def choose_s3_auth(*, secret_has_keys: bool, chain_has_credentials: bool) -> S3A
     return "chain" if chain_has_credentials else "unsigned"
 
 
+class _Prepared(Exception):
+    """The request botocore would send, caught just before it is sent."""
+
+    def __init__(self, url: str, headers: Mapping[str, str]) -> None:
+        super().__init__("prepared")
+        self.url, self.headers = url, headers
+
+
+def _capture(request: Any, **_: Any) -> None:
+    # botocore's `before-send` event: the request is built and signed, nothing is sent yet.
+    headers = {
+        k: v.decode("latin-1") if isinstance(v, bytes) else str(v)
+        for k, v in request.headers.items()
+    }
+    raise _Prepared(str(request.url), headers)
+
+
 def _s3_request(
-    source: sources.S3Source, credentials: sources.Credentials, region: str | None
+    source: sources.S3Source, credentials: sources.Credentials, region: str | None, what: str
 ) -> tuple[str, Callable[[], tuple[str, Mapping[str, str]]]]:
-    """The region a GetObject of `source` is signed for, and what makes the request: its URL
-    (botocore's endpoint and addressing rules) and its headers, signed anew each time.
-    botocore only builds and signs: it sends nothing."""
+    """The region a GetObject of `source` is signed for, and what makes the request: the URL
+    and headers botocore builds and signs (its endpoint rules, addressing style and SigV4;
+    signed anew at each call), caught at its `before-send` event: botocore sends nothing."""
     import boto3
     from botocore import UNSIGNED
-    from botocore.auth import S3SigV4Auth
-    from botocore.awsrequest import AWSRequest
     from botocore.config import Config
-    from botocore.credentials import Credentials
+    from botocore.exceptions import BotoCoreError
 
     session = boto3.session.Session()
     has_keys = credentials.aws_access_key_id is not None
     # The chain is consulted only without keys, and only for namespaces the platform team
     # lends the operator's identity to (consent.Rules.ambient): resolving it may ask a
     # metadata endpoint (the operator's own identity, never a URL a source names).
-    chain = session.get_credentials() if not has_keys and credentials.ambient else None
-    auth = choose_s3_auth(secret_has_keys=has_keys, chain_has_credentials=chain is not None)
-    signer: Any = None
-    if auth == "secret":
-        signer = Credentials(credentials.aws_access_key_id, credentials.aws_secret_access_key)
-    elif auth == "chain":
-        signer = chain
-    # An unsigned client only builds the URL (endpoint, region, path or virtual-host style).
+    auth = choose_s3_auth(
+        secret_has_keys=has_keys,
+        chain_has_credentials=not has_keys
+        and credentials.ambient
+        and session.get_credentials() is not None,
+    )
     client = session.client(
         "s3",
         endpoint_url=credentials.aws_endpoint_url,
         region_name=region or credentials.aws_region or session.region_name or "us-east-1",
-        config=Config(signature_version=UNSIGNED),
+        aws_access_key_id=credentials.aws_access_key_id,
+        aws_secret_access_key=credentials.aws_secret_access_key,
+        config=Config(signature_version=UNSIGNED) if auth == "unsigned" else None,
     )
-    signing_region = str(client.meta.region_name)
-    url: str = client.generate_presigned_url(
-        "get_object", Params={"Bucket": source.bucket, "Key": source.key}
-    )
+    client.meta.events.register("before-send.s3.GetObject", _capture)
 
     def request() -> tuple[str, Mapping[str, str]]:
-        if signer is None:
-            return url, {}
-        aws = AWSRequest(method="GET", url=url)
-        S3SigV4Auth(signer.get_frozen_credentials(), "s3", signing_region).add_auth(aws)
-        return url, {k: str(v) for k, v in aws.headers.items()}
+        try:
+            client.get_object(Bucket=source.bucket, Key=source.key)
+        except _Prepared as prepared:
+            return prepared.url, prepared.headers
+        except BotoCoreError as e:  # the chain's credentials could not be had just now
+            raise errors.SourceUnavailable(
+                f"{what}: the request could not be signed ({type(e).__name__}); staging "
+                "retries later"
+            ) from e
+        raise errors.InvalidSource(f"{what}: the S3 request could not be built")
 
-    return signing_region, request
+    return str(client.meta.region_name), request
 
 
 class _OtherRegion(Exception):
@@ -479,7 +496,7 @@ def _fetch_s3_sync(
     region: str | None = None
     for _ in range(2):
         try:
-            signing_region, request = _s3_request(source, credentials, region)
+            signing_region, request = _s3_request(source, credentials, region, what)
         except (BotoCoreError, ValueError) as e:
             raise errors.InvalidSource(
                 f"{what}: the S3 request cannot be made ({type(e).__name__}); check "

@@ -15,11 +15,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from lora_operator import errors, fetchers, sources
+from aiohttp import web
+from lora_operator import consent, errors, fetchers, sources
 
 from tests.support.http import free_port
 from tests.support.loras import lora_bytes, sha
-from tests.support.staging import NS, make_store, tmp_entries, visible
+from tests.support.origin import Origin
+from tests.support.staging import LOCAL, NS, make_store, tmp_entries, visible
 
 BUCKET = "lora-bucket"
 FAST = fetchers.RetryPolicy(attempts=2, backoff_s=0.01)
@@ -253,3 +255,53 @@ async def test_s3_with_no_identity_anywhere_is_unsigned_and_refused(
 ) -> None:
     with pytest.raises(errors.SourceForbidden, match="the operator's own cloud identity"):
         await _stage_private(auth_s3.endpoint, tmp_path / "v", {})
+
+
+# ---- the S3 request goes through the guarded client like any other source
+
+
+async def test_s3_endpoint_is_checked_where_the_socket_opens(
+    creds: sources.Credentials, s3_endpoint: str, tmp_path: Path
+) -> None:
+    source = sources.parse_source(f"s3://{BUCKET}/adapters/pixel.safetensors")
+    any_host = consent.Rules(hosts=("*",))  # loopback not allowed
+    with pytest.raises(consent.HostRefused, match=r"127\.0\.0\.1, a loopback address") as e:
+        await make_store(tmp_path, rules=any_host, policy=FAST).stage(
+            NS, "x", source, credentials=creds
+        )
+    named = consent.Rules(hosts=("s3.example.com",), allow=LOCAL.allow)
+    with pytest.raises(consent.HostRefused, match="not one the operator may fetch from") as f:
+        await make_store(tmp_path, rules=named, policy=FAST).stage(
+            NS, "x", source, credentials=creds
+        )
+    for refused in (e.value, f.value):
+        assert "testing-secret" not in refused.message and "testing-key" not in refused.message
+
+
+async def test_s3_signs_again_for_the_region_the_bucket_is_in(
+    origin: Origin, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """S3 answers a request signed for the wrong region with the bucket's region; the request is
+    signed again for it, once."""
+    for name in ("AWS_REGION", "AWS_DEFAULT_REGION", "AWS_CONFIG_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-config"))
+    data = lora_bytes(32)
+    scopes: list[str] = []
+
+    async def bucket(request: web.Request) -> web.StreamResponse:
+        scope = request.headers.get("Authorization", "").split("Credential=")[1].split(",")[0]
+        scopes.append(scope.split("/", 2)[2])  # date, region, service: no key id
+        if "/eu-west-1/" not in scope:
+            body = "<Error><Code>AuthorizationHeaderMalformed</Code></Error>"
+            return web.Response(status=400, text=body, headers={"x-amz-bucket-region": "eu-west-1"})
+        return web.Response(body=data)
+
+    origin.routes[f"/{BUCKET}/moved.safetensors"] = bucket
+    creds = sources.credentials_from_secret(
+        {"AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s", "AWS_ENDPOINT_URL": origin.base}
+    )
+    source = sources.parse_source(f"s3://{BUCKET}/moved.safetensors")
+    staged = await make_store(tmp_path, policy=FAST).stage(NS, "x", source, credentials=creds)
+    assert staged.sha256 == sha(data)
+    assert [s.split("/")[0] for s in scopes] == ["us-east-1", "eu-west-1"]
