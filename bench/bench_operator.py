@@ -541,7 +541,7 @@ class FileOrigin:
 STAGE_CHILD = """
 import asyncio, json, os, sys, time, uuid
 from pathlib import Path
-from lora_operator import sources, staging
+from lora_operator import consent, egress, fetchers, sources, staging
 
 uri, volume = sys.argv[1], Path(sys.argv[2])
 credentials = sources.Credentials(
@@ -549,7 +549,10 @@ credentials = sources.Credentials(
     aws_access_key_id=os.environ.get("AWS_ACCESS_KEY_ID"),
     aws_secret_access_key=os.environ.get("AWS_SECRET_ACCESS_KEY"),
 )
-store = staging.Store(volume, max_bytes=8 * 1024**3)
+# The sources are this machine's: any name, the loopback range opened.
+rules = consent.Rules(hosts=("*",), allow=consent.parse_networks(["127.0.0.0/8"]))
+fetch = fetchers.Fetcher(volume, egress.Guard(rules))
+store = staging.Store(volume, max_bytes=8 * 1024**3, fetch=fetch)
 started = time.perf_counter()
 name = "big-" + uuid.uuid4().hex[:8]
 staged = asyncio.run(store.stage("bench", name, sources.parse_source(uri), credentials=credentials))
