@@ -146,6 +146,10 @@ class Store:
                     return await _to_thread_to_the_end(
                         self._publish, namespace, name, pin, None, target
                     )
+                # A changed spec stages the source again, and its content is most often the
+                # current revision's: the download reserves only what exceeds that, and
+                # publishing decides exactly whether the namespace has room for it.
+                credit = await asyncio.to_thread(self._current_size, namespace, name)
             tmp_root = layout.tmp_dir(self.root)
             try:
                 tmp_root.mkdir(parents=True, exist_ok=True)
@@ -153,7 +157,7 @@ class Store:
             except OSError as e:
                 raise sinks.disk_error(e) from e
             tmp = Path(tmp_name)
-            reservation = _Reservation(self.ledger, namespace, progress)
+            reservation = _Reservation(self.ledger, namespace, progress, credit)
             try:
                 with (
                     os.fdopen(fd, "w+b") as f,
@@ -198,6 +202,17 @@ class Store:
         """Read what `namespace` holds from the volume, once. Under the publish lock."""
         if not self.ledger.loaded(namespace):
             self.ledger.load(volumefiles.held_objects(self.root, namespace))
+
+    def _current_size(self, namespace: str, name: str) -> int:
+        """The size of the weights of `name`'s current revision; 0 without one."""
+        sha256 = self.current_revision(namespace, name)
+        if sha256 is None:
+            return 0
+        ns_root = layout.namespace_root(self.root, namespace)
+        try:
+            return (layout.revision_dir(ns_root, name, sha256) / layout.WEIGHTS_FILE).stat().st_size
+        except OSError:
+            return 0  # a composition's, or gone: nothing to count on
 
     def _holds(self, namespace: str, sha256: str | None) -> bool:
         """Whether a revision of `namespace` holds the stored content `sha256` (its usage read
@@ -407,25 +422,35 @@ class Store:
 
 class _Reservation:
     """One download's share of its namespace's quota (`quota.Ledger.reserve`, with itself as
-    the token): what its source announced or what it has written, whichever is more. A share
-    that would pass the quota raises QuotaExceeded where the fetcher writes, which ends the
-    download. `progress` (the staging's) hears what is written."""
+    the token): what its source announced or what it has written, whichever is more, less
+    `credit` (the size of the adapter's current revision, which the download most often
+    repeats). A share that would pass the quota raises QuotaExceeded where the fetcher writes,
+    which ends the download. `progress` (the staging's) hears what is written."""
 
     def __init__(
-        self, ledger: quota.Ledger, namespace: str, progress: sinks.ProgressCallback | None
+        self,
+        ledger: quota.Ledger,
+        namespace: str,
+        progress: sinks.ProgressCallback | None,
+        credit: int = 0,
     ) -> None:
         self._ledger, self._namespace, self._progress = ledger, namespace, progress
+        self._credit = credit
         self._announced = self._written = 0
 
     def announced(self, declared: int | None) -> None:
         self._announced = declared or 0
-        self._ledger.reserve(self._namespace, self, max(self._announced, self._written))
+        self._reserve()
 
     def written(self, n: int) -> None:  # the sink's progress callback: the fetcher's thread
         self._written = n
-        self._ledger.reserve(self._namespace, self, max(self._announced, self._written))
+        self._reserve()
         if self._progress is not None:
             self._progress(n)
+
+    def _reserve(self) -> None:
+        share = max(self._announced, self._written) - self._credit
+        self._ledger.reserve(self._namespace, self, max(0, share))
 
     def release(self) -> None:
         self._ledger.release(self._namespace, self)

@@ -152,6 +152,28 @@ async def test_shared_bytes_count_once_per_namespace_and_in_each_namespace_that_
             await store.stage("team-a", "six", new)
 
 
+async def test_a_full_namespace_may_stage_an_adapters_source_again_but_no_new_content(
+    origin: Origin, tmp_path: Path
+) -> None:
+    """A changed spec (a scale, a selector) stages an unpinned source again: at the quota, its
+    download may repeat the current revision's size, and publishing decides exactly."""
+    store = make_store(tmp_path, namespace_quota=SIZE)
+    old, new = lora_bytes(54), lora_bytes(55)
+    source = sources.HttpsSource(origin.serve("/w.safetensors", old))
+    first = await store.stage("team-a", "x", source)
+    again = await store.stage("team-a", "x", source)  # the same bytes: nothing added
+    assert again.sha256 == first.sha256 and origin.hits["/w.safetensors"] == 2
+    origin.serve("/w.safetensors", new)  # the source now serves other bytes
+    with pytest.raises(errors.QuotaExceeded, match="needs"):
+        await store.stage("team-a", "x", source)
+    assert store.current_revision("team-a", "x") == first.sha256  # its pods keep it
+    assert store.usage()["team-a"] == quota.Usage(SIZE, 0)
+    assert tmp_entries(tmp_path) == []
+    # Another adapter gets no such credit.
+    with pytest.raises(errors.QuotaExceeded):
+        await store.stage("team-a", "y", source)
+
+
 async def test_an_adapter_over_the_quota_stages_once_the_namespace_frees_some(
     tmp_path: Path,
 ) -> None:
