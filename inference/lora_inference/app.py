@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import hashlib
-import hmac
 import io
 import json
 import logging
@@ -24,10 +23,10 @@ from typing import Any
 
 import lora_playground as playground
 from aiohttp import web
-from lora_volume import formats, layout
+from lora_volume import formats, layout, podauth
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from lora_inference import api, errors
+from lora_inference import api, errors, tokenreview
 from lora_inference import tokens as tokens_mod
 from lora_inference.adapters.registry import AdapterRecord
 from lora_inference.config import ServerConfig
@@ -103,40 +102,33 @@ def _started(app: web.Application) -> Engine | None:
     return None
 
 
-def _authorise(request: web.Request) -> None:
-    """Load and unload: the admin token, when one is configured (the CLI refuses to start
-    without one unless told to); read from its file as it is now, so a rotation needs no
-    restart."""
-    token = request.app[TOKENS].admin()
-    if token and not _bearer_is(request, token):
+async def _authorise(request: web.Request) -> None:
+    """Load and unload: the admin token (read from its file as it is now, so a rotation needs no
+    restart) or the operator's token for this pod's namespace (TokenReview)."""
+    if not await request.app[TOKENS].admits_admin(_bearer(request)):
         raise errors.Unauthorized(
-            "this endpoint needs 'Authorization: Bearer <token>' with the server's admin token"
+            "this endpoint needs 'Authorization: Bearer <token>' with the server's admin token "
+            "(or the operator's token for this pod's namespace)"
         )
 
 
-def _authorise_client(request: web.Request) -> None:
+async def _authorise_client(request: web.Request) -> None:
     """Generation and the read endpoints: the client token, when one is configured, or the
-    admin token (the operator reads /v1/models with it)."""
-    tokens = request.app[TOKENS]
-    client = tokens.client()
-    if not client:
-        return
-    if not any(_bearer_is(request, t) for t in (client, tokens.admin()) if t):
+    admin token or the operator's (the operator reads /v1/models)."""
+    if not await request.app[TOKENS].admits_client(_bearer(request)):
         raise errors.Unauthorized(
             "this endpoint needs 'Authorization: Bearer <token>' with the server's client "
             "token (or its admin token)"
         )
 
 
-def _bearer_is(request: web.Request, token: str) -> bool:
+def _bearer(request: web.Request) -> str | None:
     scheme, _, given = request.headers.get("Authorization", "").partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(
-        given.strip().encode(), token.encode()
-    )
+    return given.strip() if scheme.lower() == "bearer" else None
 
 
 async def load_adapter(request: web.Request) -> web.Response:
-    _authorise(request)
+    await _authorise(request)
     body = api.parse_load(await _json(request))
     engine = _engine(request)
     await engine.admission.register(
@@ -150,14 +142,14 @@ async def load_adapter(request: web.Request) -> web.Response:
 
 
 async def unload_adapter(request: web.Request) -> web.Response:
-    _authorise(request)
+    await _authorise(request)
     name = api.parse_unload(await _json(request))
     await _engine(request).admission.unregister(name)
     return web.Response(text=f"Success: LoRA adapter '{name}' removed successfully.")
 
 
 async def list_models(request: web.Request) -> web.Response:
-    _authorise_client(request)
+    await _authorise_client(request)
     config = request.app[CONFIG]
     created = int(request.app[STARTED_AT])
     # No card shows a path on the pod (the model's, or the adapter volume's): `root` is what
@@ -217,7 +209,7 @@ async def list_adapters(request: web.Request) -> web.Response:
     `?view=residency` is the router's form: the adapters' names by tier, without the details of
     each. Either form carries an `ETag` and answers a matching `If-None-Match` with a bodiless
     304, so a router that polls every second reads next to nothing while nothing changed."""
-    _authorise_client(request)
+    await _authorise_client(request)
     config = request.app[CONFIG]
     engine = _engine(request)
     if request.query.get("view") == "residency":
@@ -285,7 +277,7 @@ def _unless_unchanged(request: web.Request, payload: dict[str, Any]) -> web.Resp
 
 
 async def generate_images(request: web.Request) -> web.Response:
-    _authorise_client(request)
+    await _authorise_client(request)
     engine = _engine(request)
     backend = engine.backend
     params, choice = api.parse_generation(
@@ -373,6 +365,14 @@ def create_app(config: ServerConfig, *, backend: DiffusionBackend | None = None)
     app[TOKENS] = tokens_mod.Tokens.of(
         config.admin_token, config.client_token, config.admin_token_file, config.client_token_file
     )
+    if config.operator_service_account is not None and config.pod_namespace is not None:
+        reviewer = tokenreview.TokenReviewer(
+            tokenreview.ApiServer.in_cluster(),
+            audience=podauth.audience(config.pod_namespace),
+            user=podauth.service_account_user(*config.operator_service_account.split("/", 1)),
+        )
+        app[TOKENS].reviewer = reviewer
+        app.on_cleanup.append(lambda _: reviewer.close())
     app[METRICS] = Metrics()
     if config.simulate:
         app[METRICS].simulated.labels(config.simulate).set(1)

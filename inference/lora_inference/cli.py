@@ -87,6 +87,19 @@ def build_parser() -> argparse.ArgumentParser:
         "(or set LORA_CLIENT_TOKEN); the admin token is accepted there too",
     )
     serve.add_argument(
+        "--operator-service-account",
+        metavar="NAMESPACE/NAME",
+        help="also accept, for load/unload and the reads, tokens of this ServiceAccount (the "
+        "operator's) bound to this pod's namespace, checked with the API server's TokenReview "
+        "(needs the pod's own ServiceAccount token; the chart's default)",
+    )
+    serve.add_argument(
+        "--pod-namespace",
+        default=os.environ.get("POD_NAMESPACE") or None,
+        help="this pod's namespace, whose audience the operator's tokens must be bound to "
+        "(default: the environment variable POD_NAMESPACE)",
+    )
+    serve.add_argument(
         "--no-admin-token",
         action="store_true",
         help="serve load and unload to anyone (a server on a laptop); without it, a missing or "
@@ -180,10 +193,22 @@ def token_problem(args: argparse.Namespace) -> str | None:
                 tokens.read_token(path, kind)
             except tokens.TokenError as e:
                 return str(e)
-    if _token(args.admin_token_file, "LORA_ADMIN_TOKEN") is None and not args.no_admin_token:
+    if args.operator_service_account:
+        from lora_inference import tokenreview
+
+        try:
+            tokenreview.ApiServer.in_cluster()
+        except ValueError as e:
+            return str(e)
+    if (
+        _token(args.admin_token_file, "LORA_ADMIN_TOKEN") is None
+        and not args.no_admin_token
+        and not args.operator_service_account
+    ):
         return (
             f"no admin token: {tokens.origin('admin', None)} is not set and no "
-            "--admin-token-file is given; pass one, or --no-admin-token to let anyone who "
+            "--admin-token-file is given; pass one, or --operator-service-account to accept "
+            "the operator's ServiceAccount tokens, or --no-admin-token to let anyone who "
             "reaches the server load and unload adapters"
         )
     return None
@@ -207,6 +232,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         client_token=_token(args.client_token_file, "LORA_CLIENT_TOKEN"),
         admin_token_file=args.admin_token_file,
         client_token_file=args.client_token_file,
+        operator_service_account=args.operator_service_account,
+        pod_namespace=args.pod_namespace,
         published_only=args.published_only,
         allow_request_adapters=args.allow_request_adapters,
         device=args.device or default_device(),

@@ -39,6 +39,11 @@ class ServerConfig:
     # The tokens' files, read again when they change (a rotated Secret); None: the values above.
     admin_token_file: Path | None = None
     client_token_file: Path | None = None
+    # The operator's ServiceAccount ("namespace/name") whose tokens bound to this pod's
+    # namespace's audience open load/unload and the reads, checked by TokenReview
+    # (tokenreview.py); `pod_namespace` names that namespace. None: the static tokens only.
+    operator_service_account: str | None = None
+    pod_namespace: str | None = None
     # Resolve from the adapter root only what the operator published (a `target.json` beside
     # it); off, a file or folder placed there by hand is served by its name too.
     published_only: bool = False
@@ -86,6 +91,16 @@ class ServerConfig:
             )
         if self.merge not in ("auto", "always", "never"):
             raise ValueError(f"--merge must be auto, always or never, got {self.merge!r}")
+        if self.operator_service_account is not None:
+            ns, _, name = self.operator_service_account.partition("/")
+            if not ns or not name or "/" in name:
+                raise ValueError("--operator-service-account takes NAMESPACE/NAME")
+            if not self.pod_namespace:
+                raise ValueError(
+                    "--operator-service-account needs this pod's namespace: --pod-namespace "
+                    "or the environment variable POD_NAMESPACE (the Downward API's "
+                    "metadata.namespace)"
+                )
         if self.max_batch_size < 1 or self.max_queue < 1:
             raise ValueError("--max-batch-size and --max-queue must be at least 1")
         names = [s.name for s in self.static_loras]

@@ -5,15 +5,21 @@ The kubelet replaces a mounted Secret's files by swapping a symlink; one `stat` 
 whether to read again. A file that is empty or unreadable for a moment (mid-swap) keeps the last
 good token. `LORA_ADMIN_TOKEN_SECRET` and `LORA_CLIENT_TOKEN_SECRET` (set by the chart, e.g.
 "Secret lora/rel-admin-token, key token") name where a file comes from, so the error at start
-says which Secret to fix. No aiohttp here: the app asks `Tokens` for the current values.
+says which Secret to fix.
+
+`Tokens` decides who may call what: load and unload take the admin token or, with a reviewer
+(`tokenreview`), the operator's ServiceAccount token bound to this pod's namespace; generation
+and the reads take the client token, either of those, or anything when no client token is set.
 """
 
 from __future__ import annotations
 
+import hmac
 import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 log = logging.getLogger(__name__)
 
@@ -72,14 +78,25 @@ class TokenFile:
         return self._token
 
 
+class Reviewer(Protocol):
+    async def allows(self, token: str) -> bool: ...
+
+
+def same(given: str, token: str | None) -> bool:
+    """Whether `given` is `token` (never an empty one), in constant time (pure)."""
+    return bool(token) and hmac.compare_digest(given.encode(), str(token).encode())
+
+
 @dataclass
 class Tokens:
-    """The admin and client tokens now: from their files when given, else the fixed values."""
+    """The admin and client tokens now: from their files when given, else the fixed values;
+    and the reviewer of the operator's tokens, if any."""
 
     admin_token: str | None = None
     client_token: str | None = None
     admin_file: TokenFile | None = None
     client_file: TokenFile | None = None
+    reviewer: Reviewer | None = None
 
     @classmethod
     def of(
@@ -98,6 +115,32 @@ class Tokens:
 
     def admin(self) -> str | None:
         return self.admin_file.get() if self.admin_file is not None else self.admin_token
+
+    async def admits_admin(self, given: str | None) -> bool:
+        """Whether a caller presenting `given` (the bearer token, None when absent) may load
+        and unload. With neither an admin token nor a reviewer (`--no-admin-token`), anyone."""
+        admin = self.admin()
+        if not admin and self.reviewer is None:
+            return True
+        if given is None:
+            return False
+        return same(given, admin) or (
+            self.reviewer is not None and await self.reviewer.allows(given)
+        )
+
+    async def admits_client(self, given: str | None) -> bool:
+        """Whether a caller presenting `given` may generate and read: anyone without a client
+        token; else the client token, the admin token or the operator's."""
+        client = self.client()
+        if not client:
+            return True
+        if given is None:
+            return False
+        return (
+            same(given, client)
+            or same(given, self.admin())
+            or (self.reviewer is not None and await self.reviewer.allows(given))
+        )
 
     def client(self) -> str | None:
         return self.client_file.get() if self.client_file is not None else self.client_token
