@@ -201,7 +201,10 @@ class Store:
     def _read_usage(self, namespace: str) -> None:
         """Read what `namespace` holds from the volume, once. Under the publish lock."""
         if not self.ledger.loaded(namespace):
-            self.ledger.load(volumefiles.held_objects(self.root, namespace))
+            try:
+                self.ledger.load(volumefiles.held_objects(self.root, namespace))
+            except OSError as e:
+                raise sinks.disk_error(e) from e
 
     def _current_size(self, namespace: str, name: str) -> int:
         """The size of the weights of `name`'s current revision; 0 without one."""
