@@ -189,9 +189,12 @@ class Admission:
         try:
             found = await asyncio.to_thread(self._published, name, param=param)
         except (errors.AdapterNotFound, volume_errors.NotFound):
+            # Looked up again: the name may have been unloaded or replaced meanwhile.
+            record = self._registry.get(name)
             if record is not None:
                 return record  # published, but for other pods: the request's adapter stays
             raise
+        record = self._registry.get(name)
         if found is None and record is not None:
             return record
         if found is None:

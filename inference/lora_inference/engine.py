@@ -295,6 +295,9 @@ class Engine:
                     pending.future.cancel()
             else:
                 kept.append(pending)
+        if len(kept) != len(self._queue):
+            # The last request of a burst may be one whose client left: the gauge reads 0 then.
+            self.metrics.queue_depth.set(len(kept))
         self._queue = kept
 
     async def _run_batch(self, batch: list[_Pending]) -> None:

@@ -9,6 +9,12 @@ slot, empties slots, drops parsed adapters, and keeps the tier metrics. The pipe
 set of `--max-loras` slots, named here; an adapter enters it only by being copied into a slot,
 never loaded through diffusers while the server runs.
 
+A version a request holds is always servable, retired or not: its parse, read ahead for the
+request, is cached whether or not the registry still names the version, and once a read ahead of
+it has finished (failed, or its parse dropped from the CPU tier since) the version counts as
+ready, so the batch that takes the request reads it again itself. A request therefore waits for
+one read ahead of its version at most, never for a parse that churn keeps dropping.
+
 It must not decide names (admission and the registry do) or batches (scheduling), and it reads
 no adapter file itself: a version whose parse the CPU tier dropped is read again through the
 injected `read`. It touches the pipeline only through the injected `in_pipeline` (the engine's
@@ -95,10 +101,12 @@ class Residency:
         self._read = read
         self._compose = compose
         self._wake = wake  # the worker collects retired versions
-        # Versions being read into the CPU tier off the pipeline lock (`prepare`), and those whose
-        # read ahead failed: a batch takes them, reads again and reports the error.
+        # Versions being read into the CPU tier off the pipeline lock (`prepare`), and held
+        # versions whose read ahead has finished (failed, or its parse dropped since): a batch
+        # takes them and reads again itself (reporting the error, if any), so no request waits
+        # for a second read ahead. Forgotten when no request holds the version.
         self._preparing: dict[str, asyncio.Task[None]] = {}
-        self._unreadable: set[str] = set()
+        self._read_ahead: set[str] = set()
 
     # -- versions -------------------------------------------------------------------------------
 
@@ -109,12 +117,20 @@ class Residency:
 
     def hold(self, record: AdapterRecord) -> None:
         """A request was admitted with `record`: it stays until `release`, retired or not."""
-        self._refs[record.key] += 1
+        key = record.key
+        if key not in self._records:
+            # Collected since the request looked it up: tracked again, and retired unless the
+            # registry names it, so it leaves every tier once its requests are answered.
+            self._records[key] = record
+            if self._registry.get(record.name) != record:
+                self._retired.add(key)
+        self._refs[key] += 1
 
     def release(self, record: AdapterRecord) -> None:
         self._refs[record.key] -= 1
         if self._refs[record.key] <= 0:
             del self._refs[record.key]
+            self._read_ahead.discard(record.key)
 
     def retire(self, record: AdapterRecord) -> None:
         """`record` left the registry: drop it from every tier once no request holds it."""
@@ -129,22 +145,27 @@ class Residency:
         return [key for key in self._retired if self._refs.get(key, 0) == 0]
 
     async def collect(self) -> None:
-        """Remove retired versions nobody holds any more from every tier and the pipeline."""
-        keys = self.collectable()
-        if not keys:
+        """Remove retired versions nobody holds any more from every tier and the pipeline.
+
+        Under the pipeline lock throughout, so a pin's copy never plans with a slot that is
+        being emptied here."""
+        if not self.collectable():
             return
-        slots = [self._slots.pop(k) for k in keys if k in self._slots]
-        if slots:
-            async with self._lock:
+        async with self._lock:
+            keys = self.collectable()
+            slots = [self._slots.pop(k) for k in keys if k in self._slots]
+            if slots:
                 await self._in_pipeline(self._clear_slots, slots)
-            self._free_slots.extend(slots)
-        for key in keys:
-            self.gpu.remove(key)
-            self.cpu.remove(key)
-            self._parsed.pop(key, None)
-            self._records.pop(key, None)
-            self._retired.discard(key)
-            self._unreadable.discard(key)
+                self._free_slots.extend(slots)
+            for key in keys:
+                self.gpu.remove(key)  # its slot is empty now, whoever holds it
+                if self._refs.get(key, 0) > 0:
+                    continue  # held again while its slot was emptied: collected later
+                self.cpu.remove(key)
+                self._parsed.pop(key, None)
+                self._records.pop(key, None)
+                self._retired.discard(key)
+                self._read_ahead.discard(key)
         self.update_gauges()
 
     # -- where ----------------------------------------------------------------------------------
@@ -222,24 +243,32 @@ class Residency:
     async def prepare(self, record: AdapterRecord) -> None:
         """Put `record`'s parse (its packed slot row included) on the CPU tier, reading it if it
         is not there: without the pipeline lock, so the pipeline keeps generating meanwhile.
-        Concurrent calls for one version share one read."""
+        Concurrent calls for one version share one read, and the worker is woken when it ends,
+        whoever started it (a batch that failed on another adapter leaves its reads running)."""
         if record.key in self._parsed or record.key in self.gpu:
             return
-        self._unreadable.discard(record.key)
         task = self._preparing.get(record.key)
         if task is None:
             task = asyncio.create_task(self._prepare(record), name=f"prepare-{record.name}")
             self._preparing[record.key] = task
-            task.add_done_callback(lambda _: self._preparing.pop(record.key, None))
+            task.add_done_callback(functools.partial(self._prepared, record.key))
         await asyncio.shield(task)
+
+    def _prepared(self, key: str, task: asyncio.Task[None]) -> None:
+        self._preparing.pop(key, None)
+        if self._refs.get(key, 0) > 0:
+            self._read_ahead.add(key)
+        self._wake()
 
     def ready(self, record: AdapterRecord | None) -> bool:
         """Whether a batch may take `record` now: it needs no file read (None: the base model),
-        or reading it ahead failed, so the batch reads it again and answers with the error."""
+        or a read of it for the requests holding it has finished, so the batch reads it again
+        if it must (its parse was dropped since, or the read failed: the batch answers with the
+        error)."""
         if record is None:
             return True
         key = record.key
-        return key in self._parsed or key in self.gpu or key in self._unreadable
+        return key in self._parsed or key in self.gpu or key in self._read_ahead
 
     def prefetch(self, records: Collection[AdapterRecord]) -> None:
         """Start preparing `records` (what queued requests will need) in the background; the
@@ -249,20 +278,16 @@ class Residency:
             if self.ready(record) or record.key in self._preparing:
                 continue
             task = asyncio.create_task(self.prepare(record), name=f"prefetch-{record.name}")
-            task.add_done_callback(functools.partial(self._prefetched, record.key))
-
-    def _prefetched(self, key: str, task: asyncio.Task[None]) -> None:
-        if not task.cancelled() and task.exception() is not None:
-            log.debug("reading an adapter ahead failed: %s", task.exception())
-            self._unreadable.add(key)
-        self._wake()
+            task.add_done_callback(_prefetched)
 
     async def _prepare(self, record: AdapterRecord) -> None:
         parsed = await self.parse(record)
-        # Cached while a request holds the version or the registry names it (a swap that was
-        # undone names an old version again); one retired while it was read is not.
-        wanted = self._refs.get(record.key, 0) > 0 or self._registry.get(record.name) == record
-        if wanted and record.key not in self._retired and record.key not in self._parsed:
+        # Cached while a request holds the version, retired or not (it is collected once the
+        # last of them is answered), or while the registry names it (a swap that was undone
+        # names an old version again). One that nobody holds or names any more is not.
+        held = self._refs.get(record.key, 0) > 0
+        named = self._registry.get(record.name) == record and record.key not in self._retired
+        if (held or named) and record.key not in self._parsed:
             self._records.setdefault(record.key, record)
             self._cache_parsed(record.key, parsed)
 
@@ -275,7 +300,15 @@ class Residency:
         if record.members:
             parts = [await self.parse(member) for member, _ in record.members]
             return await self._compose(record.members, parts)
-        parsed = await self._read(record.path, record.name)
+        try:
+            parsed = await self._read(record.path, record.name)
+        except FileNotFoundError as e:
+            self._drop_broken(record)
+            raise errors.AdapterNotFound(
+                f"the files of adapter {record.name!r} are gone from {record.path} since it was "
+                "loaded; load it again",
+                param="model",
+            ) from e
         if parsed.sha256 != record.sha256:
             self._drop_broken(record)
             raise errors.IncompatibleAdapter(
@@ -327,3 +360,9 @@ class Residency:
     def _label(self, key: str) -> str:
         record = self._records.get(key)
         return record.name if record is not None else key
+
+
+def _prefetched(task: asyncio.Task[None]) -> None:
+    """A read ahead ended; its error, if any, comes again from the batch's own read."""
+    if not task.cancelled() and task.exception() is not None:
+        log.debug("reading an adapter ahead failed: %s", task.exception())
