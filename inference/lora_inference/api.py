@@ -147,7 +147,7 @@ def parse_unload(body: Any) -> str:
 def parse_size(value: Any, default: int) -> tuple[int, int]:
     if value is None or value == "auto":
         return default, default
-    if not isinstance(value, str) or not (m := _SIZE.match(value)):
+    if not isinstance(value, str) or not (m := _SIZE.fullmatch(value)):
         raise errors.InvalidRequest("'size' must look like '1024x1024'", param="size")
     width, height = int(m.group(1)), int(m.group(2))
     for side in (width, height):

@@ -33,7 +33,7 @@ def parse_size(text: str) -> int:
     Ki/Mi/Gi/Ti (powers of 1024), K/M/G/T (powers of 1000, as in a Kubernetes quantity). A
     fraction is rounded down to whole bytes. Raises ValueError saying what is accepted.
     """
-    match = _SIZE.match(text)
+    match = _SIZE.fullmatch(text)
     unit = match.group(2).lower() if match else None
     if match is None or unit not in _SIZE_UNITS:
         raise ValueError(

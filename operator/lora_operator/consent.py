@@ -262,16 +262,3 @@ def connect_refusal(
             if why is not None:
                 return f"{where}, {form}{why}; {_opener(why)}"
     return None
-
-
-def address_refusal(
-    host: str,
-    port: int,
-    addresses: Iterable[str],
-    api_addresses: Collection[str] = (),
-    api_endpoints: Collection[tuple[str, int]] = (),
-) -> str | None:
-    """Why `addresses` are refused whatever the rules open (the API server, the metadata
-    addresses), or None (pure): the early check made before a fetch starts. The fetch itself
-    checks every address it connects to with `connect_refusal`."""
-    return connect_refusal(host, port, addresses, None, api_addresses, api_endpoints)

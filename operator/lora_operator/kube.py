@@ -59,7 +59,7 @@ def check_name(name: str, *, what: str = "name", label: bool = False) -> str:
     """`name` if it is a DNS-1123 subdomain (a label with `label`), else InvalidName saying
     why. Every user string that becomes part of an API path passes here first (pure)."""
     limit, pattern, chars = (63, _LABEL, "'-'") if label else (253, _SUBDOMAIN, "'-' or '.'")
-    if not isinstance(name, str) or len(name) > limit or not pattern.match(name):
+    if not isinstance(name, str) or len(name) > limit or not pattern.fullmatch(name):
         raise InvalidName(
             f"{what} {name!r} is not a Kubernetes name: use at most {limit} lowercase letters, "
             f"digits and {chars}, starting and ending with a letter or digit"

@@ -125,7 +125,7 @@ def _published(card: Mapping[str, Any]) -> tuple[str | None, str | None]:
     older server's card (or vLLM's) without `revision`, the revision directory's path in
     `root`. (None, None) when it names no published revision."""
     root, revision = card.get("root"), card.get("revision")
-    if isinstance(revision, str) and _SHA256.match(revision):
+    if isinstance(revision, str) and _SHA256.fullmatch(revision):
         return (root, revision) if isinstance(root, str) else (None, None)
     found = layout.published_revision(root) if isinstance(root, str) else None
     return (found.adapter, found.sha256) if found is not None else (None, None)

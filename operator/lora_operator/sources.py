@@ -72,7 +72,7 @@ class Credentials:
 def parse_source(uri: str, revision: str | None = None) -> Source:
     """Parse `spec.source.uri` (and `revision`, hf:// only) into a typed source (pure)."""
     if uri.startswith("hf://"):
-        m = _HF.match(uri)
+        m = _HF.fullmatch(uri)
         if not m or any(part in ("", ".", "..") for part in (m.group(3) or "x").split("/")):
             raise errors.InvalidSource(
                 f"{uri!r}: an hf:// source must look like hf://ORG/REPO or hf://ORG/REPO/FILE"
@@ -103,7 +103,7 @@ def parse_source(uri: str, revision: str | None = None) -> Source:
             ) from e
         return HttpsSource(url=uri)
     if uri.startswith("s3://"):
-        m = _S3.match(uri)
+        m = _S3.fullmatch(uri)
         if not m:
             raise errors.InvalidSource(f"{uri!r}: an s3:// source must look like s3://BUCKET/KEY")
         return S3Source(bucket=m.group(1), key=m.group(2))
@@ -155,7 +155,7 @@ def check_sha256(pin: str | None) -> str | None:
     """The pin, lowercase, or None; refuses anything but 64 hex characters."""
     if pin is None or pin == "":
         return None
-    if not _SHA256.match(pin.lower()):
+    if not _SHA256.fullmatch(pin.lower()):
         raise errors.InvalidSource(
             "source.sha256 must be 64 hexadecimal characters, as printed by sha256sum"
         )
@@ -313,10 +313,10 @@ def _check_host(host: str) -> str:
     host = host[:-1] if host.endswith(".") else host
     if not host:
         raise ValueError("it names no host")
-    if _IPV4.match(host):
+    if _IPV4.fullmatch(host):
         return host
     labels = host.split(".")
-    if len(host) > 253 or not all(_DNS_LABEL.match(label) for label in labels):
+    if len(host) > 253 or not all(_DNS_LABEL.fullmatch(label) for label in labels):
         raise ValueError("its host is not a valid DNS name")
     last = labels[-1]
     if last.isdigit() or re.fullmatch(r"0x[0-9a-f]*", last):
@@ -434,4 +434,4 @@ def s3_error_code(body: bytes) -> str | None:
 
 def s3_region(header: str | None) -> str | None:
     """The region in an `x-amz-bucket-region` header when it looks like one (pure)."""
-    return header if header and _REGION.match(header) else None
+    return header if header and _REGION.fullmatch(header) else None

@@ -56,7 +56,7 @@ def check_adapter_name(name: object, *, param: str = "lora_name") -> str:
     """Return `name` if it is a valid adapter name, else raise InvalidName saying why."""
     if not isinstance(name, str) or not name:
         raise errors.InvalidName(f"'{param}' must be a non-empty string", param=param)
-    if not _NAME.match(name) or ".." in name:
+    if not _NAME.fullmatch(name) or ".." in name:
         raise errors.InvalidName(
             f"invalid adapter name {name!r}: use 1-253 letters, digits, '.', '_' or '-', "
             "starting and ending with a letter or digit",

@@ -106,7 +106,7 @@ def parse_manifest(data: bytes, *, where: str) -> tuple[StackEntry, ...]:
             layout.check_adapter_name(name, param=f"members[{i}].name")
         except errors.InvalidName as e:
             raise invalid(e.message) from e
-        if not isinstance(sha, str) or not _SHA256.match(sha):
+        if not isinstance(sha, str) or not _SHA256.fullmatch(sha):
             raise invalid(f"member {name!r} has no sha256")
         if not in_scale_range(scale):
             raise invalid(f"member {name!r} has no scale between -10 and 10")

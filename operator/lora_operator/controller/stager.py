@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import os
 import time
 
 import aiohttp
@@ -174,7 +173,7 @@ class Stager(Actor):
             source = sources.parse_source(info.source.uri, info.source.revision)
             described = sources.describe(source)
             credentials = await self._credentials(info)
-            await self._check_source(source, credentials)
+            self._check_source(source, credentials)
             staged = await volume.stage(
                 info.namespace,
                 info.name,
@@ -309,11 +308,18 @@ class Stager(Actor):
         api = await self.seams.api_after_login()
         try:
             secret = await api.read_secret(info.namespace, ref)
+        except kube.InvalidName as e:  # the CRD refuses such a name; an older CRD may not
+            raise errors.InvalidSource(f"source.secretRef.name: {e}") from e
         except kube.ApiError as e:
             if e.status == 404:
                 raise errors.SourceUnavailable(
                     f"Secret {ref!r} (source.secretRef) does not exist in namespace "
                     f"{info.namespace}; create it"
+                ) from e
+            if e.status == 403:
+                raise errors.SourceUnavailable(
+                    f"the operator may not read Secrets in namespace {info.namespace}: add it "
+                    "to the chart's operator.secretNamespaces (or operator.watchNamespaces)"
                 ) from e
             raise errors.SourceUnavailable(f"cannot read Secret {ref!r}: {e}") from e
         except (aiohttp.ClientError, TimeoutError) as e:  # the API server unreachable: retried
@@ -328,27 +334,12 @@ class Stager(Actor):
         consent.check_secret(ref, secret.labels, secret.annotations)
         return dataclasses.replace(sources.credentials_from_secret(secret.data), ambient=ambient)
 
-    async def _check_source(self, source: sources.Source, credentials: sources.Credentials) -> None:
-        """Refuse a host outside the allowlist, or one that resolves to a link-local address
-        or the API server (consent decides; this resolves the names)."""
+    def _check_source(self, source: sources.Source, credentials: sources.Credentials) -> None:
+        """Refuse a host outside the allowlist before anything is fetched; every address is
+        checked where the socket opens (egress), on every redirect."""
         endpoint = consent.source_endpoint(source, credentials, self.config.hf_endpoint)
-        if endpoint is None:
-            return
-        host, port = endpoint
-        what = sources.describe(source)
-        consent.check_host(host, self.config.source_rules, what)
-        addresses = await _resolve(host)
-        # The API server's Service address is the API server on every port; the address the
-        # operator logs in to may be a shared host (a node), so there only its port.
-        service = os.environ.get("KUBERNETES_SERVICE_HOST")
-        api_addresses = await _resolve(service) if service else set()
-        api_endpoints: set[tuple[str, int]] = set()
-        if self.seams.api_endpoint is not None:
-            login_host, login_port = self.seams.api_endpoint
-            api_endpoints = {(a, login_port) for a in await _resolve(login_host)}
-        reason = consent.address_refusal(host, port, addresses, api_addresses, api_endpoints)
-        if reason is not None:
-            raise consent.HostRefused(f"{what}: {reason}; the operator never fetches from there")
+        if endpoint is not None:
+            consent.check_host(endpoint[0], self.config.source_rules, sources.describe(source))
 
 
 def _log_if_died(task: asyncio.Task[None]) -> None:
@@ -356,13 +347,3 @@ def _log_if_died(task: asyncio.Task[None]) -> None:
     into a status); one that ended otherwise is logged here, not left to the garbage collector."""
     if not task.cancelled() and (e := task.exception()) is not None:
         log.error("action=stage task=%r result=died", task.get_name(), exc_info=e)
-
-
-async def _resolve(host: str) -> set[str]:
-    """The addresses `host` resolves to; none when it does not resolve (the fetch then fails
-    with its own message)."""
-    try:
-        infos = await asyncio.get_running_loop().getaddrinfo(host, None)
-    except (OSError, UnicodeError):
-        return set()
-    return {str(i[4][0]) for i in infos}

@@ -114,8 +114,9 @@ def test_metadata_and_api_server_addresses_are_refused(
 ) -> None:
     # The Service address on any port; the node's address only on the API server's port.
     port = 6443 if addresses == ["10.244.0.2"] else 443
-    reason = consent.address_refusal(
-        "h", port, addresses, {"10.0.0.1"}, {("10.244.0.1", 443), ("10.244.0.2", 443)}
+    # With no rules: what is refused whatever the rules open.
+    reason = consent.connect_refusal(
+        "h", port, addresses, None, {"10.0.0.1"}, {("10.244.0.1", 443), ("10.244.0.2", 443)}
     )
     assert reason is None if words is None else (reason is not None and words in reason)
 

@@ -54,3 +54,68 @@ def test_outside_a_pod_there_is_no_in_cluster_login(
     (service_account / "token").write_text("t")
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST")
     assert kube.in_cluster_login() is None
+
+
+# ---- names that become part of an API path ------------------------------------------------
+
+NOT_NAMES = [
+    "../../team-b/secrets/hub-creds",
+    "..",
+    "a/b",
+    "a?watch=1",
+    "a%2Fb",
+    "A",
+    "a b",
+    "-a",
+    "a-",
+    "a..b",
+    "",
+    "a" * 254,
+    "ä",
+    "a\n",
+]
+
+
+@pytest.mark.parametrize("name", NOT_NAMES, ids=range(len(NOT_NAMES)))
+def test_a_name_that_is_no_kubernetes_name_never_becomes_a_path(name: str) -> None:
+    with pytest.raises(kube.InvalidName) as e:
+        kube.object_path("/api/v1", "secrets", "team-a", name)
+    assert "is not a Kubernetes name" in str(e.value)
+    with pytest.raises(kube.InvalidName):
+        kube.object_path("/api/v1", "secrets", name, "x")
+
+
+def test_names_are_checked_and_quoted_segment_by_segment() -> None:
+    assert (
+        kube.object_path("/api/v1", "serviceaccounts", "lora", "rel-operator", "token")
+        == "/api/v1/namespaces/lora/serviceaccounts/rel-operator/token"
+    )
+    assert kube.object_path("/apis/apps/v1", "replicasets", "ns", "a.b-1") == (
+        "/apis/apps/v1/namespaces/ns/replicasets/a.b-1"
+    )
+    assert kube.object_path("/apis/events.k8s.io/v1", "events", "ns") == (
+        "/apis/events.k8s.io/v1/namespaces/ns/events"
+    )
+    with pytest.raises(kube.InvalidName):  # a namespace is a label: no dots
+        kube.object_path("/api/v1", "secrets", "a.b", "x")
+
+
+async def test_a_secret_read_by_a_name_that_is_a_path_sends_nothing() -> None:
+    """The API client refuses before a request is made: `kube.KubeApi` pointed at a port where
+    nothing listens would fail with a connection error otherwise."""
+    import kopf
+
+    api = kube.KubeApi(kopf.ConnectionInfo(server="http://127.0.0.1:1"))
+    try:
+        with pytest.raises(kube.InvalidName):
+            await api.read_secret("team-a", "../../team-b/secrets/hub-creds")
+        with pytest.raises(kube.InvalidName):
+            await api.read_owner("team-a", "ReplicaSet", "../x")
+    finally:
+        await api.close()
+
+
+def test_api_timestamps_parse_back() -> None:
+    moment = kube.parse_time("2026-12-06T20:00:00Z")
+    assert moment is not None and moment.tzinfo is not None
+    assert kube.parse_time("not a time") is None

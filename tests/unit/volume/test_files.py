@@ -149,7 +149,9 @@ def test_valid_adapter_names(name: str) -> None:
     assert layout.check_adapter_name(name) == name
 
 
-@pytest.mark.parametrize("name", ["", "../x", "a/b", "-a", "a-", "a..b", "x" * 254, 7, None, "a b"])
+@pytest.mark.parametrize(
+    "name", ["", "../x", "a/b", "-a", "a-", "a..b", "x" * 254, 7, None, "a b", "a\n", "a\x00"]
+)
 def test_invalid_adapter_names(name: object) -> None:
     with pytest.raises(errors.InvalidName):
         layout.check_adapter_name(name)
