@@ -23,7 +23,8 @@ from typing import Any
 
 import lora_playground as playground
 from aiohttp import web
-from lora_volume import formats, layout, podauth
+from lora_volume import boundedjson, formats, layout, podauth
+from lora_volume import errors as volume_errors
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from lora_inference import api, errors, tokenreview
@@ -78,10 +79,16 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         )
 
 
+# A request body (client_max_size bounds its bytes) nests a few levels: a generation's `lora`,
+# a load's fields. Parsed within these bounds, a body of `[[[[...` is a 400, not a RecursionError.
+BODY_LIMITS = boundedjson.Limits(max_bytes=1024**2, max_depth=8, max_values=20_000)
+
+
 async def _json(request: web.Request) -> Any:
+    body = await request.read()
     try:
-        return await request.json()
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        return boundedjson.parse(body, BODY_LIMITS, where="the request body")
+    except volume_errors.InvalidJson as e:
         raise errors.InvalidRequest(f"the request body is not valid JSON: {e}") from e
 
 

@@ -14,10 +14,14 @@ import json
 from typing import Any
 
 import aiohttp
+from lora_volume import boundedjson
+from lora_volume import errors as volume_errors
 
 from lora_operator import kube, planning, podtokens
 from lora_operator.model import PodInfo
 
+# What a pod's answer may hold: /v1/models of a pod with ten thousand adapters is a few MB.
+ANSWER_LIMITS = boundedjson.Limits(max_bytes=32 * 1024**2, max_depth=6, max_values=2_000_000)
 # 404 on load: the pod does not see the revision yet (a lagging shared file system) - retry.
 _PERMANENT = {400, 403, 413, 415, 422}
 
@@ -109,7 +113,7 @@ class PodClient:
             async with self.session.request(
                 method, pod.url(path), json=body, headers=headers, timeout=timeout
             ) as resp:
-                text = await resp.text()
+                text = await _read_bounded(resp, ANSWER_LIMITS.max_bytes)
                 if resp.status == 401:
                     self.credentials.rejected(pod.namespace)
                 if resp.status >= 400:
@@ -119,12 +123,26 @@ class PodClient:
                         status=resp.status,
                     )
                 if resp.content_type == "application/json":
-                    return await resp.json()
+                    try:
+                        return boundedjson.parse(text, ANSWER_LIMITS, where=f"{method} {path}")
+                    except volume_errors.InvalidJson as e:
+                        raise PodError(f"{pod.name}: {e}", permanent=False) from e
                 return text
         except (TimeoutError, aiohttp.ClientError, OSError) as e:
             raise PodError(
                 f"{method} {path} failed: {type(e).__name__}: {e}".rstrip(": "), permanent=False
             ) from e
+
+
+async def _read_bounded(resp: aiohttp.ClientResponse, limit: int) -> str:
+    """The answer's text, read no further than one byte past `limit` (the parse then refuses
+    it by its length)."""
+    body = bytearray()
+    async for chunk in resp.content.iter_chunked(64 * 1024):
+        body += chunk
+        if len(body) > limit:
+            break
+    return body.decode("utf-8", "replace")
 
 
 def _error_message(text: str) -> str:

@@ -39,10 +39,15 @@ async def test_bad_load_bodies_are_400(server: Server, body: dict[str, Any]) -> 
     assert_error(status, payload, 400)
 
 
-async def test_invalid_json_is_400(server: Server) -> None:
+@pytest.mark.parametrize(
+    "body",
+    [b"{not json", b"[" * 200_000 + b"]" * 200_000, b'{"n": ' + b"9" * 5000 + b"}"],
+    ids=["syntax", "nesting-bomb", "long-number"],
+)
+async def test_invalid_json_is_400(server: Server, body: bytes) -> None:
     async with server.session.post(
         server.url("/v1/images/generations"),
-        data=b"{not json",
+        data=body,
         headers={"Content-Type": "application/json"},
     ) as resp:
         assert_error(resp.status, await resp.json(), 400)

@@ -206,3 +206,39 @@ def test_config_reads_the_token_file_and_refuses_nonsense(tmp_path: Path) -> Non
     assert config.parse_args(["--peering", "lora"]).standalone is False
     with pytest.raises(SystemExit):
         config.parse_args(["--max-concurrent-loads", "0"])
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [b"[" * 100_000 + b"]" * 100_000, b'{"data": [' + b"1," * 3_000_000 + b"1]}"],
+    ids=["nesting-bomb", "too-many-values"],
+)
+async def test_a_pods_answer_is_parsed_within_bounds(answer: bytes) -> None:
+    """A pod that answers /v1/models with a bomb costs the operator a transient error, not its
+    stack or its memory."""
+
+    async def models(_: web.Request) -> web.Response:
+        return web.Response(body=answer, content_type="application/json")
+
+    app = web.Application()
+    app.router.add_get("/v1/models", models)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    info = model.pod_info(
+        {
+            "metadata": {
+                "name": "p",
+                "annotations": {"lora.dev/port": str(runner.addresses[0][1])},
+            },
+            "status": {"podIP": "127.0.0.1"},
+        }
+    )
+    try:
+        async with PodClient(AdminToken(None), timeout_s=10) as client:
+            with pytest.raises(PodError) as e:
+                await client.models(info)
+        assert not e.value.permanent
+    finally:
+        await runner.cleanup()
