@@ -1,31 +1,13 @@
-"""Generation requests and the headers the router passes on, as data (pure; no aiohttp): the
-adapter a body names, the body rewritten for a rollout's canary, the servers' error shape, the
-headers that never cross a proxy.
+"""Generation requests as data (pure; no aiohttp): the adapter a body names, the body rewritten
+for a rollout's canary, the servers' error shape. The headers a proxy passes on are HTTP/1.1's
+(`http1.forwarded_headers`).
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
 from typing import Any
 
-# Hop-by-hop headers (RFC 9110 7.6.1) and what aiohttp sets itself.
-_HOP = frozenset(
-    h.lower()
-    for h in (
-        "Connection",
-        "Keep-Alive",
-        "Proxy-Authenticate",
-        "Proxy-Authorization",
-        "Proxy-Connection",
-        "TE",
-        "Trailer",
-        "Transfer-Encoding",
-        "Upgrade",
-        "Host",
-        "Content-Length",
-    )
-)
 # The paths whose body names an adapter (everything else is routed by load alone).
 ADAPTER_PATHS = ("/v1/images/generations",)
 
@@ -67,8 +49,3 @@ def with_adapter(body: bytes, adapter: str, served: str) -> bytes:
         if isinstance(member, dict) and member.get("name") == adapter:
             member["name"] = served
     return json.dumps(parsed).encode()
-
-
-def forwarded_headers(headers: Iterable[tuple[str, str]]) -> dict[str, str]:
-    """The (name, value) pairs a proxy passes on: all but the hop-by-hop ones."""
-    return {k: v for k, v in headers if k.lower() not in _HOP}

@@ -12,7 +12,10 @@ the client's connection: the client sees an error, never a hang; one whose head 
 a 502.
 Two headers say what happened: `x-lora-pod` (the pod that answered) and `x-lora-route` (why).
 Only generation is forwarded (`paths.forwarded`, an allowlist); every other path answers 404
-and is never sent to a pod: not load and unload, not a pod's /metrics or /v1/adapters.
+and is never sent to a pod: not load and unload, not a pod's /metrics or /v1/adapters. Neither
+hop-by-hop headers nor those a Connection field names cross the router, either way
+(`http1.forwarded_headers`); a body aiohttp's server decoded loses its Content-Encoding with
+its coding, and any other body keeps both.
 
 `forward` is the exchange itself, whichever server parsed the request: the router's own
 (`server`, for the generations it reads whole) or aiohttp's (`proxy`, the handler of every
@@ -28,7 +31,7 @@ from typing import Protocol
 
 from aiohttp import web
 
-from lora_router import bodies, paths, routing, upstream
+from lora_router import bodies, http1, paths, routing, upstream
 from lora_router.fleet import AdapterPlacement, Fleet, Split, answered_queue
 from lora_router.metrics import Metrics
 from lora_router.state import CONFIG, STATE, ProxyState
@@ -143,19 +146,25 @@ async def proxy(request: web.Request) -> web.StreamResponse:
         body = await _read_body(request)
     except _Refused as e:
         return json_error(e.message, e.error_type, e.status)
+    headers: Iterable[tuple[str, str]] = request.headers.items()
+    if _decoded(request):
+        # aiohttp's server decoded the body it read: the coding goes with its header, so the
+        # pod is not told the bytes it gets are still compressed.
+        headers = [(k, v) for k, v in headers if k.lower() != "content-encoding"]
     reply = _WebReply(request)
     await forward(
-        request.app[STATE],
-        reply,
-        request.method,
-        request.path,
-        request.raw_path,
-        request.headers.items(),
-        body,
+        request.app[STATE], reply, request.method, request.path, request.raw_path, headers, body
     )
     if reply.response is None:
         raise RuntimeError("the proxy gave no answer")
     return reply.response
+
+
+def _decoded(request: web.Request) -> bool:
+    """Whether aiohttp's server decoded the request's body (its parser's `compression`: a
+    single coding it knows, gzip, deflate, br or zstd); any other coding comes untouched."""
+    message = getattr(request, "_message", None)
+    return getattr(message, "compression", None) is not None
 
 
 async def forward(
@@ -182,7 +191,7 @@ async def forward(
         if placement is not None and placement.split is not None:
             placed = fleet.canary_holders(placement, placement.split, time.monotonic())
             revision = placement.split.canary[:12]
-    sent = bodies.forwarded_headers(headers)
+    sent = http1.forwarded_headers(headers)
     tried: list[str] = []
     failures: list[str] = []
     now = time.monotonic()
@@ -304,7 +313,7 @@ async def _answer(
     reply: Reply, decision: routing.Decision, answer: upstream.Answer, metrics: Metrics
 ) -> None:
     """The pod's answer to the client: its status, headers and bytes, and the router's two."""
-    headers = bodies.forwarded_headers(answer.headers)
+    headers = http1.forwarded_headers(answer.headers)
     headers["x-lora-pod"] = decision.pod
     headers["x-lora-route"] = decision.reason.value
     length = answer.content_length

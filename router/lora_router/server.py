@@ -1,21 +1,25 @@
 """The router's HTTP/1.1 server on the client side (`Site`): the generations it forwards are
 read and answered by each connection's own protocol; every other request is aiohttp's.
 
-A connection starts with `_Connection`. It reads a request's head, and when that is a plain
-request the router forwards (`paths.forwarded`; HTTP/1.0 or 1.1; a body of known length within
-`max_body_bytes`; no Transfer-Encoding, Content-Encoding, Expect or Upgrade; printable ASCII
-only, at most `MAX_HEAD_BYTES`), reads its body, has `proxy.forward` answer it and writes the
-answer itself: the pod's status, headers and bytes, with aiohttp's framing and its Date,
+A connection starts with `_Connection`. It reads a request's head with `http1` (which refuses
+what is not HTTP/1.1 as RFC 9112 writes it: the router answers those itself, 4xx or 5xx, and
+closes), and when that is a plain request the router forwards (`paths.forwarded`, the method as
+written; a body of known length within `max_body_bytes`; no Transfer-Encoding,
+Content-Encoding, Expect or Upgrade), reads its body, has `proxy.forward` answer it and writes
+the answer itself: the pod's status, headers and bytes, with aiohttp's framing and its Date,
 Server and Connection headers, so the client cannot tell the two servers apart. The first
 request that is anything else (the router's own pages, probes and model list, a path it does
-not serve, a chunked or compressed body, `Expect: 100-continue`, a head that does not parse,
-one too long) goes, with the rest of its connection, to aiohttp's server and the app's routes:
-the connection is handed over between two requests, with the bytes read so far. Every answer
-that is not a forwarded generation, and every refusal of what does not parse, is aiohttp's.
+not serve, a chunked or compressed body, `Expect: 100-continue`, a body over the limit) goes,
+with the rest of its connection, to aiohttp's server and the app's routes, through a
+`handover.Relay` that still reads every request by `http1`'s rules before aiohttp's server sees
+it: the connection is handed over between two requests, with the bytes read so far.
 
 Requests on one connection are answered in order, one at a time (pipelined ones wait, reading
 pauses past `_PIPELINED_BYTES`); a client that leaves mid-answer ends only its own exchange.
-An idle connection is closed after `KEEPALIVE_S`; `stop` (the runner's cleanup) stops
+Slow clients are cut off: a head not whole within `http1.HEAD_TIMEOUT_S` of its first byte (the
+first, of the connection's opening) is answered 408, and so is a body that brings less than
+`http1.BODY_MIN_BYTES` (or its rest) in a `http1.BODY_WINDOW_S`; the site looks every
+`SWEEP_S`. An idle connection is closed after `KEEPALIVE_S`; `stop` (the runner's cleanup) stops
 listening, closes the idle connections and waits up to `SHUTDOWN_TIMEOUT_S` for the others'
 answers.
 
@@ -24,9 +28,9 @@ request, and aiohttp's server (a request handler, a task, a timer, its request a
 objects for each) costs about as much CPU as everything else the router does for a request
 (docs/benchmarks.md, "The router's own cost per request").
 
-Must not: route (`routing`) or talk to the pods (`upstream`): what it answers is
-`proxy.forward`'s, or, when that raises, what aiohttp's server answers then (the HTTP error
-raised, or a 500).
+Must not: route (`routing`), talk to the pods (`upstream`), or parse HTTP/1.1 itself (`http1`):
+what it answers is `proxy.forward`'s, or, when that raises, what aiohttp's server answers then
+(the HTTP error raised, or a 500).
 """
 
 from __future__ import annotations
@@ -34,119 +38,56 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import re
+import math
 import time
 from email.utils import formatdate
-from http import HTTPStatus
-from typing import NamedTuple
 
 from aiohttp import web
 from aiohttp.http import SERVER_SOFTWARE
 
-from lora_router import bodies, paths, proxy
+from lora_router import bodies, handover, http1, paths, proxy
 from lora_router.state import CONFIG, STATE, ProxyState
 
 log = logging.getLogger("lora_router")
 
-# aiohttp's limit on one line of a head: a longer head is aiohttp's to take (or refuse).
-MAX_HEAD_BYTES = 8190
-_MAX_HEADERS = 128  # aiohttp's
 KEEPALIVE_S = 3630.0  # aiohttp's: an idle connection is closed after this long
 SHUTDOWN_TIMEOUT_S = 60.0  # aiohttp's: how long `stop` waits for the answers in progress
+SWEEP_S = 1.0  # how often the connections' deadlines are looked at
 _PIPELINED_BYTES = 64 * 1024  # read ahead of the request being answered before pausing
-_SWEEP_S = 60.0  # how often idle connections are looked at
-
-# Control characters but HT, CR and LF (a CR or LF outside a CRLF is found by counting).
-_CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
-_TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
-# Headers whose requests aiohttp's server takes: it decodes a compressed body, answers 100
-# before reading one, de-chunks one, refuses an upgrade.
-_HANDED_OVER = frozenset({"transfer-encoding", "content-encoding", "expect", "upgrade"})
 _EMPTY_BODY = frozenset((204, 304, *range(100, 200)))
 _SERVER_ERROR = b"500 Internal Server Error\n\nServer got itself in trouble"
+# The phases of a connection, for its deadline: between requests, reading a head, reading a
+# body, answering.
+_IDLE, _HEAD, _BODY, _BUSY = range(4)
 
 
-class Request(NamedTuple):
-    """A request head the router's own server answers."""
-
-    method: str
-    target: str  # as sent: the path and the query
-    path: str
-    minor: int  # HTTP/1.minor
-    headers: list[tuple[str, str]]
-    length: int  # of the body
-    keep_alive: bool
-
-
-def parse_head(head: bytes, max_body: int) -> Request | None:
-    """The request whose head is `head` (the bytes before its blank line) when this server
-    answers it; None when aiohttp's server is to take it: anything but a plain request the
-    router forwards, with a body of known length up to `max_body` (pure)."""
-    if len(head) > MAX_HEAD_BYTES or not head.isascii():
-        return None
-    text = head.decode("ascii")
-    lines = text.split("\r\n")
-    breaks = len(lines) - 1
-    if text.count("\r") != breaks or text.count("\n") != breaks or _CONTROL.search(text):
-        return None
-    parts = lines[0].split(" ")
-    if len(parts) != 3 or len(lines) > _MAX_HEADERS + 1:
-        return None
-    method, target, version = parts
-    if version == "HTTP/1.1":
-        minor = 1
-    elif version == "HTTP/1.0":
-        minor = 0
-    else:
-        return None
-    path = target.partition("?")[0]
-    if not paths.forwarded(method, path) or method != method.upper() or "#" in target:
-        return None  # an escaped path, an absolute URL, a lower-case method: aiohttp's
-    headers: list[tuple[str, str]] = []
-    length: int | None = None
-    close = keep_alive = False
-    for line in lines[1:]:
-        name, colon, value = line.partition(":")
-        if not colon or _TOKEN.fullmatch(name) is None:
-            return None  # obs-fold, a space before the colon, no colon
-        value = value.strip(" \t")
-        lower = name.lower()
-        if lower == "content-length":
-            if length is not None or not value.isdigit():
-                return None
-            length = int(value)
-        elif lower == "connection":
-            tokens = {t.strip(" \t") for t in value.lower().split(",")}
-            if "upgrade" in tokens:
-                return None
-            close = close or "close" in tokens
-            keep_alive = keep_alive or "keep-alive" in tokens
-        elif lower in _HANDED_OVER:
-            return None
-        headers.append((name, value))
-    length = length or 0
-    if length > max_body:
-        return None  # aiohttp's server answers the proxy's 413
-    return Request(
-        method,
-        target,
-        path,
-        minor,
-        headers,
-        length,
-        not close if minor else keep_alive and not close,
+def takes(request: http1.Request, max_body: int) -> bool:
+    """Whether the router's own server answers `request` (pure): a plain request it forwards,
+    with a body of known length up to `max_body`; every other one is aiohttp's server's."""
+    method = request.method
+    return (
+        paths.forwarded(method, request.path)
+        and method.isupper()
+        and "#" not in request.target
+        and not request.chunked
+        and not request.expect
+        and not request.upgrade
+        and not request.encoded
+        and (request.length or 0) <= max_body
     )
 
 
 class Site(web.BaseSite):
     """The router's app on `host:port`, answered as the module says. A site of the app's
-    runner: the runner's cleanup stops it before the app's own cleanup closes the pool."""
+    runner: the runner's cleanup stops it before the app's own cleanup closes the pool (and,
+    with aiohttp's server, the connections handed to it)."""
 
     def __init__(self, runner: web.AppRunner, host: str, port: int, *, backlog: int = 128):
         super().__init__(runner, backlog=backlog)
         self._host, self._port = host, port
         self._app = runner.app
         self.connections: set[_Connection] = set()
+        self.relays: set[handover.Relay] = set()  # the connections aiohttp's server answers
         self.closing = False
         self._sweeper: asyncio.TimerHandle | None = None
         self._date, self._date_at = "", -1
@@ -182,11 +123,11 @@ class Site(web.BaseSite):
             self._port,
             backlog=self._backlog,
         )
-        self._sweeper = loop.call_later(_SWEEP_S, self._sweep)
+        self._sweeper = loop.call_later(SWEEP_S, self.sweep)
 
     async def stop(self) -> None:
         """Stop listening; answer the requests in progress (up to `SHUTDOWN_TIMEOUT_S`), close
-        every connection."""
+        every connection (aiohttp's server closes those it answers)."""
         self.closing = True
         await super().stop()
         if self._sweeper is not None:
@@ -218,12 +159,16 @@ class Site(web.BaseSite):
             self._date, self._date_at = formatdate(now, usegmt=True), now
         return self._date
 
-    def _sweep(self) -> None:
+    def sweep(self) -> None:
+        """Act on every connection whose deadline passed (`_Connection.expire`,
+        `handover.Relay.expire`); again in `SWEEP_S`."""
         now = time.monotonic()
-        for conn in [c for c in self.connections if c.task is None]:
-            if now - conn.idle_since > KEEPALIVE_S:
-                conn.close()
-        self._sweeper = asyncio.get_running_loop().call_later(_SWEEP_S, self._sweep)
+        for conn in [c for c in self.connections if c.deadline <= now]:
+            conn.expire(now)
+        for relay in [r for r in self.relays if r.deadline <= now]:
+            relay.expire(now)
+        if not self.closing:
+            self._sweeper = asyncio.get_running_loop().call_later(SWEEP_S, self.sweep)
 
 
 class _Connection(asyncio.Protocol):
@@ -234,12 +179,16 @@ class _Connection(asyncio.Protocol):
         self.site, self.state, self.max_body = site, state, max_body
         self.transport: asyncio.Transport | None = None
         self.buffer = bytearray()
-        self.request: Request | None = None  # a head read, its body still to come
+        self.request: http1.Request | None = None  # a head read, its body still to come
         self.task: asyncio.Task[None] | None = None  # the request being answered
         self.lost = False
         self.reading_paused = False
         self.drained: asyncio.Future[None] | None = None  # set while writing is paused
-        self.idle_since = time.monotonic()
+        # The deadline of the phase the connection is in (`expire` says what each one means):
+        # a connection's first head is due from its opening.
+        self.phase = _HEAD
+        self.deadline = time.monotonic() + http1.HEAD_TIMEOUT_S
+        self.body_mark = 0  # bytes of the body buffered when its current window began
         # The answer in progress: HTTP/1.minor, whether the connection stays open after it,
         # whether its body is chunked, whether its head was sent.
         self.minor, self.keep_alive, self.chunked, self.started = 1, True, False, False
@@ -253,6 +202,8 @@ class _Connection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         self.buffer += data
         if self.task is None:
+            if self.phase == _IDLE:
+                self.phase, self.deadline = _HEAD, time.monotonic() + http1.HEAD_TIMEOUT_S
             self._next()
         elif len(self.buffer) > _PIPELINED_BYTES and not self.reading_paused:
             self.reading_paused = True
@@ -283,23 +234,54 @@ class _Connection(asyncio.Protocol):
         """Start answering the next request in the buffer, once it is whole."""
         buffer, request = self.buffer, self.request
         if request is None:
-            end = buffer.find(b"\r\n\r\n")
-            if end < 0:
-                if len(buffer) > MAX_HEAD_BYTES:
-                    self._hand_over()
+            try:
+                end = http1.head_end(buffer)
+                if end < 0:
+                    return
+                request = http1.parse_request(bytes(buffer[: end - 4]))
+            except http1.HttpError as e:
+                self._refuse(e)
                 return
-            request = parse_head(bytes(buffer[:end]), self.max_body)
-            if request is None:
+            if not takes(request, self.max_body):
                 self._hand_over()
                 return
-            del buffer[: end + 4]
+            del buffer[:end]
             self.request = request
-        if len(buffer) < request.length:
+        length = request.length or 0
+        if len(buffer) < length:
+            if self.phase != _BODY:
+                self.phase, self.body_mark = _BODY, len(buffer)
+                self.deadline = time.monotonic() + http1.BODY_WINDOW_S
             return
-        body = bytes(buffer[: request.length])
-        del buffer[: request.length]
+        body = bytes(buffer[:length])
+        del buffer[:length]
         self.request = None
+        self.phase, self.deadline = _BUSY, math.inf
         self.task = asyncio.get_running_loop().create_task(self._serve(request, body))
+
+    def expire(self, now: float) -> None:
+        """The phase's deadline passed: an idle connection is closed; a head that is not whole
+        is answered 408; a body that brought `http1.BODY_MIN_BYTES` (or its rest) in its window
+        gets another window, else a 408."""
+        if self.phase == _BODY and self.request is not None:
+            got = len(self.buffer) - self.body_mark
+            if got >= min(http1.BODY_MIN_BYTES, (self.request.length or 0) - self.body_mark):
+                self.body_mark, self.deadline = len(self.buffer), now + http1.BODY_WINDOW_S
+                return
+            self._refuse(http1.HttpError(408, "the request's body did not come in time"))
+        elif self.phase == _HEAD and self.buffer:
+            self._refuse(http1.HttpError(408, "the request's head did not come in time"))
+        elif self.phase != _BUSY:
+            self.deadline = math.inf
+            self.close()
+
+    def _refuse(self, error: http1.HttpError) -> None:
+        """Answer a request the router does not read (no answer is in progress), and close."""
+        self.phase, self.deadline = _BUSY, math.inf
+        self.buffer.clear()
+        log.debug("action=refuse status=%d error=%s", error.status, error.message)
+        self._write(http1.refusal(error.status, error.message, self.site.date(), SERVER_SOFTWARE))
+        self.close()
 
     def _hand_over(self) -> None:
         """The rest of the connection to aiohttp's server, from the first byte not answered."""
@@ -307,17 +289,15 @@ class _Connection(asyncio.Protocol):
         if transport is None or self.lost:
             return
         self.site.connections.discard(self)
-        handler = self.site.aiohttp_handler()
+        self.phase, self.deadline = _BUSY, math.inf
         data = bytes(self.buffer)
         self.buffer.clear()
-        transport.set_protocol(handler)
-        handler.connection_made(transport)
+        relay = handover.Relay(transport, self.site.aiohttp_handler(), self.site.relays)
         if self.reading_paused:
             transport.resume_reading()
-        if data:
-            handler.data_received(data)
+        relay.start(data)
 
-    async def _serve(self, request: Request, body: bytes) -> None:
+    async def _serve(self, request: http1.Request, body: bytes) -> None:
         self.minor, self.chunked, self.started = request.minor, False, False
         self.keep_alive = request.keep_alive and not self.site.closing
         try:
@@ -348,11 +328,12 @@ class _Connection(asyncio.Protocol):
         if not self.keep_alive or self.site.closing:
             self.transport.close()
             return
-        self.idle_since = time.monotonic()
+        self.phase, self.deadline = _IDLE, time.monotonic() + KEEPALIVE_S
         if self.reading_paused:
             self.reading_paused = False
             self.transport.resume_reading()
         if self.buffer:
+            self.phase, self.deadline = _HEAD, time.monotonic() + http1.HEAD_TIMEOUT_S
             self._next()
 
     def close(self) -> None:
@@ -368,7 +349,7 @@ class _Connection(asyncio.Protocol):
         body = json.dumps(bodies.error_body(message, error_type, status)).encode()
         answer = dict(headers or {})
         answer["Content-Type"] = "application/json; charset=utf-8"
-        self._write_answer(status, _reason(status), answer, body)
+        self._write_answer(status, http1.reason(status), answer, body)
 
     def send(self, status: int, reason: str, headers: dict[str, str], body: bytes) -> None:
         self._write_answer(status, reason, headers, body)
@@ -443,7 +424,7 @@ class _Connection(asyncio.Protocol):
             # A CR or LF inside a header (the pod's): aiohttp refuses to write it too.
             self.started = False
             raise ValueError("a header of the answer holds a line break")
-        return text.encode("utf-8")
+        return text.encode("utf-8", "surrogateescape")
 
     def _write(self, data: bytes) -> None:
         transport = self.transport
@@ -455,10 +436,3 @@ class _Connection(asyncio.Protocol):
             await self.drained
         if self.lost:
             raise ConnectionResetError("the client closed the connection")
-
-
-def _reason(status: int) -> str:
-    try:
-        return HTTPStatus(status).phrase
-    except ValueError:
-        return ""

@@ -7,7 +7,9 @@ once the answer's head has arrived: its status, reason and headers, and its body
 (`read`) or as it comes (`chunks`). The bytes are the pod's, never decoded or re-encoded; a
 chunked answer is de-chunked (its data untouched). The whole exchange, head and body, has
 `timeout_s`. A connection goes back to the pool once its answer was read to its end and neither
-side asked to close it; any other ending closes it.
+side asked to close it; any other ending closes it. The request's bytes, the answer's head and
+its body's framing are `http1`'s: the headers a client sent are the caller's to strip
+(`http1.forwarded_headers`).
 
 Errors, in the words the proxy maps to HTTP:
 - `Unanswered("connect")`: no connection (refused, unreachable, none within the timeout).
@@ -17,9 +19,12 @@ Errors, in the words the proxy maps to HTTP:
   kept-alive connection the pod had just closed is sent once more on a new connection first,
   as RFC 9112 9.3.1 allows; any other request is the caller's to send elsewhere.
 - `TimeoutError`: no answer head within `timeout_s` (the pod may still be working on it).
-- `Broken`: the head was malformed, or the body broke off or ran past the deadline.
+- `Broken`: the head was malformed (`http1.parse_response` refused it: a bare LF, two lengths,
+  a length beside a transfer coding, ...), longer than `http1.MAX_ANSWER_HEAD_BYTES`, or the
+  body was malformed, broke off or ran past the deadline.
 
-Must not: choose pods, or know what the bodies mean beyond HTTP/1.1 framing.
+Must not: choose pods, know what the bodies mean beyond HTTP/1.1 framing, or parse HTTP/1.1
+itself (`http1`).
 """
 
 from __future__ import annotations
@@ -28,13 +33,12 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 
-IDEMPOTENT = frozenset({"GET", "HEAD", "PUT", "DELETE", "OPTIONS", "TRACE"})
-MAX_HEAD_BYTES = 64 * 1024
+from lora_router import http1
+
 # A connection idle for longer is not reused: a server may close it at any moment (aiohttp's
 # client keeps them 15 s, a server 75 s by default).
 IDLE_S = 15.0
 _HIGH_WATER = 256 * 1024  # bytes of an answer buffered before reading pauses
-_END = b"\r\n\r\n"
 
 
 class Unanswered(Exception):
@@ -103,15 +107,6 @@ class _Connection(asyncio.Protocol):
         finally:
             self.waiter = None
 
-    def take(self, n: int) -> bytes:
-        if n >= len(self.buffer):
-            data = bytes(self.buffer)
-            self.buffer.clear()
-            return data
-        data = bytes(self.buffer[:n])
-        del self.buffer[:n]
-        return data
-
     def close(self) -> None:
         if self.transport is not None:
             self.transport.close()
@@ -128,96 +123,47 @@ class Answer:
         pool: Pool,
         address: str,
         conn: _Connection,
-        status: int,
-        reason: str,
-        headers: list[tuple[str, str]],
-        length: int | None,
-        chunked: bool,
-        keep_alive: bool,
+        head: http1.Response,
         timer: asyncio.TimerHandle,
     ) -> None:
-        self.status, self.reason, self.headers = status, reason, headers
+        self.status, self.reason, self.headers = head.status, head.reason, head.headers
         # The body's length when the pod gave one (None: chunked or until the connection ends).
-        self.content_length = length
+        self.content_length = head.length
         self._pool, self._address, self._conn, self._timer = pool, address, conn, timer
-        self._chunked, self._keep_alive = chunked, keep_alive
-        self._left = length  # bytes of a body of known length still to come
-        self._chunk_left = 0  # of the current chunk, when chunked
-        self._chunk_crlf = False  # the CRLF that ends a chunk's data is still to come
-        self._done = length == 0
+        self._keep_alive = head.keep_alive
+        self._body = http1.Body(head.length, head.chunked)
 
     async def read(self) -> bytes:
         """The whole body."""
-        if self._left is not None and not self._chunked:
-            conn = self._conn
-            while len(conn.buffer) < self._left:
+        body, conn = self._body, self._conn
+        if body.left is not None and not body.chunked:
+            while len(conn.buffer) < body.left:
                 await self._more()
-            data = conn.take(self._left)
-            self._left, self._done = 0, True
-            return data
+            return body.take(conn.buffer)
         return b"".join([chunk async for chunk in self.chunks()])
 
     async def chunks(self) -> AsyncIterator[bytes]:
         """The body as it comes, in the pieces it comes in."""
-        while not self._done:
-            piece = self._piece()
+        body, conn = self._body, self._conn
+        while not body.done:
+            try:
+                piece = body.take(conn.buffer)
+            except http1.HttpError as e:
+                raise Broken(e.message) from e
             if piece:
                 yield piece
-            elif not self._done:
+            elif not body.done:
+                if body.left is None and not body.chunked and conn.lost is not None:
+                    body.done = True  # a body that ends with the connection
+                    return
                 await self._more()
-
-    def _piece(self) -> bytes:
-        """Whatever of the body the buffer holds now (b"" when it holds none yet)."""
-        conn = self._conn
-        if not self._chunked:
-            if self._left is None:  # until the connection ends
-                if conn.lost is not None and not conn.buffer:
-                    self._done = True
-                return conn.take(len(conn.buffer))
-            data = conn.take(min(self._left, len(conn.buffer)))
-            self._left -= len(data)
-            self._done = self._left == 0
-            return data
-        if self._chunk_left:
-            data = conn.take(min(self._chunk_left, len(conn.buffer)))
-            self._chunk_left -= len(data)
-            self._chunk_crlf = self._chunk_left == 0
-            return data
-        if self._chunk_crlf:
-            if len(conn.buffer) < 2:
-                return b""
-            if conn.take(2) != b"\r\n":
-                raise Broken("a chunk did not end with CRLF")
-            self._chunk_crlf = False
-        end = conn.buffer.find(b"\r\n")
-        if end < 0:
-            if len(conn.buffer) > 1024:
-                raise Broken("a chunk size line is too long")
-            return b""
-        try:
-            size = int(bytes(conn.buffer[:end]).split(b";", 1)[0], 16)
-        except ValueError as e:
-            raise Broken(f"a chunk size is not hexadecimal: {bytes(conn.buffer[:end])!r}") from e
-        if size:
-            del conn.buffer[: end + 2]
-            self._chunk_left = size
-            return self._piece()
-        trailer = conn.buffer.find(_END, end)  # the last chunk, then (no) trailers
-        if conn.buffer[end : end + 4] == _END:
-            del conn.buffer[: end + 4]
-        elif trailer >= 0:
-            del conn.buffer[: trailer + 4]
-        else:
-            return b""
-        self._done = True
-        return b""
 
     async def _more(self) -> None:
         conn = self._conn
         if conn.lost is not None:
             if conn.timed_out:
                 raise Broken("the answer did not end within the timeout")
-            if self._left is None and not self._chunked:
+            if self._body.left is None and not self._body.chunked:
                 return  # a body that ends with the connection
             raise Broken(f"the connection closed mid-answer: {conn.lost}")
         await conn.more()
@@ -226,10 +172,11 @@ class Answer:
         """Back to the pool when the body was read to its end and the connection may be kept;
         closed otherwise."""
         self._timer.cancel()
-        if self._done and self._keep_alive and self._conn.lost is None and not self._conn.buffer:
-            self._pool.release(self._address, self._conn)
+        conn = self._conn
+        if self._body.done and self._keep_alive and conn.lost is None and not conn.buffer:
+            self._pool.release(self._address, conn)
         else:
-            self._conn.close()
+            conn.close()
 
 
 class Pool:
@@ -248,13 +195,8 @@ class Pool:
         """Send the request; the answer once its head is in (see the module's docstring)."""
         loop = asyncio.get_running_loop()
         started = loop.time()
-        head = [f"{method} {target} HTTP/1.1\r\nHost: {address}\r\n"]
-        head.extend(f"{k}: {v}\r\n" for k, v in headers.items())
-        if body or method not in IDEMPOTENT:
-            head.append(f"Content-Length: {len(body)}\r\n")
-        head.append("\r\n")
-        message = "".join(head).encode("utf-8", "surrogateescape") + body
-        retry = method in IDEMPOTENT
+        message = http1.encode_request(method, target, address, headers, body)
+        retry = method in http1.IDEMPOTENT
         while True:
             conn = self._idle_connection(address, loop.time())
             reused = conn is not None
@@ -281,15 +223,16 @@ class Pool:
             conn.transport.write(message)
             waiting.add(conn)
             while True:
-                end = conn.buffer.find(_END)
-                if end >= 0:
-                    parsed = _parse_head(bytes(conn.buffer[:end]), method)
-                    del conn.buffer[: end + 4]
-                    if parsed is not None:
-                        break
-                    continue  # 1xx: the real head follows
-                if len(conn.buffer) > MAX_HEAD_BYTES:
-                    raise Broken(f"the answer's head is longer than {MAX_HEAD_BYTES} bytes")
+                try:
+                    end = http1.head_end(conn.buffer, http1.MAX_ANSWER_HEAD_BYTES)
+                    if end >= 0:
+                        head = http1.parse_response(bytes(conn.buffer[: end - 4]), method)
+                        del conn.buffer[:end]
+                        if head is not None:
+                            break
+                        continue  # 1xx: the real head follows
+                except http1.HttpError as e:
+                    raise Broken(f"the answer's head: {e.message}") from e
                 if conn.lost is not None:
                     if conn.gone:
                         raise Unanswered("gone", "left the endpoints before answering")
@@ -305,10 +248,7 @@ class Pool:
             raise
         finally:
             waiting.discard(conn)
-        status, reason, headers, length, chunked, keep_alive = parsed
-        return Answer(
-            self, address, conn, status, reason, headers, length, chunked, keep_alive, timer
-        )
+        return Answer(self, address, conn, head, timer)
 
     def _idle_connection(self, address: str, now: float) -> _Connection | None:
         idle = self._idle.get(address)
@@ -358,43 +298,3 @@ class Pool:
 
 class _Stale(Exception):
     """The connection was closed before any byte of the answer came back."""
-
-
-_Head = tuple[int, str, list[tuple[str, str]], int | None, bool, bool]
-
-
-def _parse_head(head: bytes, method: str) -> _Head | None:
-    """The answer's status, reason, headers and framing from its head (None: a 1xx, whose
-    real answer follows); raises Broken when it is not HTTP/1.x."""
-    lines = head.decode("latin-1").split("\r\n")
-    version, _, rest = lines[0].partition(" ")
-    code, _, reason = rest.partition(" ")
-    if not version.startswith("HTTP/1.") or len(code) != 3 or not code.isdigit():
-        raise Broken(f"the answer does not start with an HTTP/1.x status line: {lines[0]!r}")
-    status = int(code)
-    if 100 <= status < 200 and status != 101:
-        return None
-    headers: list[tuple[str, str]] = []
-    length: int | None = None
-    chunked, close = False, version == "HTTP/1.0"
-    for line in lines[1:]:
-        name, colon, value = line.partition(":")
-        if not colon or not name or name != name.strip():
-            raise Broken(f"a header line of the answer is malformed: {line!r}")
-        value = value.strip()
-        lower = name.lower()
-        if lower == "content-length":
-            if not value.isdigit() or (length is not None and int(value) != length):
-                raise Broken(f"the answer's Content-Length is not one length: {value!r}")
-            length = int(value)
-        elif lower == "transfer-encoding":
-            chunked = value.lower().endswith("chunked")
-        elif lower == "connection":
-            tokens = {t.strip().lower() for t in value.split(",")}
-            close = "close" in tokens or (close and "keep-alive" not in tokens)
-        headers.append((name, value))
-    if method == "HEAD" or status in (204, 304):
-        length, chunked = 0, False
-    elif chunked:
-        length = None
-    return status, reason, headers, length, chunked, not close and (chunked or length is not None)

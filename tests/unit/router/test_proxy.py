@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gzip
 import json
 import math
 import time
+import zlib
 from collections import Counter
 from dataclasses import replace
 from pathlib import Path
@@ -17,7 +19,7 @@ from typing import Any
 import aiohttp
 import lora_playground as playground
 import pytest
-from aiohttp import ClientSession
+from aiohttp import ClientSession, web
 from aiohttp.test_utils import TestClient, TestServer, unused_port
 from lora_router.__main__ import serve
 from lora_router.app import create_app
@@ -501,3 +503,113 @@ async def test_the_pods_answer_and_its_headers_pass_through_buffered_or_streamed
         ) as r:
             assert r.status == 200 and r.headers["x-lora-pod"] == "a"
             assert await r.read() == b"\x01\x02" * (size // 2)
+
+
+async def raw_pod(answer: bytes) -> tuple[str, list[bytes], asyncio.Server]:
+    """A pod that answers every request with `answer` and keeps each request's bytes."""
+    received: list[bytes] = []
+
+    async def connection(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = next(
+                    (
+                        int(line.partition(b":")[2])
+                        for line in head.split(b"\r\n")
+                        if line.lower().startswith(b"content-length:")
+                    ),
+                    0,
+                )
+                received.append(head + await reader.readexactly(length))
+                if not head.startswith(b"GET /v1/adapters"):
+                    writer.write(answer)
+                else:
+                    report = b'{"object": "list", "data": [], "max_loras": 2}'
+                    writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(report))
+                    writer.write(report)
+        writer.close()
+
+    server = await asyncio.start_server(connection, "127.0.0.1", 0)
+    return f"127.0.0.1:{server.sockets[0].getsockname()[1]}", received, server
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["own-server", "aiohttp"])
+async def test_hop_by_hop_fields_and_those_connection_names_cross_neither_way(
+    start_router: StartRouter, chunked: bool
+) -> None:
+    router = await start_router()
+    address, received, pod = await raw_pod(
+        b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nConnection: X-Pod-Secret\r\n"
+        b"X-Pod-Secret: 1\r\nKeep-Alive: timeout=5\r\nProxy-Authenticate: Basic\r\n"
+        b"Trailer: X-Sum\r\nUpgrade: h2c\r\nX-Kept: answer\r\nContent-Length: 2\r\n\r\n{}"
+    )
+    router.set_pods({"a": address})
+    body = json.dumps(generation()).encode()
+    framing = (
+        b"Transfer-Encoding: chunked\r\n\r\n%x\r\n%s\r\n0\r\n\r\n" % (len(body), body)
+        if chunked
+        else b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+    )
+    request = (
+        b"POST /v1/images/generations HTTP/1.1\r\nHost: router\r\n"
+        b"Connection: X-Secret, close\r\nX-Secret: 1\r\nKeep-Alive: timeout=5\r\nTE: trailers\r\n"
+        b"Proxy-Authorization: Basic eDp5\r\nProxy-Connection: keep-alive\r\nX-Kept: request\r\n"
+    ) + framing
+    reader, writer = await asyncio.open_connection("127.0.0.1", router.site.port)
+    writer.write(request)
+    answer = await asyncio.wait_for(reader.read(), timeout=10)
+    writer.close()
+    pod.close()
+    head, _, rest = answer.partition(b"\r\n\r\n")
+    names = {line.partition(b":")[0].lower() for line in head.split(b"\r\n")[1:]}
+    assert head.startswith(b"HTTP/1.1 200") and rest == b"{}" and b"x-kept" in names
+    assert not names & {b"x-pod-secret", b"keep-alive", b"proxy-authenticate", b"trailer"}
+    assert b"upgrade" not in names
+    (sent,) = [r for r in received if r.startswith(b"POST")]
+    sent_head, _, sent_body = sent.partition(b"\r\n\r\n")
+    sent_names = {line.partition(b":")[0].lower() for line in sent_head.split(b"\r\n")[1:]}
+    assert sent_body == body and b"x-kept" in sent_names
+    assert not sent_names & {
+        b"connection", b"x-secret", b"keep-alive", b"te", b"proxy-authorization",
+        b"proxy-connection", b"transfer-encoding",
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("coding", "decoded"), [("gzip", True), ("deflate", True), ("x-unknown", False)]
+)
+async def test_a_compressed_body_is_sent_decoded_without_its_coding_or_untouched_with_it(
+    start_router: StartRouter, start_backend: StartBackend, coding: str, decoded: bool
+) -> None:
+    async def echo(request: web.Request) -> web.Response:
+        return web.json_response(
+            {
+                "encoding": request.headers.get("Content-Encoding"),
+                "body": (await request.read()).hex(),
+            }
+        )
+
+    router = await start_router()
+    app = web.Application()
+    app.router.add_post("/v1/images/generations", echo)
+    router.set_pods({"a": await start_backend(app), "b": await start_backend(app)})
+    router.place("pixel-art", frozenset({"b"}))
+    body = json.dumps(generation("pixel-art")).encode()
+    sent = gzip.compress(body) if coding == "gzip" else zlib.compress(body)
+    if not decoded:
+        sent = b"\x00" + body  # bytes of a coding no one here knows
+    async with router.session.post(
+        router.url("/v1/images/generations"),
+        data=sent,
+        headers={"Content-Encoding": coding, "Content-Type": "application/json"},
+        compress=None,
+    ) as resp:
+        assert resp.status == 200
+        echoed = await resp.json()
+        pod = resp.headers["x-lora-pod"]
+    if decoded:
+        # Decoded, the body names its adapter: the request goes where the adapter is placed.
+        assert echoed == {"encoding": None, "body": body.hex()} and pod == "b"
+    else:
+        assert echoed == {"encoding": coding, "body": sent.hex()}

@@ -2,7 +2,8 @@
 generations it answers itself read like aiohttp's answers, byte for byte but the Date; what it
 does not take (other paths, chunked or compressed bodies, `Expect`, heads that do not parse)
 goes to aiohttp's server on the same connection; keep-alive, pipelining, HTTP/1.0, streamed
-answers and clients that leave behave; and which heads it takes (`parse_head`)."""
+answers and clients that leave behave; what RFC 9112 refuses is refused on either server; and
+which requests it takes (`takes`)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import pytest_asyncio
 import uvloop
 from aiohttp import web
 from aiohttp.test_utils import TestServer
-from lora_router import server
+from lora_router import http1, server
 from lora_router.app import create_app
 from lora_router.fleet import Endpoint
 from lora_router.metrics import Metrics
@@ -296,15 +297,52 @@ async def test_expect_100_continue_is_answered_before_the_body_is_sent(
         pytest.param(b"HTTP/1.1\r\nA: \x01\r\n\r\n", id="control-character"),
         pytest.param(b"HTTP/9.9\r\n\r\n", id="version"),
         pytest.param(b"HTTP/1.1\r\nA: " + b"a" * 9000 + b"\r\n\r\n", id="line-too-long"),
+        pytest.param(b"HTTP/1.1\r\n\r\n", id="no-host"),
+        pytest.param(b"HTTP/1.1\r\nHost: a\r\nHost: b\r\n\r\n", id="two-hosts"),
+        pytest.param(b"HTTP/1.1\nHost: a\n\n", id="bare-lf"),
     ],
 )
-async def test_malformed_requests_are_refused_as_aiohttp_refuses_them(
+async def test_what_aiohttps_server_refuses_the_routers_refuses_too(
     twins: Twins, rest: bytes
 ) -> None:
     message = b"POST /v1/images/generations " + rest
     mine, theirs = await exchange(twins.own, message), await exchange(twins.plain, message)
-    assert [comparable(a) for a in mine] == [comparable(a) for a in theirs]
-    assert mine and 400 <= mine[0].status < 500
+    assert len(mine) == len(theirs) == 1
+    assert mine[0].status >= 400 and theirs[0].status >= 400
+    assert mine[0].header("Connection") == "close"
+    assert twins.pod.calls["/v1/images/generations"] == 0
+
+
+@pytest.mark.parametrize(
+    ("request_line", "host", "status"),
+    [
+        pytest.param(b"POST /v1/images/generations HTTP/1.1", b"", 400, id="no-host"),
+        pytest.param(
+            b"POST /v1/images/generations HTTP/1.1",
+            b"Host: a\r\nHost: b\r\n",
+            400,
+            id="two-hosts",
+        ),
+        pytest.param(b"POST /v1/images/generations HTTP/1.1", b"Host: a/b\r\n", 400, id="bad-host"),
+        pytest.param(
+            b"POST /v1/images/generations\t/x HTTP/1.1", b"Host: a\r\n", 400, id="tab-in-target"
+        ),
+        pytest.param(b"POST /v1/images/generations HTTP/1.1", b"Host: a\n", 400, id="bare-lf"),
+        pytest.param(b"BREW /v1/images/generations HTTP/1.1", b"Host: a\r\n", 501, id="method"),
+    ],
+)
+async def test_requests_rfc_9112_refuses_are_refused_on_either_server(
+    twins: Twins, request_line: bytes, host: bytes, status: int
+) -> None:
+    """On the router's own server the refusal is its own (the status RFC 9112 gives); after a
+    request aiohttp's server took, it is aiohttp's 400, after the answers before it."""
+    message = request_line + b"\r\n" + host + b"Content-Length: 2\r\n\r\n{}"
+    (answer,) = await exchange(twins.own, message)
+    assert answer.status == status and answer.header("Connection") == "close"
+    health = b"GET /health HTTP/1.1\r\nHost: router\r\n\r\n"
+    first, refused = await exchange(twins.own, health + message)
+    assert first.status == 200 and refused.status == 400
+    assert b"refused by the router" in refused.body
     assert twins.pod.calls["/v1/images/generations"] == 0
 
 
@@ -348,16 +386,14 @@ async def test_stopping_answers_the_requests_in_progress_and_closes_idle_connect
         await asyncio.open_connection("127.0.0.1", router.site.port)
 
 
-async def test_an_idle_connection_that_never_sends_is_closed_after_the_keep_alive(
-    start_router: StartRouter, monkeypatch: pytest.MonkeyPatch
+async def test_an_idle_connection_is_closed_after_the_keep_alive(
+    start_router: StartRouter, start_backend: StartBackend, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    router = await start_router()
     monkeypatch.setattr(server, "KEEPALIVE_S", 0.0)
-    reader, writer = await asyncio.open_connection("127.0.0.1", router.site.port)
-    await asyncio.sleep(0.05)
-    router.site._sweep()
-    assert await asyncio.wait_for(reader.read(), timeout=5) == b""
-    writer.close()
+    router = await start_router()
+    await pods(start_backend, router, Pod("a"))
+    answers = await exchange(router.site.port, post())  # the site's sweep closes it
+    assert [a.status for a in answers] == [200]
 
 
 def test_on_uvloop_as_the_router_runs() -> None:
@@ -405,68 +441,19 @@ LIMIT = 1000
         pytest.param(f"POST {TO} HTTP/1.0", True, id="http-1.0-no-body"),
         pytest.param(f"POST {TO} HTTP/1.1\r\nContent-Length: 1001", False, id="too-large"),
         pytest.param(f"GET {TO} HTTP/1.1", False, id="get"),
-        pytest.param(f"post {TO} HTTP/1.1", False, id="lower-case-method"),
         pytest.param("POST /v1/images/%67enerations HTTP/1.1", False, id="escaped-path"),
         pytest.param("POST /v1/models HTTP/1.1", False, id="not-forwarded"),
         pytest.param(f"POST http://x{TO} HTTP/1.1", False, id="absolute-form"),
         pytest.param(f"POST {TO}#x HTTP/1.1", False, id="fragment"),
-        pytest.param(f"POST {TO} HTTP/2.0", False, id="version"),
-        pytest.param(f"POST  {TO} HTTP/1.1", False, id="two-spaces"),
         pytest.param(f"POST {TO} HTTP/1.1\r\nTransfer-Encoding: chunked", False, id="chunked"),
         pytest.param(f"POST {TO} HTTP/1.1\r\nContent-Encoding: gzip", False, id="compressed"),
         pytest.param(f"POST {TO} HTTP/1.1\r\nExpect: 100-continue", False, id="expect"),
         pytest.param(f"POST {TO} HTTP/1.1\r\nUpgrade: h2c", False, id="upgrade"),
         pytest.param(f"POST {TO} HTTP/1.1\r\nConnection: Upgrade", False, id="connection-upgrade"),
-        pytest.param(f"POST {TO} HTTP/1.1\r\nA: b\r\n c", False, id="obs-fold"),
-        pytest.param(f"POST {TO} HTTP/1.1\r\nA : b", False, id="space-before-colon"),
-        pytest.param(f"POST {TO} HTTP/1.1\r\nA: b\nC: d", False, id="bare-lf"),
-        pytest.param(f"POST {TO} HTTP/1.1\r\nA: b\rC: d", False, id="bare-cr"),
-        pytest.param(f"POST {TO} HTTP/1.1\r\nA: \u00e9", False, id="not-ascii"),
-        pytest.param(f"POST {TO} HTTP/1.1\r\nContent-Length: +1", False, id="signed-length"),
-        pytest.param(
-            f"POST {TO} HTTP/1.1\r\nContent-Length: 1\r\ncontent-length: 1",
-            False,
-            id="two-lengths",
-        ),
-        pytest.param(f"POST {TO} HTTP/1.1\r\nA: " + "a" * 9000, False, id="too-long"),
     ],
 )
-def test_which_heads_the_routers_own_server_takes(head: str, taken: bool) -> None:
-    request = server.parse_head(head.encode("utf-8"), LIMIT)
-    assert (request is not None) == taken
-
-
-@pytest.mark.parametrize(
-    ("version", "connection", "keep_alive"),
-    [
-        ("HTTP/1.1", None, True),
-        ("HTTP/1.1", "close", False),
-        ("HTTP/1.1", "keep-alive, Close", False),
-        ("HTTP/1.0", None, False),
-        ("HTTP/1.0", "Keep-Alive", True),
-        ("HTTP/1.0", "keep-alive, close", False),
-    ],
-)
-def test_keep_alive_follows_the_version_and_connection(
-    version: str, connection: str | None, keep_alive: bool
-) -> None:
-    head = f"POST /v1/images/generations {version}\r\nHost: h"
-    if connection is not None:
-        head += f"\r\nConnection: {connection}"
-    request = server.parse_head(head.encode(), LIMIT)
-    assert request is not None and request.keep_alive == keep_alive
-
-
-def test_a_parsed_head_keeps_the_headers_as_sent() -> None:
-    head = (
-        b"POST /v1/images/generations?a=1 HTTP/1.1\r\nHost: h\r\n"
-        b"Authorization:  Bearer t \r\nContent-Length: 3"
-    )
-    request = server.parse_head(head, LIMIT)
-    assert request is not None
-    assert (request.method, request.target, request.path, request.length) == (
-        "POST", "/v1/images/generations?a=1", "/v1/images/generations", 3,
-    )  # fmt: skip
-    assert request.headers == [
-        ("Host", "h"), ("Authorization", "Bearer t"), ("Content-Length", "3"),
-    ]  # fmt: skip
+def test_which_requests_the_routers_own_server_takes(head: str, taken: bool) -> None:
+    if "HTTP/1.1" in head.partition("\r\n")[0]:
+        line, _, rest = head.partition("\r\n")
+        head = f"{line}\r\nHost: h" + (f"\r\n{rest}" if rest else "")
+    assert server.takes(http1.parse_request(head.encode()), LIMIT) == taken
