@@ -116,7 +116,9 @@ class Site(web.BaseSite):
     async def start(self) -> None:
         await super().start()
         loop = asyncio.get_running_loop()
-        state, max_body = self.state, self.max_body
+        # An app that forwards nothing (the metrics app) has every request relayed to aiohttp's
+        # server, under the same rules and deadlines.
+        state, max_body = self._app.get(STATE), self.max_body if CONFIG in self._app else -1
         self._server = await loop.create_server(
             lambda: _Connection(self, state, max_body),
             self._host,
@@ -175,7 +177,7 @@ class _Connection(asyncio.Protocol):
     """One client connection while the router's own server answers it; the `proxy.Reply` of
     the request in progress."""
 
-    def __init__(self, site: Site, state: ProxyState, max_body: int) -> None:
+    def __init__(self, site: Site, state: ProxyState | None, max_body: int) -> None:
         self.site, self.state, self.max_body = site, state, max_body
         self.transport: asyncio.Transport | None = None
         self.buffer = bytearray()
@@ -242,7 +244,7 @@ class _Connection(asyncio.Protocol):
             except http1.HttpError as e:
                 self._refuse(e)
                 return
-            if not takes(request, self.max_body):
+            if self.state is None or not takes(request, self.max_body):
                 self._hand_over()
                 return
             del buffer[:end]
@@ -257,7 +259,10 @@ class _Connection(asyncio.Protocol):
         del buffer[:length]
         self.request = None
         self.phase, self.deadline = _BUSY, math.inf
-        self.task = asyncio.get_running_loop().create_task(self._serve(request, body))
+        if self.state is not None:
+            self.task = asyncio.get_running_loop().create_task(
+                self._serve(self.state, request, body)
+            )
 
     def expire(self, now: float) -> None:
         """The phase's deadline passed: an idle connection is closed; a head that is not whole
@@ -297,12 +302,12 @@ class _Connection(asyncio.Protocol):
             transport.resume_reading()
         relay.start(data)
 
-    async def _serve(self, request: http1.Request, body: bytes) -> None:
+    async def _serve(self, state: ProxyState, request: http1.Request, body: bytes) -> None:
         self.minor, self.chunked, self.started = request.minor, False, False
         self.keep_alive = request.keep_alive and not self.site.closing
         try:
             await proxy.forward(
-                self.state, self, request.method, request.path, request.target,
+                state, self, request.method, request.path, request.target,
                 request.headers, body,
             )  # fmt: skip
         except ConnectionError:

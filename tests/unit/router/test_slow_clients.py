@@ -11,11 +11,14 @@ import contextlib
 from collections.abc import Callable
 
 import pytest
+from aiohttp import web
 from lora_router import http1, server
+from lora_router.app import metrics_app
+from lora_router.metrics import Metrics
 
 from tests.support.stand_ins import Pod, StartBackend, pods
 from tests.unit.router.conftest import Router, StartRouter
-from tests.unit.router.test_server import GENERATION, post, read_answers
+from tests.unit.router.test_server import GENERATION, exchange, post, read_answers
 
 HEALTH = b"GET /health HTTP/1.1\r\nHost: router\r\n\r\n"
 CHUNKED = (
@@ -152,3 +155,26 @@ async def test_a_body_that_keeps_up_gets_another_window_and_one_that_stops_does_
     assert statuses == ([200] if handed_over else [408])
     assert pod.calls["/v1/images/generations"] == 0
     assert not site.connections and not site.relays
+
+
+@pytest.mark.usefixtures("short_deadlines")
+async def test_a_site_of_an_app_that_forwards_nothing_reads_every_request_by_the_same_rules() -> (
+    None
+):
+    """The metrics app behind a `server.Site`: every request is aiohttp's server's, through the
+    relay (a generation too: there is nothing to forward it to), and slow clients are cut off."""
+    runner = web.AppRunner(metrics_app(Metrics()), access_log=None)
+    await runner.setup()
+    site = server.Site(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        metrics = b"GET /metrics HTTP/1.1\r\nHost: router\r\n\r\n"
+        answers = await exchange(site.port, metrics + post(headers=("Connection: close",)))
+        assert [a.status for a in answers] == [200, 404]
+        assert b"lora_router_requests_total" in answers[0].body
+        data = await trickle(site.port, metrics, metrics)
+        assert [a.status for a in read_answers(data)] == [200]
+        (refused,) = await exchange(site.port, b"GET /metrics HTTP/1.1\r\n\r\n")
+        assert refused.status == 400
+    finally:
+        await runner.cleanup()
