@@ -184,6 +184,17 @@ includes it, and helm renders every template, so any install or template reports
 The rules of the operator's work, in a ClusterRole (all namespaces) or a Role per watched
 namespace (templates/rbac.yaml). Each comment says why the operator needs the rule.
 */}}
+{{- define "lora-operator.secretRules" -}}
+# Only the Secrets named in a LoRAAdapter's spec.source.secretRef (hf/s3/https credentials), read
+# one by one when staging, and only in the namespaces operator.secretNamespaces (or
+# watchNamespaces) names. RBAC cannot name the Secrets in advance (users choose the names), so
+# this is get on Secrets of the namespace; never list or watch, so the operator cannot
+# enumerate them.
+- apiGroups: [""]
+  resources: [secrets]
+  verbs: [get]
+{{- end }}
+
 {{- define "lora-operator.workRules" -}}
 # The LoRAAdapters themselves: kopf lists and watches them, and patches them to add its finalizer
 # (so deletion unloads the adapter from every pod first) and its progress annotations. The
@@ -200,11 +211,11 @@ namespace (templates/rbac.yaml). Each comment says why the operator needs the ru
 - apiGroups: [""]
   resources: [pods]
   verbs: [get, list, watch]
-# Only the Secrets named in a LoRAAdapter's spec.source.secretRef (hf/s3/https credentials), read
-# one by one when staging. RBAC cannot name them in advance (users choose the names), so this is
-# get on Secrets of the namespace(s); never list or watch, so the operator cannot enumerate them.
-- apiGroups: [""]
-  resources: [secrets]
+# An inference pod's owner chain (Pod -> ReplicaSet -> Deployment, or -> StatefulSet), read
+# by name and matched by UID: only pods it ends at one of the release's workloads get tokens
+# and loads. Read one by one, never listed or watched, never changed.
+- apiGroups: [apps]
+  resources: [replicasets, deployments, statefulsets]
   verbs: [get]
 # Events on the LoRAAdapters (Ready, Degraded, LoadFailed... and why), so `kubectl describe lora`
 # shows them: one events.k8s.io Event per transition, and a patch of its series count when the

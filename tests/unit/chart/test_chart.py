@@ -184,12 +184,19 @@ def test_operator_defaults(helm: str) -> None:
     assert c["args"] == [
         "--standalone",
         "--volume-root=/var/lib/lora/adapters",
-        "--admin-token-file=/var/run/lora/admin-token/token",
-        # Only the release's own inference pods get the admin token and load calls.
+        # Pods are sent tokens of the operator's own account bound to their namespace; the
+        # admin token is not even mounted.
+        f"--pod-token-service-account={NAMESPACE}/{FULLNAME}-operator",
+        "--pod-token-seconds=3600",
+        # Only the release's own inference pods get tokens and load calls.
         f"--inference-service-account={FULLNAME}-inference",
         f"--inference-namespace={NAMESPACE}",
         f"--inference-workload={FULLNAME}-inference",
-        "--inference-legacy-service-account=default",
+        # Sources: the Hub only, every private range refused, a quota per namespace.
+        "--source-host=huggingface.co",
+        "--source-host=*.huggingface.co",
+        "--source-host=*.hf.co",
+        "--namespace-quota=20GiB",
         # No tenant borrows the operator's cloud identity unless the values say so.
         "--no-ambient-credentials",
         "--health-port=8080",
@@ -200,6 +207,9 @@ def test_operator_defaults(helm: str) -> None:
         "--resync-seconds=30",
         "--load-timeout-seconds=120",
     ]
+    assert "admin-token" not in {
+        v["name"] for v in deployment["spec"]["template"]["spec"]["volumes"]
+    }
     assert {p["name"]: p["containerPort"] for p in c["ports"]} == {"health": 8080, "metrics": 9090}
     for probe in ("livenessProbe", "readinessProbe"):
         assert c[probe]["httpGet"] == {"path": "/healthz", "port": "health"}
@@ -246,14 +256,11 @@ def test_operator_options_reach_its_arguments(helm: str) -> None:
 def test_operator_arguments_parse_with_the_operator_parser(
     helm: str, flags: list[str], tmp_path: Path
 ) -> None:
-    token = tmp_path / "token"
-    token.write_text("s3cret\n")
-    args = [
-        f"--admin-token-file={token}" if a.startswith("--admin-token-file=") else a
-        for a in operator_args(render(helm, "--set", "operator.hfEndpoint=https://hub", *flags))
-    ]
+    args = operator_args(render(helm, "--set", "operator.hfEndpoint=https://hub", *flags))
     parsed = config.parse_args(args)
-    assert parsed.admin_token == "s3cret"
+    assert parsed.pod_token_service_account == (NAMESPACE, f"{FULLNAME}-operator")
+    assert parsed.admin_token is None and parsed.namespace_quota == 20 * 1024**3
+    assert parsed.source_rules.hosts == ("huggingface.co", "*.huggingface.co", "*.hf.co")
     assert str(parsed.volume_root) == "/var/lib/lora/adapters"
     assert parsed.hf_endpoint == "https://hub"
     if flags:
@@ -297,6 +304,8 @@ def test_namespaced_peering_uses_a_kopfpeering_per_namespace(helm: str) -> None:
     assert sorted(p["metadata"]["namespace"] for p in peerings) == ["team-a", "team-b"]
     assert {p["metadata"]["name"] for p in peerings} == {FULLNAME}
     for role in of_component(docs, "Role", "operator"):
+        if role["metadata"]["name"].endswith("-tokens"):
+            continue  # the release namespace's: the operator's own tokens
         assert {
             "apiGroups": ["kopf.dev"],
             "resources": ["kopfpeerings"],
@@ -314,9 +323,20 @@ WORK_RULES = [
     },
     {"apiGroups": ["lora.dev"], "resources": ["loraadapters/status"], "verbs": ["get", "patch"]},
     {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
-    {"apiGroups": [""], "resources": ["secrets"], "verbs": ["get"]},
+    {
+        "apiGroups": ["apps"],
+        "resources": ["replicasets", "deployments", "statefulsets"],
+        "verbs": ["get"],
+    },
     {"apiGroups": ["events.k8s.io"], "resources": ["events"], "verbs": ["create", "patch"]},
 ]
+SECRET_RULE = {"apiGroups": [""], "resources": ["secrets"], "verbs": ["get"]}
+TOKEN_RULE = {
+    "apiGroups": [""],
+    "resources": ["serviceaccounts/token"],
+    "resourceNames": [f"{FULLNAME}-operator"],
+    "verbs": ["create"],
+}
 CRD_RULE = {
     "apiGroups": ["apiextensions.k8s.io"],
     "resources": ["customresourcedefinitions"],
@@ -325,11 +345,37 @@ CRD_RULE = {
 NAMESPACE_RULE = {"apiGroups": [""], "resources": ["namespaces"], "verbs": ["list", "watch"]}
 
 
-def test_rbac_all_namespaces_is_a_cluster_role(helm: str) -> None:
+def roles_by_name(docs: list[Obj], kind: str = "Role") -> dict[tuple[str, str], Obj]:
+    return {
+        (r["metadata"]["namespace"], r["metadata"]["name"]): r
+        for r in of_component(docs, kind, "operator")
+    }
+
+
+def test_rbac_all_namespaces_is_a_cluster_role_reading_secrets_of_the_release_only(
+    helm: str,
+) -> None:
     docs = render(helm)
-    assert of_component(docs, "Role", "operator") == []
-    assert of_component(docs, "RoleBinding", "operator") == []
+    # Secrets: get in the release namespace only; the operator's own tokens, no one else's.
+    roles = roles_by_name(docs)
+    assert roles == {
+        (NAMESPACE, f"{FULLNAME}-operator-secrets"): roles[
+            (NAMESPACE, f"{FULLNAME}-operator-secrets")
+        ],
+        (NAMESPACE, f"{FULLNAME}-operator-tokens"): roles[
+            (NAMESPACE, f"{FULLNAME}-operator-tokens")
+        ],
+    }
+    assert roles[(NAMESPACE, f"{FULLNAME}-operator-secrets")]["rules"] == [SECRET_RULE]
+    assert roles[(NAMESPACE, f"{FULLNAME}-operator-tokens")]["rules"] == [TOKEN_RULE]
+    assert set(roles_by_name(docs, "RoleBinding")) == set(roles)
     assert one(docs, "ClusterRole", f"{FULLNAME}-operator")["rules"] == WORK_RULES
+    # One value opens more: named namespaces, or every one.
+    more = roles_by_name(render(helm, "--set", "operator.secretNamespaces={team-a,team-b}"))
+    assert {ns for ns, name in more if name.endswith("-secrets")} == {"team-a", "team-b"}
+    every = render(helm, "--set", "operator.secretNamespaces={*}")
+    assert one(every, "ClusterRole", f"{FULLNAME}-operator")["rules"] == [*WORK_RULES, SECRET_RULE]
+    assert not [n for _, n in roles_by_name(every) if n.endswith("-secrets")]
     assert one(docs, "ClusterRole", f"{FULLNAME}-operator-cluster")["rules"] == [CRD_RULE]
     for name in (f"{FULLNAME}-operator", f"{FULLNAME}-operator-cluster"):
         binding = one(docs, "ClusterRoleBinding", name)
@@ -341,16 +387,23 @@ def test_rbac_all_namespaces_is_a_cluster_role(helm: str) -> None:
 
 def test_rbac_watched_namespaces_get_a_role_each(helm: str) -> None:
     docs = render(helm, "--set", "operator.watchNamespaces={team-a,team-b}")
-    roles = of_component(docs, "Role", "operator")
-    assert sorted(r["metadata"]["namespace"] for r in roles) == ["team-a", "team-b"]
-    for role in roles:
-        assert role["rules"] == WORK_RULES
+    roles = roles_by_name(docs)
+    assert set(roles) == {
+        ("team-a", f"{FULLNAME}-operator"),
+        ("team-b", f"{FULLNAME}-operator"),
+        (NAMESPACE, f"{FULLNAME}-operator-tokens"),
+    }
+    for (_, name), role in roles.items():
+        assert role["rules"] == (
+            [TOKEN_RULE] if name.endswith("-tokens") else [*WORK_RULES, SECRET_RULE]
+        )
     bindings = of_component(docs, "RoleBinding", "operator")
-    assert sorted(b["metadata"]["namespace"] for b in bindings) == ["team-a", "team-b"]
+    assert set(roles_by_name(docs, "RoleBinding")) == set(roles)
     for binding in bindings:
         assert binding["subjects"][0]["namespace"] == NAMESPACE
-    # Only the cluster-scoped reads kopf needs stay cluster-wide.
-    assert [c["metadata"]["name"] for c in of_kind(docs, "ClusterRole")] == [
+    # Only the cluster-scoped reads kopf needs stay cluster-wide (besides the inference pods'
+    # token reviews).
+    assert [c["metadata"]["name"] for c in of_component(docs, "ClusterRole", "operator")] == [
         f"{FULLNAME}-operator-cluster"
     ]
     cluster_rules = one(docs, "ClusterRole", f"{FULLNAME}-operator-cluster")["rules"]
@@ -427,7 +480,9 @@ def test_existing_claims_are_used_instead_of_created_ones(helm: str) -> None:
         spec = one(docs, "Deployment", f"{FULLNAME}-{name}")["spec"]["template"]["spec"]
         volumes = {v["name"]: v for v in spec["volumes"]}
         assert volumes["adapters"]["persistentVolumeClaim"]["claimName"] == "shared-lora-adapters"
-        assert volumes["admin-token"]["secret"]["secretName"] == "lora-admin-token"
+    spec = one(docs, "Deployment", f"{FULLNAME}-inference")["spec"]["template"]["spec"]
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    assert volumes["admin-token"]["secret"]["secretName"] == "lora-admin-token"
     inference = one(docs, "Deployment", f"{FULLNAME}-inference")
     volumes = {v["name"]: v for v in inference["spec"]["template"]["spec"]["volumes"]}
     assert volumes["model"]["persistentVolumeClaim"] == {"claimName": "models", "readOnly": True}
@@ -436,10 +491,49 @@ def test_existing_claims_are_used_instead_of_created_ones(helm: str) -> None:
     assert "--model=/models/stable-diffusion-v1-5" in container(inference)["args"]
 
 
-def test_generated_admin_token_is_mounted_in_operator_and_inference(helm: str) -> None:
+def test_the_operator_proves_itself_with_bound_tokens_that_the_pods_review(helm: str) -> None:
+    """By default the operator mounts no admin token: it sends ServiceAccount tokens bound to
+    each pod's namespace, and the pods, whose account may only review tokens, check them."""
     docs = render(helm)
+    operator = one(docs, "Deployment", f"{FULLNAME}-operator")
+    assert not [a for a in container(operator)["args"] if a.startswith("--admin-token-file")]
+    inference = one(docs, "Deployment", f"{FULLNAME}-inference")
+    spec = inference["spec"]["template"]["spec"]
+    assert spec["automountServiceAccountToken"] is True
+    args = container(inference)["args"]
+    assert f"--operator-service-account={NAMESPACE}/{FULLNAME}-operator" in args
+    review = one(docs, "ClusterRole", f"{FULLNAME}-inference-tokenreview")
+    assert review["rules"] == [
+        {"apiGroups": ["authentication.k8s.io"], "resources": ["tokenreviews"], "verbs": ["create"]}
+    ]
+    accounts = render(helm, "--set", "operator.inferencePods.namespaces={team-a}")
+    binding = one(accounts, "ClusterRoleBinding", f"{FULLNAME}-inference-tokenreview")
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": f"{FULLNAME}-inference", "namespace": ns}
+        for ns in (NAMESPACE, "team-a")
+    ]
+    created = [
+        a
+        for a in of_kind(accounts, "ServiceAccount")
+        if a["metadata"]["name"] == f"{FULLNAME}-inference"
+    ]
+    assert sorted(a["metadata"]["namespace"] for a in created) == sorted([NAMESPACE, "team-a"])
+    assert all(a["automountServiceAccountToken"] is False for a in created)
+
+
+def test_the_admin_token_mode_mounts_the_admin_token_in_operator_and_inference(
+    helm: str,
+) -> None:
+    docs = render(helm, "--set", "operator.podAuth=adminToken")
     # Never rendered: a hook Job creates it once (tests/e2e/test_gitops.py).
     assert of_kind(docs, "Secret") == []
+    assert not of_kind(docs, "ClusterRoleBinding") or not [
+        b
+        for b in of_kind(docs, "ClusterRoleBinding")
+        if b["metadata"]["name"].endswith("tokenreview")
+    ]
+    inference = one(docs, "Deployment", f"{FULLNAME}-inference")
+    assert inference["spec"]["template"]["spec"]["automountServiceAccountToken"] is False
     for name in ("operator", "inference"):
         deployment = one(docs, "Deployment", f"{FULLNAME}-{name}")
         volumes = {v["name"]: v for v in deployment["spec"]["template"]["spec"]["volumes"]}
@@ -735,7 +829,7 @@ def test_alerts_select_what_the_monitors_scrape_and_metrics_the_code_registers(
             "needs operator.service.enabled=true",
         ),
         (
-            ["--set", "networkPolicy.enabled=true", "--set", "router.enabled=false"],
+            ["--set", "networkPolicy.allowFrom=null", "--set", "router.enabled=false"],
             "networkPolicy.allowFrom is empty",
         ),
     ],
@@ -815,8 +909,12 @@ def test_network_policy_admits_the_operator_router_helm_test_and_allow_from(helm
     test_pod = one(docs, "Pod", f"{FULLNAME}-test-health")
     spec = policy["spec"]
     assert spec["podSelector"] == inference["spec"]["selector"]
-    # The inference pods open no connection at all.
-    assert (spec["policyTypes"], spec["egress"]) == (["Ingress", "Egress"], [])
+    # The inference pods open one kind of connection: to the API server, for TokenReview. With
+    # no cluster to look its addresses up (helm template), its ports only.
+    assert spec["policyTypes"] == ["Ingress", "Egress"]
+    assert spec["egress"] == [
+        {"ports": [{"port": 443, "protocol": "TCP"}, {"port": 6443, "protocol": "TCP"}]}
+    ]
     [ingress] = spec["ingress"]
     assert ingress["ports"] == [{"port": "http", "protocol": "TCP"}]
     peers = ingress["from"]
@@ -827,4 +925,18 @@ def test_network_policy_admits_the_operator_router_helm_test_and_allow_from(helm
     assert peers[2]["podSelector"]["matchLabels"].items() <= test_pod["metadata"]["labels"].items()
     values = yaml.safe_load((CHART / "ci" / "production-values.yaml").read_text())
     assert peers[3:] == values["networkPolicy"]["allowFrom"]
-    assert of_kind(render(helm), "NetworkPolicy") == []
+    # On by default: the release namespace's own pods are the clients, nobody else.
+    defaults = render(helm)
+    default_peers = one(defaults, "NetworkPolicy", f"{FULLNAME}-inference")["spec"]["ingress"][0]
+    assert default_peers["from"][3:] == [{"podSelector": {}}]
+    assert one(defaults, "NetworkPolicy", f"{FULLNAME}-router")
+    assert of_kind(render(helm, "--set", "networkPolicy.enabled=false"), "NetworkPolicy") == []
+    # Named addresses pin the egress; the admin token mode needs none at all.
+    pinned = render(helm, "--set", "networkPolicy.apiServerCIDRs={10.0.0.1/32,192.168.1.10/32}")
+    egress = one(pinned, "NetworkPolicy", f"{FULLNAME}-inference")["spec"]["egress"]
+    assert egress[0]["to"] == [
+        {"ipBlock": {"cidr": "10.0.0.1/32"}},
+        {"ipBlock": {"cidr": "192.168.1.10/32"}},
+    ]
+    static = render(helm, "--set", "operator.podAuth=adminToken")
+    assert one(static, "NetworkPolicy", f"{FULLNAME}-inference")["spec"]["egress"] == []
