@@ -25,13 +25,10 @@ from __future__ import annotations
 import ipaddress
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
-from urllib.parse import urlsplit
 
-from lora_operator import errors, sources
+from lora_operator import errors
 
 CONSENT_KEY = "lora.dev/source-credentials"
-DEFAULT_HF_HOST = "huggingface.co"
-DEFAULT_S3_HOST = "s3.amazonaws.com"
 ANY_HOST = "*"
 # The values that open what is refused, as the chart names them (and the operator's flags).
 HOSTS_VALUE = "operator.sourceHosts (--source-host)"
@@ -126,27 +123,6 @@ def check_secret(name: str, labels: Mapping[str, str], annotations: Mapping[str,
             f"LoRAAdapters: label it {CONSENT_KEY}=true (kubectl label secret {name} "
             f"{CONSENT_KEY}=true), then apply the adapter again"
         )
-
-
-def source_endpoint(
-    source: sources.Source, credentials: sources.Credentials, hf_endpoint: str | None
-) -> tuple[str, int] | None:
-    """The host and port the operator connects to for `source` (None: a volume path) (pure)."""
-    if isinstance(source, sources.HttpsSource):
-        url = source.url
-    elif isinstance(source, sources.HfSource):
-        url = hf_endpoint or f"https://{DEFAULT_HF_HOST}"
-    elif isinstance(source, sources.S3Source):
-        url = credentials.aws_endpoint_url or f"https://{DEFAULT_S3_HOST}"
-    else:
-        return None
-    parts = urlsplit(url)
-    try:
-        port = parts.port
-    except ValueError:
-        port = None
-    host = (parts.hostname or "").lower()
-    return (host, port or (80 if parts.scheme == "http" else 443)) if host else None
 
 
 def host_allowed(host: str, allowed: Collection[str]) -> bool:

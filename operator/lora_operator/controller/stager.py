@@ -173,7 +173,6 @@ class Stager(Actor):
             source = sources.parse_source(info.source.uri, info.source.revision)
             described = sources.describe(source)
             credentials = await self._credentials(info)
-            self._check_source(source, credentials)
             staged = await volume.stage(
                 info.namespace,
                 info.name,
@@ -333,13 +332,6 @@ class Stager(Actor):
         # refused, and its values never leave the operator.
         consent.check_secret(ref, secret.labels, secret.annotations)
         return dataclasses.replace(sources.credentials_from_secret(secret.data), ambient=ambient)
-
-    def _check_source(self, source: sources.Source, credentials: sources.Credentials) -> None:
-        """Refuse a host outside the allowlist before anything is fetched; every address is
-        checked where the socket opens (egress), on every redirect."""
-        endpoint = consent.source_endpoint(source, credentials, self.config.hf_endpoint)
-        if endpoint is not None:
-            consent.check_host(endpoint[0], self.config.source_rules, sources.describe(source))
 
 
 def _log_if_died(task: asyncio.Task[None]) -> None:
