@@ -37,6 +37,24 @@ PLURAL = "loraadapters"
 KIND = "LoRAAdapter"
 
 
+# A container as trust compares it: (name, image, command, args).
+Container = tuple[str, str, tuple[str, ...], tuple[str, ...]]
+
+
+def containers_of(spec: Mapping[str, Any]) -> tuple[Container, ...]:
+    """The (name, image, command, args) of a pod spec's or template's containers (pure)."""
+    return tuple(
+        (
+            str(c.get("name", "")),
+            str(c.get("image", "")),
+            tuple(str(a) for a in c.get("command") or ()),
+            tuple(str(a) for a in c.get("args") or ()),
+        )
+        for c in spec.get("containers") or ()
+        if isinstance(c, Mapping)
+    )
+
+
 @dataclass(frozen=True)
 class PodInfo:
     namespace: str
@@ -53,6 +71,9 @@ class PodInfo:
     # its ServiceAccount, and its controlling owner as (kind, name, uid), None for a bare pod.
     service_account: str = "default"
     owner: tuple[str, str, str] | None = None
+    # What it runs: (name, image, command, args) per container (trust compares them with its
+    # owner's template).
+    containers: tuple[Container, ...] = ()
     # `labels` as a mapping, built once: every adapter's selector reads it at every pass.
     label_map: Mapping[str, str] = field(init=False, repr=False, compare=False)
 
@@ -101,6 +122,7 @@ def pod_info(body: Mapping[str, Any]) -> PodInfo:
         deleting=meta.get("deletionTimestamp") is not None,
         labels=tuple(sorted((meta.get("labels") or {}).items())),
         service_account=str((body.get("spec") or {}).get("serviceAccountName") or "default"),
+        containers=containers_of(body.get("spec") or {}),
         owner=next(
             (
                 (str(o.get("kind", "")), str(o.get("name", "")), str(o.get("uid", "")))

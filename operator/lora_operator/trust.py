@@ -15,7 +15,15 @@ skipped when the policy leaves it open, as an operator run by hand does; the cha
   one of the release's workloads (`--inference-workload`): Pod -> ReplicaSet -> Deployment, or
   Pod -> StatefulSet. A pod whose ownerReference names a Deployment directly is forged
   (Deployments own ReplicaSets, not pods); a reference whose UID is not the named object's is
-  forged or stale; and the pod's ServiceAccount must be the one its workload's template names.
+  forged or stale; the pod's ServiceAccount must be the one its workload's template names; and
+  it must run its owner's containers as the owner's template declares them (image, command,
+  arguments), so a pod that claims a genuine owner runs the release's server, not its own.
+
+Within one namespace, whoever may create pods and ReplicaSets there can still copy a genuine
+ReplicaSet's reference and template for the moments before the Deployment and ReplicaSet
+controllers release or remove the copy: such a pod runs the release's own server, and what it
+could be sent opens that namespace's pods only (`lora_volume.podauth`). The identity prover
+reads every chain again at least once a minute, so a released copy loses its trust.
 
 The I/O is the controller's (`controller.identity`): it asks `next_owner` which object to read,
 reads it, and repeats, then asks `refusal` for the verdict on the chain it read.
@@ -28,7 +36,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from lora_operator.model import PodInfo
+from lora_operator.model import Container, PodInfo, containers_of
 
 # The workload kinds a chain may end at, and the owner kinds a pod may name.
 DEPLOYMENT, REPLICASET, STATEFULSET = "Deployment", "ReplicaSet", "StatefulSet"
@@ -73,6 +81,7 @@ class Owner:
     uid: str
     controller: Ref | None  # its own controlling owner
     service_account: str  # the ServiceAccount its pod template names ("default" when none)
+    containers: tuple[Container, ...] = ()  # its pod template's
 
 
 def owner_from(kind: str, body: Mapping[str, Any]) -> Owner:
@@ -85,6 +94,7 @@ def owner_from(kind: str, body: Mapping[str, Any]) -> Owner:
         uid=str(meta.get("uid", "")),
         controller=controller_ref(meta.get("ownerReferences")),
         service_account=str(template.get("serviceAccountName") or "default"),
+        containers=containers_of(template),
     )
 
 
@@ -144,6 +154,20 @@ def static_refusal(pod: PodInfo, policy: Policy) -> str | None:
     return None
 
 
+def unlike_template(pod: PodInfo, owner: Owner) -> str | None:
+    """Why `pod` does not run what `owner`'s template declares, or None when every container of
+    the template is in the pod with its image, command and arguments (pure). Containers the pod
+    has besides (a service mesh's sidecar) do not count."""
+    mine = {c[0]: c for c in pod.containers}
+    for container in owner.containers:
+        if mine.get(container[0]) != container:
+            return (
+                f"its container {container[0]!r} is not the one {owner.kind} {owner.name}'s "
+                "template declares (image, command and arguments)"
+            )
+    return None
+
+
 def refusal(pod: PodInfo, policy: Policy, chain: Sequence[Owner] = ()) -> str | None:
     """Why `pod` is not one of the release's inference pods, or None when it is, given the
     owners read from the API server along its chain (`next_owner`'s order) (pure)."""
@@ -152,7 +176,7 @@ def refusal(pod: PodInfo, policy: Policy, chain: Sequence[Owner] = ()) -> str | 
         return reason  # (a bare pod is refused by static_refusal when the chain is needed)
     ref = Ref(*pod.owner)
     workload: Owner | None = None
-    for owner in chain:
+    for i, owner in enumerate(chain):
         if owner.kind != ref.kind or owner.name != ref.name:
             return f"the API server returned {owner.kind} {owner.name} for {ref.kind} {ref.name}"
         if owner.uid != ref.uid:
@@ -160,6 +184,8 @@ def refusal(pod: PodInfo, policy: Policy, chain: Sequence[Owner] = ()) -> str | 
                 f"its owner reference names {ref.kind} {ref.name} with UID {ref.uid}, but that "
                 f"object's UID is {owner.uid}: the reference is forged or stale"
             )
+        if i == 0 and (unlike := unlike_template(pod, owner)) is not None:
+            return unlike
         if owner.kind != REPLICASET:
             workload = owner
             break
@@ -173,9 +199,10 @@ def refusal(pod: PodInfo, policy: Policy, chain: Sequence[Owner] = ()) -> str | 
             f"it is owned by {workload.kind} {workload.name}, not by one of the release's "
             f"inference workloads ({', '.join(sorted(policy.workloads)) or 'none'})"
         )
-    if pod.service_account != workload.service_account:
+    maker = chain[0]  # the template the pod was made from (a rollout's old pods: the old one)
+    if pod.service_account != maker.service_account:
         return (
-            f"it runs as ServiceAccount {pod.service_account!r}, but {workload.kind} "
-            f"{workload.name} runs its pods as {workload.service_account!r}"
+            f"it runs as ServiceAccount {pod.service_account!r}, but {maker.kind} "
+            f"{maker.name} runs its pods as {maker.service_account!r}"
         )
     return None

@@ -188,6 +188,8 @@ class Controller:
         self.hub.spawn(self.writer.run(), name="status-writer")
         self.hub.spawn(self.collector.run(), name="collector")
         self.hub.spawn(self.autoscaler.run(), name="autoscaler")
+        if self.prover.policy.needs_chain:
+            self.hub.spawn(self.prover.run(), name="identity")
         if self.config.standalone:
             self.set_active(True)
             return

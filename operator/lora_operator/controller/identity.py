@@ -3,9 +3,11 @@ each pod's owner chain from the API server by UID (trust decides; this actor rea
 verdicts, by pod UID, and the owners read, by their UID.
 
 A pod with no verdict yet is neither trusted nor refused: it gets no worker and no placement
-until its chain is read. A verdict is final for the pod's UID and controlling owner (a pod's
-ownerReferences may change: that is a new question). A chain that cannot be read (the API
-server away) is read again with backoff; the pod waits meanwhile.
+until its chain is read. A verdict is about the pod's UID and controlling owner (a pod's
+ownerReferences may change: that is a new question), and a trusted pod's chain is read again
+every `OWNER_TTL_S` (an owner's own reference may change: a controller releasing a copy), so
+trust is never older than that. A chain that cannot be read (the API server away) is read again
+with backoff; the pod waits meanwhile, and a trusted pod stays trusted.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ class Identity(Actor):
         self._verdicts: dict[str, Verdict] = {}  # by pod UID
         self._proving: dict[str, asyncio.Task[None]] = {}  # by pod UID
         self._owners: dict[OwnerKey, tuple[float, trust.Owner | None]] = {}
-        self._latest: dict[str, PodInfo] = {}  # by pod UID: the newest event's, while proving
+        self._latest: dict[str, PodInfo] = {}  # by pod UID: the newest event's
 
     def trusted(self, info: PodInfo) -> bool:
         """Whether `info` is proven to be one of the release's inference pods."""
@@ -61,10 +63,10 @@ class Identity(Actor):
             return False
         if not self.policy.needs_chain:
             return True
+        self._latest[info.uid] = info
         v = self._verdicts.get(info.uid)
         if v is not None and v.owner == info.owner:
             return v.refusal is None
-        self._latest[info.uid] = info
         if info.uid not in self._proving:
             self._proving[info.uid] = asyncio.create_task(self._prove(info))
         return False
@@ -110,9 +112,30 @@ class Identity(Actor):
         )
         if reason is not None:
             self.signals.pod_refused(info, reason)
-        latest = self._latest.pop(info.uid, info)
+        latest = self._latest.get(info.uid, info)
         if latest.owner == info.owner:
             self.signals.pod_proven(latest)
+
+    async def run(self) -> None:
+        """Read every trusted pod's chain again, once per `OWNER_TTL_S`: a pod whose chain no
+        longer holds loses its worker (`pod_proven` after the new verdict)."""
+        while True:
+            await asyncio.sleep(OWNER_TTL_S)
+            for uid, v in list(self._verdicts.items()):
+                info = self._latest.get(uid)
+                if v.refusal is not None or info is None or uid in self._proving:
+                    continue
+                try:
+                    reason = trust.refusal(info, self.policy, await self._chain(info))
+                except (kube.ApiError, OSError, TimeoutError):
+                    continue  # the API server away: keep what was proven, read again later
+                except kube.InvalidName as e:
+                    reason = f"its owner reference is not a Kubernetes name: {e}"
+                if reason is not None and self._verdicts.get(uid) == v:
+                    self._verdicts[uid] = Verdict(info.owner, reason)
+                    log.info("action=prove pod=%s/%s result=refused reason=%r", *info.key, reason)
+                    self.signals.pod_refused(info, reason)
+                    self.signals.pod_proven(self._latest.get(uid, info))
 
     async def _chain(self, info: PodInfo) -> list[trust.Owner]:
         chain: list[trust.Owner] = []

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from lora_operator import kube
+from lora_operator.controller import identity
 from lora_operator.model import PodInfo, pod_info
 
 from tests.support.controller import NS, Rig, adapter
@@ -33,14 +34,18 @@ DEPLOY: dict[str, Any] = {
 }
 
 
+CONTAINERS = [{"name": "inference", "image": "registry/inference:1", "args": ["serve"]}]
+
+
 def apps_object(ref: dict[str, Any], owner: dict[str, Any] | None) -> dict[str, Any]:
+    template = {"serviceAccountName": "rel-inference", "containers": CONTAINERS}
     return {
         "metadata": {
             "name": ref["name"],
             "uid": ref["uid"],
             "ownerReferences": [owner] * bool(owner),
         },
-        "spec": {"template": {"spec": {"serviceAccountName": "rel-inference"}}},
+        "spec": {"template": {"spec": template}},
     }
 
 
@@ -55,7 +60,7 @@ def labelled_pod(name: str, owner: dict[str, Any] | None) -> PodInfo:
     return pod_info(
         {
             "metadata": meta,
-            "spec": {"serviceAccountName": "rel-inference"},
+            "spec": {"serviceAccountName": "rel-inference", "containers": CONTAINERS},
             "status": {"podIP": "10.0.0.1", "conditions": [{"type": "Ready", "status": "True"}]},
         }
     )
@@ -122,3 +127,30 @@ async def test_an_owner_reference_that_is_no_name_is_refused_without_a_read(tmp_
         c.pod_changed(labelled_pod("p", {**RS, "name": "../../secrets/x"}))
         await until("refused", lambda: any(e[2] == "UntrustedInferencePod" for e in rig.api.events))
         assert "not a Kubernetes name" in rig.api.events[-1][3]
+
+
+async def test_a_trusted_pod_whose_chain_no_longer_holds_loses_its_worker(
+    tmp_path: Path, monkeypatch: Any
+) -> None:
+    """A copy of the genuine ReplicaSet that the Deployment controller releases: trusted while
+    its chain held, refused once it is read again, and called no more."""
+    monkeypatch.setattr(identity, "OWNER_TTL_S", 0.3)
+    async with Rig(tmp_path, **POLICY) as rig:
+        release_objects(rig)
+        c = rig.controller
+        c.start()
+        c.adapter_changed(adapter(rig.volume, "a"))
+        c.pod_changed(labelled_pod("p", RS))
+        await until("loaded", lambda: ("load", "p", "a") in rig.log)
+        # The ReplicaSet is released: its controller reference is gone.
+        rig.api.owners[("ReplicaSet", RS["name"])] = apps_object(RS, None)
+        await until(
+            "refused on the next reading",
+            lambda: any(e[2] == "UntrustedInferencePod" for e in rig.api.events),
+            timeout=10,
+        )
+        assert "not controlled by a Deployment" in rig.api.events[-1][3]
+        await until("its worker gone", lambda: ("ns", "p") not in c.pods)
+        calls = len(rig.log)
+        await asyncio.sleep(1)  # resyncs every 0.3 s: nothing more for it
+        assert len(rig.log) == calls

@@ -16,10 +16,14 @@ POLICY = trust.Policy(
 )
 
 
+CONTAINERS = [{"name": "inference", "image": "registry/inference:1", "args": ["serve"]}]
+
+
 def pod(
     namespace: str = "lora",
     sa: str | None = "rel-inference",
     owner: dict[str, Any] | None = None,
+    containers: list[dict[str, Any]] = CONTAINERS,
 ) -> model.PodInfo:
     meta: dict[str, Any] = {
         "namespace": namespace,
@@ -29,7 +33,9 @@ def pod(
     }
     if owner is not None:
         meta["ownerReferences"] = [{"kind": "Other", "name": "x", "uid": "o0"}, owner]
-    spec = {"serviceAccountName": sa} if sa else {}
+    spec: dict[str, Any] = {"containers": containers}
+    if sa:
+        spec["serviceAccountName"] = sa
     return model.pod_info({"metadata": meta, "spec": spec, "status": {}})
 
 
@@ -37,15 +43,21 @@ RS_REF = {"kind": "ReplicaSet", "name": "rel-inference-5f7c9", "uid": "rs1", "co
 DEPLOY_REF = {"kind": "Deployment", "name": "rel-inference", "uid": "d1", "controller": True}
 
 
-def body(kind_ref: dict[str, Any], owner: dict[str, Any] | None, sa: str = "rel-inference"):  # type: ignore[no-untyped-def]
+def body(
+    kind_ref: dict[str, Any],
+    owner: dict[str, Any] | None,
+    sa: str = "rel-inference",
+    containers: list[dict[str, Any]] = CONTAINERS,
+) -> dict[str, Any]:
     """An apps/v1 object as the API server returns it."""
+    template = {"serviceAccountName": sa, "containers": containers}
     return {
         "metadata": {
             "name": kind_ref["name"],
             "uid": kind_ref["uid"],
             "ownerReferences": [owner] if owner else [],
         },
-        "spec": {"template": {"spec": {"serviceAccountName": sa}}},
+        "spec": {"template": {"spec": template}},
     }
 
 
@@ -65,6 +77,12 @@ def walk(p: model.PodInfo, objects: dict[tuple[str, str], Owner]) -> list[Owner]
 
 
 OBJECTS = {("ReplicaSet", RS.name): RS, ("Deployment", DEPLOY.name): DEPLOY}
+
+
+def test_extra_containers_of_a_mesh_do_not_count() -> None:
+    sidecar = {"name": "istio-proxy", "image": "istio/proxyv2:1"}
+    p = pod(owner=RS_REF, containers=[*CONTAINERS, sidecar])
+    assert trust.refusal(p, POLICY, walk(p, OBJECTS)) is None
 
 
 def test_the_releases_own_pod_is_trusted_through_its_chain() -> None:
@@ -117,9 +135,23 @@ def _owner_gone() -> tuple[model.PodInfo, list[Owner]]:
 
 
 def _template_runs_as_another_account() -> tuple[model.PodInfo, list[Owner]]:
-    deploy = trust.owner_from("Deployment", body(DEPLOY_REF, None, sa="something-else"))
+    rs = trust.owner_from("ReplicaSet", body(RS_REF, DEPLOY_REF, sa="something-else"))
     p = pod(owner=RS_REF)
-    return p, walk(p, {("ReplicaSet", RS.name): RS, ("Deployment", DEPLOY.name): deploy})
+    return p, walk(p, {("ReplicaSet", RS.name): rs, ("Deployment", DEPLOY.name): DEPLOY})
+
+
+def _a_genuine_reference_on_a_pod_of_ones_own() -> tuple[model.PodInfo, list[Owner]]:
+    """A bare pod that copies the genuine ReplicaSet's reference, UID included, but runs an
+    image of its own."""
+    mine = [{"name": "inference", "image": "attacker/collector:1", "args": ["serve"]}]
+    p = pod(owner=RS_REF, containers=mine)
+    return p, walk(p, OBJECTS)
+
+
+def _the_server_with_other_arguments() -> tuple[model.PodInfo, list[Owner]]:
+    mine = [{**CONTAINERS[0], "args": ["serve", "--no-admin-token"]}]
+    p = pod(owner=RS_REF, containers=mine)
+    return p, walk(p, OBJECTS)
 
 
 def _not_a_release_workload() -> tuple[model.PodInfo, list[Owner]]:
@@ -147,6 +179,8 @@ def _not_a_release_workload() -> tuple[model.PodInfo, list[Owner]]:
         (_owner_gone, "does not exist"),
         (_template_runs_as_another_account, "'something-else'"),
         (_not_a_release_workload, "Deployment other"),
+        (_a_genuine_reference_on_a_pod_of_ones_own, "template declares"),
+        (_the_server_with_other_arguments, "template declares"),
     ],
     ids=[
         "other-namespace",
@@ -163,6 +197,8 @@ def _not_a_release_workload() -> tuple[model.PodInfo, list[Owner]]:
         "owner-gone",
         "template-service-account-differs",
         "other-workload",
+        "genuine-reference-other-image",
+        "genuine-reference-other-arguments",
     ],
 )
 def test_a_lookalike_is_refused_saying_why(case: Any, words: str) -> None:
@@ -215,9 +251,11 @@ def test_a_legacy_service_account_passes_only_through_a_proven_chain() -> None:
         workloads=POLICY.workloads,
         legacy_service_accounts=frozenset({"default"}),
     )
-    old_deploy = trust.owner_from("Deployment", body(DEPLOY_REF, None, sa="default"))
+    # The previous version's ReplicaSet made its pods as `default`; the Deployment's template
+    # has moved on to the inference account.
+    old_rs = trust.owner_from("ReplicaSet", body(RS_REF, DEPLOY_REF, sa="default"))
     p = pod(sa=None, owner=RS_REF)
-    assert trust.refusal(p, policy, [RS, old_deploy]) is None
+    assert trust.refusal(p, policy, [old_rs, DEPLOY]) is None
     assert trust.refusal(pod(sa=None), policy) is not None  # a bare pod as `default`
     assert "'rel-inference'" in (trust.refusal(p, policy, [RS, DEPLOY]) or "")
     assert "ServiceAccount 'other'" in (trust.refusal(pod(sa="other", owner=RS_REF), policy) or "")
