@@ -301,10 +301,7 @@ async def measure(
 # The parts of a router's profile (`--profile`): the first whose pattern matches where a
 # function lives ("file:function"; builtins are "~:<method ...>").
 PARTS = [
-    (
-        "the router's server on the client side (`server`, `handover`)",
-        r"lora_router/(server|handover)\.py:",
-    ),
+    ("the router's server on the client side (`server`)", r"lora_router/(server|handover)\.py:"),
     ("the router's HTTP/1.1 reading and writing (`http1`)", r"lora_router/http1\.py:"),
     ("the router's pool to the pods (`upstream`)", r"lora_router/upstream\.py:"),
     ("the router's own code (decisions, proxy, polls)", r"lora_router/"),
