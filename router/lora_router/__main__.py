@@ -41,7 +41,8 @@ async def serve(
     # Generations are read and answered by the router's own server, the rest by aiohttp's
     # (lora_router.server).
     await server.Site(runners[0], "0.0.0.0", config.port).start()
-    await web.TCPSite(runners[1], "0.0.0.0", config.metrics_port).start()
+    # The metrics port through the same HTTP/1.1 reader: its head deadline and limits too.
+    await server.Site(runners[1], "0.0.0.0", config.metrics_port).start()
     log.info(
         "listening on :%d (metrics :%d) for %s/%s, polling residency %s",
         config.port,

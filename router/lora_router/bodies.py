@@ -23,9 +23,9 @@ def adapter_of(body: bytes) -> str | None:
 
     A stack goes where its first member is: any pod that may serve every member builds the stack
     from them, so the first member, the one a client lists first, decides."""
-    try:
+    try:  # the body is bounded (`maxBodyBytes`); its nesting is json's recursion limit
         parsed = json.loads(body)
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):
         return None
     if not isinstance(parsed, dict):
         return None
