@@ -15,15 +15,18 @@ skipped when the policy leaves it open, as an operator run by hand does; the cha
   one of the release's workloads (`--inference-workload`): Pod -> ReplicaSet -> Deployment, or
   Pod -> StatefulSet. A pod whose ownerReference names a Deployment directly is forged
   (Deployments own ReplicaSets, not pods); a reference whose UID is not the named object's is
-  forged or stale; the pod's ServiceAccount must be the one its workload's template names; and
-  it must run its owner's containers as the owner's template declares them (image, command,
-  arguments), so a pod that claims a genuine owner runs the release's server, not its own.
+  forged or stale; each link must be one its owner's controller keeps (the pod's labels match
+  its ReplicaSet's or StatefulSet's selector, the ReplicaSet's labels its Deployment's: what
+  does not match, the controller releases); the pod's ServiceAccount must be the one its
+  owner's template names; and it must run its owner's containers as the owner's template
+  declares them (image, command, arguments), so a pod that claims a genuine owner runs the
+  release's server, not its own.
 
-Within one namespace, whoever may create pods and ReplicaSets there can still copy a genuine
-ReplicaSet's reference and template for the moments before the Deployment and ReplicaSet
-controllers release or remove the copy: such a pod runs the release's own server, and what it
-could be sent opens that namespace's pods only (`lora_volume.podauth`). The identity prover
-reads every chain again at least once a minute, so a released copy loses its trust.
+Within one namespace, whoever may create pods and ReplicaSets there can still make a copy that
+matches all of this for the moments before the Deployment controller scales it away: such a
+pod runs what its own template says, and what it could be sent opens that namespace's pods only
+(`lora_volume.podauth`). The identity prover reads every chain again at least once a minute, so
+a released copy loses its trust.
 
 The I/O is the controller's (`controller.identity`): it asks `next_owner` which object to read,
 reads it, and repeats, then asks `refusal` for the verdict on the chain it read.
@@ -35,6 +38,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from lora_volume import targeting
 
 from lora_operator.model import Container, PodInfo, containers_of
 
@@ -82,12 +87,20 @@ class Owner:
     controller: Ref | None  # its own controlling owner
     service_account: str  # the ServiceAccount its pod template names ("default" when none)
     containers: tuple[Container, ...] = ()  # its pod template's
+    labels: tuple[tuple[str, str], ...] = ()  # its own
+    selector: targeting.Selector | None = None  # which objects it keeps; None: it has none
+
+    def keeps(self, labels: Mapping[str, str]) -> bool:
+        """Whether its controller keeps an object with `labels` (it releases any other)."""
+        return self.selector is not None and self.selector.matches(labels)
 
 
 def owner_from(kind: str, body: Mapping[str, Any]) -> Owner:
     """The parts of a ReplicaSet, Deployment or StatefulSet the verdict reads (pure)."""
     meta = body.get("metadata") or {}
-    template = ((body.get("spec") or {}).get("template") or {}).get("spec") or {}
+    spec = body.get("spec") or {}
+    template = (spec.get("template") or {}).get("spec") or {}
+    selector = spec.get("selector")
     return Owner(
         kind=kind,
         name=str(meta.get("name", "")),
@@ -95,6 +108,10 @@ def owner_from(kind: str, body: Mapping[str, Any]) -> Owner:
         controller=controller_ref(meta.get("ownerReferences")),
         service_account=str(template.get("serviceAccountName") or "default"),
         containers=containers_of(template),
+        labels=tuple(sorted((str(k), str(v)) for k, v in (meta.get("labels") or {}).items())),
+        selector=targeting.parse_selector(selector)
+        if isinstance(selector, Mapping) and selector
+        else None,
     )
 
 
@@ -183,6 +200,13 @@ def refusal(pod: PodInfo, policy: Policy, chain: Sequence[Owner] = ()) -> str | 
             return (
                 f"its owner reference names {ref.kind} {ref.name} with UID {ref.uid}, but that "
                 f"object's UID is {owner.uid}: the reference is forged or stale"
+            )
+        kept = pod.label_map if i == 0 else dict(chain[i - 1].labels)
+        if not owner.keeps(kept):
+            what = "its labels" if i == 0 else f"ReplicaSet {chain[i - 1].name}'s labels"
+            return (
+                f"{what} do not match {owner.kind} {owner.name}'s selector: that controller "
+                "does not keep it"
             )
         if i == 0 and (unlike := unlike_template(pod, owner)) is not None:
             return unlike

@@ -37,15 +37,19 @@ DEPLOY: dict[str, Any] = {
 CONTAINERS = [{"name": "inference", "image": "registry/inference:1", "args": ["serve"]}]
 
 
+LABELS = {"lora.dev/inference": "true", "app": "inference"}
+
+
 def apps_object(ref: dict[str, Any], owner: dict[str, Any] | None) -> dict[str, Any]:
     template = {"serviceAccountName": "rel-inference", "containers": CONTAINERS}
     return {
         "metadata": {
             "name": ref["name"],
             "uid": ref["uid"],
+            "labels": LABELS,
             "ownerReferences": [owner] * bool(owner),
         },
-        "spec": {"template": {"spec": template}},
+        "spec": {"selector": {"matchLabels": {"app": "inference"}}, "template": {"spec": template}},
     }
 
 
@@ -54,7 +58,7 @@ def labelled_pod(name: str, owner: dict[str, Any] | None) -> PodInfo:
         "namespace": NS,
         "name": name,
         "uid": f"uid-{name}",
-        "labels": {"lora.dev/inference": "true"},
+        "labels": LABELS,
         "ownerReferences": [owner] if owner else [],
     }
     return pod_info(
@@ -126,7 +130,8 @@ async def test_an_owner_reference_that_is_no_name_is_refused_without_a_read(tmp_
         c.start()
         c.pod_changed(labelled_pod("p", {**RS, "name": "../../secrets/x"}))
         await until("refused", lambda: any(e[2] == "UntrustedInferencePod" for e in rig.api.events))
-        assert "not a Kubernetes name" in rig.api.events[-1][3]
+        (note,) = [e[3] for e in rig.api.events if e[2] == "UntrustedInferencePod"]
+        assert "not a Kubernetes name" in note
 
 
 async def test_a_trusted_pod_whose_chain_no_longer_holds_loses_its_worker(
@@ -149,7 +154,8 @@ async def test_a_trusted_pod_whose_chain_no_longer_holds_loses_its_worker(
             lambda: any(e[2] == "UntrustedInferencePod" for e in rig.api.events),
             timeout=10,
         )
-        assert "not controlled by a Deployment" in rig.api.events[-1][3]
+        (note,) = [e[3] for e in rig.api.events if e[2] == "UntrustedInferencePod"]
+        assert "not controlled by a Deployment" in note
         await until("its worker gone", lambda: ("ns", "p") not in c.pods)
         calls = len(rig.log)
         await asyncio.sleep(1)  # resyncs every 0.3 s: nothing more for it

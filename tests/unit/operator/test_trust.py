@@ -17,6 +17,9 @@ POLICY = trust.Policy(
 
 
 CONTAINERS = [{"name": "inference", "image": "registry/inference:1", "args": ["serve"]}]
+# The labels the release's template gives its pods (and its ReplicaSets), and its selector.
+LABELS = {"lora.dev/inference": "true", "app": "inference"}
+SELECTOR = {"matchLabels": {"app": "inference"}}
 
 
 def pod(
@@ -29,7 +32,7 @@ def pod(
         "namespace": namespace,
         "name": "p",
         "uid": "u",
-        "labels": {"lora.dev/inference": "true", "pod-template-hash": "5f7c9"},
+        "labels": {**LABELS, "pod-template-hash": "5f7c9"},
     }
     if owner is not None:
         meta["ownerReferences"] = [{"kind": "Other", "name": "x", "uid": "o0"}, owner]
@@ -48,6 +51,8 @@ def body(
     owner: dict[str, Any] | None,
     sa: str = "rel-inference",
     containers: list[dict[str, Any]] = CONTAINERS,
+    labels: dict[str, str] = LABELS,
+    selector: dict[str, Any] = SELECTOR,
 ) -> dict[str, Any]:
     """An apps/v1 object as the API server returns it."""
     template = {"serviceAccountName": sa, "containers": containers}
@@ -55,9 +60,10 @@ def body(
         "metadata": {
             "name": kind_ref["name"],
             "uid": kind_ref["uid"],
+            "labels": labels,
             "ownerReferences": [owner] if owner else [],
         },
-        "spec": {"template": {"spec": template}},
+        "spec": {"selector": selector, "template": {"spec": template}},
     }
 
 
@@ -148,6 +154,22 @@ def _a_genuine_reference_on_a_pod_of_ones_own() -> tuple[model.PodInfo, list[Own
     return p, walk(p, OBJECTS)
 
 
+def _a_replicaset_the_deployment_does_not_keep() -> tuple[model.PodInfo, list[Owner]]:
+    """A ReplicaSet of one's own that names the real Deployment by UID, but whose labels the
+    Deployment's selector does not match: the Deployment controller releases it."""
+    rs = trust.owner_from("ReplicaSet", body(RS_REF, DEPLOY_REF, labels={"app": "own-rs"}))
+    p = pod(owner=RS_REF)
+    return p, walk(p, {("ReplicaSet", RS.name): rs, ("Deployment", DEPLOY.name): DEPLOY})
+
+
+def _a_pod_the_replicaset_does_not_keep() -> tuple[model.PodInfo, list[Owner]]:
+    rs = trust.owner_from(
+        "ReplicaSet", body(RS_REF, DEPLOY_REF, selector={"matchLabels": {"x": "y"}})
+    )
+    p = pod(owner=RS_REF)
+    return p, walk(p, {("ReplicaSet", RS.name): rs, ("Deployment", DEPLOY.name): DEPLOY})
+
+
 def _the_server_with_other_arguments() -> tuple[model.PodInfo, list[Owner]]:
     mine = [{**CONTAINERS[0], "args": ["serve", "--no-admin-token"]}]
     p = pod(owner=RS_REF, containers=mine)
@@ -181,6 +203,8 @@ def _not_a_release_workload() -> tuple[model.PodInfo, list[Owner]]:
         (_not_a_release_workload, "Deployment other"),
         (_a_genuine_reference_on_a_pod_of_ones_own, "template declares"),
         (_the_server_with_other_arguments, "template declares"),
+        (_a_replicaset_the_deployment_does_not_keep, "does not keep it"),
+        (_a_pod_the_replicaset_does_not_keep, "does not keep it"),
     ],
     ids=[
         "other-namespace",
@@ -199,6 +223,8 @@ def _not_a_release_workload() -> tuple[model.PodInfo, list[Owner]]:
         "other-workload",
         "genuine-reference-other-image",
         "genuine-reference-other-arguments",
+        "replicaset-not-kept-by-the-deployment",
+        "pod-not-kept-by-the-replicaset",
     ],
 )
 def test_a_lookalike_is_refused_saying_why(case: Any, words: str) -> None:
