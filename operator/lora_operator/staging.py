@@ -36,7 +36,17 @@ from typing import BinaryIO, TypeVar
 from lora_volume import description, files, layout, stacks, targeting
 from lora_volume import errors as volume_errors
 
-from lora_operator import errors, fetchers, gc, limits, quota, sinks, sources, volumefiles
+from lora_operator import (
+    downloads,
+    errors,
+    fetchers,
+    gc,
+    limits,
+    quota,
+    sinks,
+    sources,
+    volumefiles,
+)
 
 _T = TypeVar("_T")
 Fetch = Callable[[sources.Source, sources.Credentials, sinks.Sink], Awaitable[None]]
@@ -63,7 +73,7 @@ class Store:
         max_bytes: int = limits.DEFAULT_MAX_BYTES,
         max_concurrent: int = limits.DEFAULT_MAX_CONCURRENT,
         fetch: Fetch | None = None,
-        policy: fetchers.RetryPolicy | None = None,
+        policy: downloads.RetryPolicy | None = None,
         hf_endpoint: str | None = None,
         namespace_quota: int | None = limits.DEFAULT_NAMESPACE_QUOTA,
         on_usage: quota.UsageCallback | None = None,
@@ -72,7 +82,7 @@ class Store:
         (`quota`; None: no limit); `on_usage` hears each change of a namespace's usage."""
         self.root = volume_root
         self.hf_endpoint = hf_endpoint
-        self.policy = policy or fetchers.RetryPolicy()
+        self.policy = policy or downloads.RetryPolicy()
         self.max_bytes = max_bytes
         self._semaphore = asyncio.Semaphore(max_concurrent)
         # Publishing and garbage collection exclude each other: between storing an object and

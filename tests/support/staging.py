@@ -11,10 +11,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from lora_operator import consent, egress, fetchers, staging
+from lora_operator import consent, downloads, egress, fetchers, staging
 from lora_volume import layout
 
-FAST = fetchers.RetryPolicy(attempts=3, backoff_s=0.01, max_backoff_s=0.02)
+FAST = downloads.RetryPolicy(attempts=3, backoff_s=0.01, max_backoff_s=0.02)
 NS = "team-a"
 LOCAL = consent.Rules(hosts=("*",), allow=consent.parse_networks(["127.0.0.0/8"]))
 
@@ -23,7 +23,7 @@ def make_store(
     root: Path,
     *,
     rules: consent.Rules = LOCAL,
-    policy: fetchers.RetryPolicy = FAST,
+    policy: downloads.RetryPolicy = FAST,
     hf_endpoint: str | None = None,
     **kwargs: Any,
 ) -> staging.Store:

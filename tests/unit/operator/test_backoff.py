@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from lora_operator import backoff, fetchers
+from lora_operator import backoff, downloads
 
 
 def test_backoff_doubles_and_is_capped() -> None:
@@ -17,7 +17,7 @@ def test_a_zero_count_waits_as_the_first_retry() -> None:
 @pytest.mark.parametrize(
     ("first", "cap", "delays"),
     [
-        (0.5, 8.0, [0.5, 1, 2, 4, 8, 8]),  # downloads (fetchers.RetryPolicy's defaults)
+        (0.5, 8.0, [0.5, 1, 2, 4, 8, 8]),  # downloads (downloads.RetryPolicy's defaults)
         (1.0, 10.0, [1, 2, 4, 8, 10, 10]),  # the peering watch
         (1.0, 60.0, [1, 2, 4, 8, 16, 32]),  # pod loads and staging (OperatorConfig.max_backoff_s)
     ],
@@ -30,5 +30,5 @@ def test_each_caller_starts_at_first_and_stops_at_cap(
 
 
 def test_the_download_policy_counts_attempts_from_zero() -> None:
-    policy = fetchers.RetryPolicy()
+    policy = downloads.RetryPolicy()
     assert [policy.delay(i) for i in range(6)] == [0.5, 1, 2, 4, 8, 8]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from lora_operator import fetchers, sources
+from lora_operator import downloads, fetchers, sources
 
 
 @pytest.mark.parametrize(
@@ -24,11 +24,11 @@ from lora_operator import fetchers, sources
     ],
 )
 def test_classify_status(status: int, verdict: str) -> None:
-    assert fetchers.classify_status(status) == verdict
+    assert downloads.classify_status(status) == verdict
 
 
 def test_backoff_is_bounded() -> None:
-    policy = fetchers.RetryPolicy(backoff_s=1, max_backoff_s=5)
+    policy = downloads.RetryPolicy(backoff_s=1, max_backoff_s=5)
     assert [policy.delay(i) for i in range(5)] == [1, 2, 4, 5, 5]
 
 
@@ -43,14 +43,14 @@ def test_hf_url_carries_the_revision(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_https_reads_grow_while_fast_and_shrink_while_slow() -> None:
-    size = fetchers.MIN_READ_BYTES
+    size = downloads.MIN_READ_BYTES
     sizes = []
     for _ in range(12):  # a fast link: up to the largest read, and no further
-        size = fetchers.next_read_size(size, 0.001)
+        size = downloads.next_read_size(size, 0.001)
         sizes.append(size)
-    assert sizes[0] == 2 * fetchers.MIN_READ_BYTES and sizes[-1] == fetchers.CHUNK_BYTES
+    assert sizes[0] == 2 * downloads.MIN_READ_BYTES and sizes[-1] == downloads.CHUNK_BYTES
     assert sizes == sorted(sizes)
-    assert fetchers.next_read_size(size, 0.2) == size  # neither fast nor slow: kept
+    assert downloads.next_read_size(size, 0.2) == size  # neither fast nor slow: kept
     for _ in range(12):  # a slow link: back down to the smallest, and no further
-        size = fetchers.next_read_size(size, 2.0)
-    assert size == fetchers.MIN_READ_BYTES
+        size = downloads.next_read_size(size, 2.0)
+    assert size == downloads.MIN_READ_BYTES

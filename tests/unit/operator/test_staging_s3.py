@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 from aiohttp import web
-from lora_operator import consent, errors, fetchers, sources
+from lora_operator import consent, downloads, errors, s3fetch, sources
 
 from tests.support.http import free_port
 from tests.support.loras import lora_bytes, sha
@@ -24,7 +24,7 @@ from tests.support.origin import Origin
 from tests.support.staging import LOCAL, NS, make_store, tmp_entries, visible
 
 BUCKET = "lora-bucket"
-FAST = fetchers.RetryPolicy(attempts=2, backoff_s=0.01)
+FAST = downloads.RetryPolicy(attempts=2, backoff_s=0.01)
 
 
 @contextlib.contextmanager
@@ -159,7 +159,7 @@ async def test_s3_unreachable_is_transient(tmp_path: Path) -> None:
 )
 def test_choose_s3_auth(secret_has_keys: bool, chain_has_credentials: bool, expected: str) -> None:
     assert (
-        fetchers.choose_s3_auth(
+        s3fetch.choose_s3_auth(
             secret_has_keys=secret_has_keys, chain_has_credentials=chain_has_credentials
         )
         == expected
