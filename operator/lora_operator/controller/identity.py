@@ -131,6 +131,9 @@ class Identity(Actor):
                     continue  # the API server away: keep what was proven, read again later
                 except kube.InvalidName as e:
                     reason = f"its owner reference is not a Kubernetes name: {e}"
+                except Exception as e:  # fail closed, and keep reading the others
+                    log.exception("action=prove pod=%s/%s result=error", *info.key)
+                    reason = f"its owner chain could not be checked: {e!r}"
                 if reason is not None and self._verdicts.get(uid) == v:
                     self._verdicts[uid] = Verdict(info.owner, reason)
                     log.info("action=prove pod=%s/%s result=refused reason=%r", *info.key, reason)
