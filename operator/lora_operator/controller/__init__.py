@@ -6,9 +6,9 @@ waiting, each over its own part of the state:
 
 | actor | module | owns |
 |---|---|---|
-| cache | records | the adapter and pod records, kopf's indices |
-| stager | stager | each record's `staging`; the compositions |
-| pod workers | workers | the pod records; each adapter's `entries` (on each pod) |
+| cache | records | the adapter and pod records (added, dropped), their `info`; kopf's indices |
+| stager | stager | each record's `staging` and its task; the compositions |
+| pod workers | workers | the pod records (but `info`); each adapter's `entries` (on each pod) |
 | placer | placer | the placements, which are stale |
 | autoscaler | autoscaler | each record's `scaling` |
 | status writer | writer | each record's `status`; which adapters are due; the phase gauge |
@@ -18,11 +18,14 @@ waiting, each over its own part of the state:
 | collector | collector | when to collect the volume |
 | finalizer | finalizer | each record's `deletion`; the adapters waiting to be unloaded |
 
-Actors reach each other only through `signals.Signals` (plain calls on the one event loop);
-each exposes `forget(key)` for an adapter that is gone. This module wires them, and is the
-surface kopf's handlers call: `adapter_changed`, `pod_changed`, `delete`, `start`, `stop`,
-`set_active`, `use_credentials`, `on_stop`. A pod is worked on only once the identity prover
-trusts it.
+Each record field names its owner's module (records.py), and a test that parses this package
+holds every write of it there. Actors reach each other only through `signals.Signals` (plain
+calls on the one event loop). Every actor registers itself as it is made
+(`signals.Shared.actors`), and what concerns them all goes to each: `forget(key)` for an adapter
+that is gone, `standby()` when another replica acts, `halt()` at stop. This module wires them,
+and is the surface kopf's handlers call: `adapter_changed`, `pod_changed`, `delete`, `start`,
+`stop`, `set_active`, `use_credentials`, `on_stop`. A pod is worked on only once the identity
+prover trusts it.
 
 With several replicas (`--peering`), everything here waits while `peering.Mirror` says another
 replica acts; the first thing a replica does when it starts acting is to clean `.tmp/`.
@@ -46,10 +49,10 @@ from lora_operator.controller.finalizer import Finalizer
 from lora_operator.controller.identity import Identity
 from lora_operator.controller.placer import Placer
 from lora_operator.controller.recorder import Recorder
-from lora_operator.controller.records import AdapterRecord, Cache, PodRecord, seed
+from lora_operator.controller.records import AdapterRecord, Cache, PodRecord
 from lora_operator.controller.rollouts import Rollouts
 from lora_operator.controller.seams import Api, Body, Key, Pods, Seams, Volume
-from lora_operator.controller.signals import Hub, Shared
+from lora_operator.controller.signals import Actor, Hub, Shared
 from lora_operator.controller.stager import Stager
 from lora_operator.controller.workers import Workers
 from lora_operator.controller.writer import StatusWriter
@@ -107,6 +110,7 @@ class Controller:
         self.cache = Cache()
         self.hub = hub = Hub()
         shared = Shared(config, self.metrics, self.seams, self.cache, hub)
+        self.actors: list[Actor] = shared.actors  # each actor made registers there
         self.placer = hub.placer = Placer(shared)
         self.rollouts = hub.rollouts = Rollouts(shared, self.placer)
         self.writer = hub.writer = StatusWriter(shared, self.placer, self.rollouts)
@@ -210,10 +214,11 @@ class Controller:
     async def stop(self) -> None:
         for callback in self._on_stop:
             await callback()
-        tasks = [*self.workers.tasks(), *self.stager.tasks(), *self.hub.background]
-        for t in tasks:
+        tasks = [t for actor in self.actors for t in actor.halt()]
+        background = list(self.hub.background)
+        for t in background:
             t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, *background, return_exceptions=True)
         await self.seams.pods.close()
         if self.seams.api is not None:
             await self.seams.api.close()
@@ -225,9 +230,8 @@ class Controller:
         if not active:
             self.active.clear()
             log.info("action=standby identity=%s", self.identity)
-            self.workers.standby()
-            for task in self.stager.tasks():
-                task.cancel()
+            for actor in self.actors:
+                actor.standby()
             return
         # Only the replica that acts may clean: another one's downloads live there too.
         removed = self.seams.volume.clean_tmp()
@@ -255,30 +259,14 @@ class Controller:
         if deleted:
             self._forget(key)
             return
-        rec = self.adapters.get(key)
-        if rec is None:
-            rec = self.adapters[key] = seed(info, body)
-            generation_changed = True
-        else:
-            generation_changed = rec.info.generation != info.generation
-            rec.info = info
+        rec, generation_changed = self.cache.adapter_seen(info, body)
         self.stager.changed(rec, generation_changed)
         self.stager.restage_compositions_of(info)
         if info.autoscale is None:
-            self.autoscaler.forget(key)
-        fingerprint = (
-            info.deleting,
-            info.scale,
-            info.pinned,
-            info.selector,
-            info.base_model,
-            info.replicas,
-            info.autoscale,
-        )
+            self.autoscaler.reset(key)
         if info.command is not None:
             self.hub.mark(key)  # the status pass takes the rollout command (rollouts.advance)
-        if rec.fingerprint != fingerprint:
-            rec.fingerprint = fingerprint
+        if self.cache.respecified(rec):
             self.placer.stale(info.namespace)
             if not info.deleting:  # a deletion wakes the pods once it has unpublished
                 self.workers.wake_namespace(info.namespace)
@@ -292,7 +280,7 @@ class Controller:
             deleted = True  # not (yet) proven one of the release's: no worker, no call
         self.placer.stale(info.namespace)
         if deleted:
-            self.workers.forget(info.key)
+            self.workers.forget_pod(info.key)
         else:
             self.workers.changed(info)
 
@@ -305,14 +293,7 @@ class Controller:
 
     def _forget(self, key: Key) -> None:
         """The adapter is gone: every actor lets go of it, then the cache drops its record."""
-        for actor in (
-            self.stager,
-            self.rollouts,
-            self.finalizer,
-            self.recorder,
-            self.writer,
-            self.placer,
-        ):
+        for actor in self.actors:
             actor.forget(key)
         rec = self.cache.forget(key)
         if rec is not None:

@@ -21,6 +21,9 @@ log = logging.getLogger("lora_operator")
 
 class Autoscaler(Actor):
     def forget(self, key: Key) -> None:
+        self.reset(key)
+
+    def reset(self, key: Key) -> None:
         """The adapter no longer autoscales (or is gone): its measurements start over."""
         rec = self.cache.adapters.get(key)
         if rec is not None:

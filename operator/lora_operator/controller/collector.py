@@ -1,7 +1,7 @@
 """The collector: deletes from the volume what no pod uses and no adapter points to (gc decides
 what is in use, the store what to delete), a second after any notice that a revision may no
-longer be in use. It owns that notice (`wake`) and never collects while a Ready pod has not
-reported: such a pod may use any revision.
+longer be in use (`collect`: the `collect` signal, and an adapter forgotten). It owns that notice
+(`wake`) and never collects while a Ready pod has not reported: such a pod may use any revision.
 """
 
 from __future__ import annotations
@@ -21,8 +21,12 @@ class Collector(Actor):
         super().__init__(shared)
         self.wake = asyncio.Event()
 
-    def forget(self, key: Key) -> None:
+    def collect(self) -> None:
+        """A revision may no longer be in use: collect a second from now."""
         self.wake.set()
+
+    def forget(self, key: Key) -> None:
+        self.collect()
 
     async def run(self) -> None:
         while True:

@@ -1,7 +1,8 @@
 """The finalizer (a LoRAAdapter being deleted): unpublish first (no pod resolves the name from
 then on), then wait until no pod holds it (the pod workers unload it: it is no longer wanted),
 at most `unload_grace_s`, and let go. It owns the record's `deletion` sub-record and the set of
-adapters waiting to be unloaded.
+adapters waiting to be unloaded; the stager stops the adapter's staging when asked
+(`stop_staging`).
 """
 
 from __future__ import annotations
@@ -33,10 +34,7 @@ class Finalizer(Actor):
     async def finalize(self, info: AdapterInfo, forget: Callable[[Key], None]) -> None:
         """Unpublish, wait for the pods to unload, then `forget` the adapter everywhere."""
         rec = self.cache.adapters[info.key]
-        task = rec.staging.task
-        if task is not None:
-            task.cancel()
-            await asyncio.wait([task])  # a publish in progress ends first
+        await self.signals.stop_staging(info.key)  # a publish in progress ends first
         await self.seams.volume.unpublish(info.namespace, info.name)
         rec.deletion.unpublished = True
         self._unloading.add(info.key)

@@ -3,10 +3,13 @@ and the reads every actor shares (the namespace's adapters and pods, kopf's indi
 behind a served name).
 
 An adapter's record is made of sub-records, each written by one actor only and read by the
-others: `info` (the cache, from kopf's events), `staging` (the stager), `entries` (the pod
-workers: the adapter's entry on each pod), `status` (the status writer), `scale` (the
-autoscaler), `rollout` (rollouts) and `deletion` (the finalizer). A pod's record is its
-worker's, except `info` (the cache). The cache adds and drops records; it makes no decision.
+others: `info` and `fingerprint` (the cache, from kopf's events), `staging` (the stager),
+`entries` (the pod workers: the adapter's entry on each pod), `status` (the status writer),
+`scaling` (the autoscaler), `rolling` (rollouts) and `deletion` (the finalizer). A pod's record
+is its worker's, except `info` (the cache). Each field names its owner's module in its metadata
+(`owner`), and a test that parses the package holds every write of it to that module
+(tests/unit/operator/test_controller_ownership.py). The cache adds and drops records and takes
+in what kopf says of them; it makes no decision.
 """
 
 from __future__ import annotations
@@ -84,18 +87,24 @@ class Deletion:
     unloaded: asyncio.Event = field(default_factory=asyncio.Event)
 
 
+def owner(module: str) -> dict[str, str]:
+    """A record field's metadata: the module of the one actor that writes it."""
+    return {"owner": module}
+
+
 @dataclass
 class AdapterRecord:
     """Everything the controller knows about one LoRAAdapter."""
 
-    info: AdapterInfo
-    staging: Staging
-    entries: Entries = field(default_factory=Entries)
-    status: Written = field(default_factory=Written)
-    scaling: Scaling = field(default_factory=Scaling)
-    rolling: Rolling = field(default_factory=Rolling)
-    deletion: Deletion = field(default_factory=Deletion)
-    fingerprint: tuple[Any, ...] = ()  # the cache's: the fields that move pods and placement
+    info: AdapterInfo = field(metadata=owner("records"))
+    staging: Staging = field(metadata=owner("stager"))
+    entries: Entries = field(default_factory=Entries, metadata=owner("workers"))
+    status: Written = field(default_factory=Written, metadata=owner("writer"))
+    scaling: Scaling = field(default_factory=Scaling, metadata=owner("autoscaler"))
+    rolling: Rolling = field(default_factory=Rolling, metadata=owner("rollouts"))
+    deletion: Deletion = field(default_factory=Deletion, metadata=owner("finalizer"))
+    # The fields that move pods and placement, as last seen (`Cache.respecified`).
+    fingerprint: tuple[Any, ...] = field(default=(), metadata=owner("records"))
 
     @property
     def key(self) -> Key:
@@ -127,19 +136,24 @@ class Recorded(NamedTuple):
     entry: PodEntry
 
 
+_WORKERS = owner("workers")
+
+
 @dataclass
 class PodRecord:
     """One inference pod: its worker and what it last reported."""
 
-    info: PodInfo
-    wake: asyncio.Event = field(default_factory=asyncio.Event)
-    task: asyncio.Task[None] | None = None
-    report: planning.PodReport | None = None
-    retry_in: float | None = None  # a backoff after a failure, instead of the resync interval
-    failures: int = 0  # consecutive failures to read the pod's /v1/models
-    heard: bool = False  # reported (or kept failing) since this replica began to act
+    info: PodInfo = field(metadata=owner("records"))
+    wake: asyncio.Event = field(default_factory=asyncio.Event, metadata=_WORKERS)
+    task: asyncio.Task[None] | None = field(default=None, metadata=_WORKERS)
+    report: planning.PodReport | None = field(default=None, metadata=_WORKERS)
+    # A backoff after a failure, instead of the resync interval.
+    retry_in: float | None = field(default=None, metadata=_WORKERS)
+    failures: int = field(default=0, metadata=_WORKERS)  # failed reads of /v1/models in a row
+    # Reported (or kept failing) since this replica began to act.
+    heard: bool = field(default=False, metadata=_WORKERS)
     # The served names with an entry for this pod (`_record` skips what has not changed).
-    entries: dict[str, Recorded] = field(default_factory=dict)
+    entries: dict[str, Recorded] = field(default_factory=dict, metadata=_WORKERS)
 
 
 # An adapter's entries on the pods under one served name: its own, or its canary alias's.
@@ -158,8 +172,53 @@ class Cache:
         # index holds every labelled pod that may be, placement counts only those that are.
         self.trusted: Callable[[PodInfo], bool] = lambda _: True
 
+    # -- what kopf says (the cache's own writes) ------------------------------------------------
+
+    def adapter_seen(self, info: AdapterInfo, body: Body) -> tuple[AdapterRecord, bool]:
+        """The adapter's record with `info` as kopf has it now, made when first seen (resumed
+        from its status); and whether its generation changed (a new record's did)."""
+        rec = self.adapters.get(info.key)
+        if rec is None:
+            rec = self.adapters[info.key] = seed(info, body)
+            return rec, True
+        generation_changed = rec.info.generation != info.generation
+        rec.info = info
+        return rec, generation_changed
+
+    def respecified(self, rec: AdapterRecord) -> bool:
+        """Whether a field that moves pods or placement changed since the last call."""
+        info = rec.info
+        fingerprint = (
+            info.deleting,
+            info.scale,
+            info.pinned,
+            info.selector,
+            info.base_model,
+            info.replicas,
+            info.autoscale,
+        )
+        if rec.fingerprint == fingerprint:
+            return False
+        rec.fingerprint = fingerprint
+        return True
+
     def forget(self, key: Key) -> AdapterRecord | None:
         return self.adapters.pop(key, None)
+
+    def pod_seen(self, info: PodInfo) -> tuple[PodRecord, PodInfo | None]:
+        """The pod's record with `info` as kopf has it now, made when first seen; and the info
+        it had before (None: new)."""
+        prec = self.pods.get(info.key)
+        if prec is None:
+            prec = self.pods[info.key] = PodRecord(info=info)
+            return prec, None
+        before, prec.info = prec.info, info
+        return prec, before
+
+    def forget_pod(self, key: Key) -> PodRecord | None:
+        return self.pods.pop(key, None)
+
+    # -- the shared reads ---------------------------------------------------------------------
 
     def adapters_in(self, namespace: str) -> list[AdapterRecord]:
         return [r for k, r in self.adapters.items() if k[0] == namespace]

@@ -1,6 +1,7 @@
 """Rollouts (spec.rollout): a newly staged revision rolled out in weighted steps. It owns the
 record's `rolling` sub-record (the rollout under way, the timer for the end of a step's pause,
-the command taken last) and starts the canary's entries afresh when the canary changes;
+the command taken last) and says `canary_changed` when the canary changes (the pod workers
+start its entries afresh);
 `rollout` decides every step and `canary` what the pods' entries say of it.
 
 A command (the rollout annotation: promote, abort) is removed from the version it was read on
@@ -16,7 +17,7 @@ from typing import Any
 
 from lora_operator import canary, events, kube, rollout, status
 from lora_operator.controller.placer import Placer
-from lora_operator.controller.records import AdapterRecord, Entries
+from lora_operator.controller.records import AdapterRecord
 from lora_operator.controller.seams import Key
 from lora_operator.controller.signals import Actor, Shared
 from lora_operator.model import Command
@@ -43,7 +44,7 @@ class Rollouts(Actor):
         after = rollout.begin(before, serving, staged, rec.info.rollout)
         rec.rolling.rollout = after
         if after is None or before is None or before.canary != after.canary:
-            self._new_canary(rec.entries)
+            self.signals.canary_changed(key)
         if after != before:
             self._changed(rec, before)
 
@@ -86,14 +87,9 @@ class Rollouts(Actor):
         if progress.rollout != r:
             rolling.rollout = progress.rollout
             if progress.rollout is None:
-                self._new_canary(rec.entries)
+                self.signals.canary_changed(rec.key)
             self._changed(rec, r)
         return progress.acted
-
-    @staticmethod
-    def _new_canary(entries: Entries) -> None:
-        # A fresh dict: a load in flight for the old canary records into the old one.
-        entries.canary = {}
 
     def _changed(self, rec: AdapterRecord, before: rollout.Rollout | None) -> None:
         r = rec.rollout

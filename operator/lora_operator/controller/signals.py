@@ -3,14 +3,16 @@ that owns what it concerns. An actor never writes another's state; it says what 
 
 `Hub` is the one implementation: the controller builds the actors, then binds them here. Every
 actor is an `Actor`: it reads the configuration, the metrics, the seams and the cache, and has
-the signals to reach the others (`Shared`).
+the signals to reach the others (`Shared`). Each actor registers itself in `Shared.actors` as it
+is made, so what concerns every actor (an adapter gone, standby, stop) reaches each one, a new
+one included.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Coroutine
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from lora_operator import events
@@ -53,6 +55,13 @@ class Signals(Protocol):
     def staged(self, key: Key, serving: str | None, staged: str) -> None:
         """The adapter staged a new newest revision (rollouts)."""
 
+    def canary_changed(self, key: Key) -> None:
+        """The adapter's rollout has another canary, or none: its entries under the canary's
+        alias start afresh (the pod workers)."""
+
+    async def stop_staging(self, key: Key) -> None:
+        """Stop staging the adapter, and return once its task has ended (the stager)."""
+
     def holdings_changed(self, namespace: str) -> None:
         """What the namespace's pods hold changed (the finalizer)."""
 
@@ -78,6 +87,7 @@ class Shared:
     seams: Seams
     cache: Cache
     signals: Signals
+    actors: list[Actor] = field(default_factory=list)  # every actor made, in that order
 
 
 class Actor:
@@ -86,9 +96,18 @@ class Actor:
     def __init__(self, shared: Shared) -> None:
         self.config, self.metrics, self.seams = shared.config, shared.metrics, shared.seams
         self.cache, self.signals = shared.cache, shared.signals
+        shared.actors.append(self)
 
     def forget(self, key: Key) -> None:
         """The adapter is gone: let go of what this actor holds of it."""
+
+    def standby(self) -> None:
+        """Another replica acts now: stop the work this actor started (it starts again when
+        this replica acts)."""
+
+    def halt(self) -> list[asyncio.Task[None]]:
+        """The controller stops: cancel this actor's own tasks, and return them to be awaited."""
+        return []
 
 
 class Hub:
@@ -120,13 +139,19 @@ class Hub:
         self.placer.stale(namespace)
 
     def collect(self) -> None:
-        self.collector.wake.set()
+        self.collector.collect()
 
     def member_changed(self, member: AdapterInfo) -> None:
         self.stager.restage_compositions_of(member)
 
     def staged(self, key: Key, serving: str | None, staged: str) -> None:
         self.rollouts.begin(key, serving, staged)
+
+    def canary_changed(self, key: Key) -> None:
+        self.workers.canary_changed(key)
+
+    async def stop_staging(self, key: Key) -> None:
+        await self.stager.stop(key)
 
     def holdings_changed(self, namespace: str) -> None:
         self.finalizer.check_unloaded(namespace)

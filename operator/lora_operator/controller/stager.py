@@ -1,8 +1,10 @@
 """The stager: puts each adapter's source (or, for spec.compose, its members' stack) on the
 volume, retrying transient failures with backoff, and stages a composition again when the
 revision its members make changes. It owns the record's `staging` sub-record (the state status
-renders, the task, its generation) and the set of compositions. Which sources it may fetch, and
-from where, is `consent`'s and `sources`' to decide; the store (`staging`) writes the volume.
+renders, the task, its generation) and the set of compositions; only it starts and cancels a
+staging task (`stop` for the finalizer, `standby` and `halt` for the controller). Which sources
+it may fetch, and from where, is `consent`'s and `sources`' to decide; the store (`staging`)
+writes the volume.
 
 Every staging task ends in a status: a StagingError as its kind says, and any other exception (a
 bug, or a fault no check names) as `StagingCrashed`, permanent for that generation, with its
@@ -68,8 +70,23 @@ class Stager(Actor):
         if rec is not None and rec.staging.task is not None:
             rec.staging.task.cancel()
 
-    def tasks(self) -> list[asyncio.Task[None]]:
-        return [t for r in self.cache.adapters.values() if (t := r.staging.task) is not None]
+    async def stop(self, key: Key) -> None:
+        """Cancel the adapter's staging, and return once its task has ended (a publish in
+        progress ends first)."""
+        rec = self.cache.adapters.get(key)
+        task = rec.staging.task if rec is not None else None
+        if task is not None:
+            task.cancel()
+            await asyncio.wait([task])
+
+    def standby(self) -> None:
+        self.halt()  # staged again when this replica acts (`consider`)
+
+    def halt(self) -> list[asyncio.Task[None]]:
+        tasks = [t for r in self.cache.adapters.values() if (t := r.staging.task) is not None]
+        for task in tasks:
+            task.cancel()
+        return tasks
 
     def consider(self, rec: AdapterRecord, *, members_changed: bool = False) -> None:
         """Start staging the spec's source unless the volume holds it or it failed for good.

@@ -6,8 +6,10 @@ a failure's backoff, and every `resync_s` otherwise. It reads the pod's `/v1/mod
 long series of calls, and at its end): what the pod reports is the only evidence that it serves
 an adapter, and nothing is kept that a restart would need.
 
-It owns the pod records (their tasks, reports, backoff) and every adapter's `entries` sub-record
-(its entry on each pod; podstate.transition decides each change).
+It owns the pod records (their tasks, reports, backoff; the cache adds them and takes in their
+`info`) and every adapter's `entries` sub-record (its entry on each pod; podstate.transition
+decides each change). It starts a rollout's canary entries afresh when rollouts say the canary
+changed (`canary_changed`).
 """
 
 from __future__ import annotations
@@ -54,23 +56,28 @@ class Workers(Actor):
 
     def changed(self, info: PodInfo) -> None:
         """A pod came or changed (new IP, readiness, restart, labels, annotations...)."""
-        prec = self.cache.pods.get(info.key)
-        if prec is None:
-            prec = self.cache.pods[info.key] = PodRecord(info=info)
+        prec, before = self.cache.pod_seen(info)
+        if before is None:
             self._start(prec)
             return
-        before, prec.info = prec.info, info
         if before != info:
             if before.uid != info.uid or before.restarts != info.restarts:
                 prec.report = None  # a new process: what it held is gone
             prec.wake.set()
 
-    def forget(self, key: Key) -> None:
+    def forget_pod(self, key: Key) -> None:
         """The pod is gone (or no longer trusted): its worker ends, its entries go."""
-        prec = self.cache.pods.pop(key, None)
+        prec = self.cache.forget_pod(key)
         if prec is not None:
             _cancel(prec.task)
             self._drop_entries(prec)
+
+    def canary_changed(self, key: Key) -> None:
+        """The adapter's rollout has another canary, or none: its canary entries start afresh,
+        in a fresh dict (a load in flight for the old canary records into the old one)."""
+        rec = self.cache.adapters.get(key)
+        if rec is not None:
+            rec.entries.canary = {}
 
     def activate(self) -> None:
         for prec in self.cache.pods.values():
@@ -81,8 +88,11 @@ class Workers(Actor):
             _cancel(prec.task)
             prec.task, prec.report, prec.heard, prec.failures = None, None, False, 0
 
-    def tasks(self) -> list[asyncio.Task[None]]:
-        return [p.task for p in self.cache.pods.values() if p.task is not None]
+    def halt(self) -> list[asyncio.Task[None]]:
+        tasks = [p.task for p in self.cache.pods.values() if p.task is not None]
+        for task in tasks:
+            task.cancel()
+        return tasks
 
     def wake_namespace(self, namespace: str) -> None:
         for prec in self.cache.pods_in(namespace):

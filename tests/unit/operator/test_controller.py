@@ -18,6 +18,7 @@ import pytest
 from lora_operator import consent, errors, kube, staging
 from lora_operator.config import OperatorConfig
 from lora_operator.controller import Controller, needs_staging
+from lora_operator.controller.signals import Actor
 from lora_operator.model import adapter_info
 from lora_operator.podclient import PodError
 from lora_operator.status import summarise
@@ -160,6 +161,24 @@ async def test_deletion_unpublishes_before_any_pod_unloads(tmp_path: Path) -> No
         assert not current.exists() and not os.path.lexists(current)
         assert ("ns", "a") not in c.adapters
         assert len(rig.api.status["a"]) == writes  # nothing written about a deleted adapter
+
+
+async def test_a_deleted_adapter_is_let_go_by_every_actor(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every actor registers itself as it is made, and each one, whichever, is told when an
+    adapter is gone (the collector too: a revision may be free)."""
+    async with Rig(tmp_path) as rig:
+        c = rig.controller
+        made = [a for a in vars(c).values() if isinstance(a, Actor)]
+        assert len(made) >= 10 and {id(a) for a in made} == {id(a) for a in c.actors}
+        told: list[Actor] = []
+        for actor in c.actors:
+            monkeypatch.setattr(actor, "forget", lambda key, a=actor: told.append(a))
+        body = adapter(rig.volume, "a")
+        c.adapter_changed(body)
+        c.adapter_changed(body, deleted=True)
+        assert told == c.actors and ("ns", "a") not in c.adapters
 
 
 async def test_status_waits_until_every_ready_pod_has_reported(tmp_path: Path) -> None:
