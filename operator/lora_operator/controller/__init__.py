@@ -9,10 +9,10 @@ waiting, each over its own part of the state:
 | cache | records | the adapter and pod records (added, dropped), their `info`; kopf's indices |
 | stager | stager | each record's `staging` and its task; the compositions |
 | pod workers | workers | the pod records (but `info`); each adapter's `entries` (on each pod) |
-| placer | placer | the placements, which are stale |
+| placer | placer | the placements, which are stale, when each is recomputed |
 | autoscaler | autoscaler | each record's `scaling` |
 | status writer | writer | each record's `status`; which adapters are due; the phase gauge |
-| rollouts | rollouts | each record's `rolling` |
+| rollouts | rollouts | each record's `rolling`; which rollouts are due (a mark, a pause's end) |
 | event recorder | recorder | the Event series; the untrusted pods reported |
 | identity prover | identity | which labelled pods are the release's (their owner chains, read) |
 | collector | collector | when to collect the volume |
@@ -20,7 +20,9 @@ waiting, each over its own part of the state:
 
 Each record field names its owner's module (records.py), and a test that parses this package
 holds every write of it there. Actors reach each other only through `signals.Signals` (plain
-calls on the one event loop). Every actor registers itself as it is made
+calls on the one event loop); the status writer, rollouts, the collector and the autoscaler run
+loops of their own (`start`), the placer recomputes when told, the pod workers and the stager
+run a task per pod and per staging. Every actor registers itself as it is made
 (`signals.Shared.actors`), and what concerns them all goes to each: `forget(key)` for an adapter
 that is gone, `standby()` when another replica acts, `halt()` at stop. This module wires them,
 and is the surface kopf's handlers call: `adapter_changed`, `pod_changed`, `delete`, `start`,
@@ -113,7 +115,7 @@ class Controller:
         self.actors: list[Actor] = shared.actors  # each actor made registers there
         self.placer = hub.placer = Placer(shared)
         self.rollouts = hub.rollouts = Rollouts(shared, self.placer)
-        self.writer = hub.writer = StatusWriter(shared, self.placer, self.rollouts)
+        self.writer = hub.writer = StatusWriter(shared, self.placer)
         self.workers = hub.workers = Workers(shared, self.placer)
         self.stager = hub.stager = Stager(shared)
         self.collector = hub.collector = Collector(shared)
@@ -190,6 +192,7 @@ class Controller:
         them where a missing object would do harm (a pod's wants, collection)."""
         self.cache.pods_index, self.cache.adapters_index = pods_index, adapters_index
         self.hub.spawn(self.writer.run(), name="status-writer")
+        self.hub.spawn(self.rollouts.run(), name="rollouts")
         self.hub.spawn(self.collector.run(), name="collector")
         self.hub.spawn(self.autoscaler.run(), name="autoscaler")
         if self.prover.policy.needs_chain:
@@ -265,7 +268,7 @@ class Controller:
         if info.autoscale is None:
             self.autoscaler.reset(key)
         if info.command is not None:
-            self.hub.mark(key)  # the status pass takes the rollout command (rollouts.advance)
+            self.hub.mark(key)  # rollouts take the command from the annotation
         if self.cache.respecified(rec):
             self.placer.stale(info.namespace)
             if not info.deleting:  # a deletion wakes the pods once it has unpublished

@@ -2,12 +2,14 @@
 (placement.plan_placement decides), and which pods each adapter targets. It owns the
 placements, which namespaces' placements are stale, and the coalescing of recomputes.
 
-Reads (`placed`, `targeted`) change nothing. `refresh` recomputes a stale
-placement, at most every PLACEMENT_COALESCE_S (a burst of a thousand adapters is placed
-together; the placement reads every adapter and pod of the namespace), and not before every
-Ready pod has reported since this replica began to act (a placement made from some pods' reports
-would move adapters for nothing). A recompute that moves adapters marks them and wakes the
-namespace's pods.
+Reads (`current`, `placed`, `targeted`) change nothing. The placer recomputes a placement on
+its own, when told an input of it changed (`stale`: the `replace` signal, from the pod workers
+on a pod's report, the autoscaler, the controller on a pod's or an adapter's change): at most
+every PLACEMENT_COALESCE_S (a burst of a thousand adapters is placed together; the placement
+reads every adapter and pod of the namespace), while this replica acts, and not before every
+Ready pod has reported since it began to (a placement made from some pods' reports would move
+adapters for nothing; each report says `replace` again). A recompute that moves adapters marks
+them and wakes the namespace's pods, who plan with it.
 """
 
 from __future__ import annotations
@@ -34,12 +36,25 @@ class Placer(Actor):
         self._due: set[str] = set()  # a recompute is scheduled
 
     def stale(self, namespace: str) -> None:
+        """An input of the namespace's placement changed: recompute it once the coalescing
+        allows (at once after a quiet while), after what is being handled now."""
         self._stale.add(namespace)
+        if namespace in self._due:
+            return
+        self._due.add(namespace)
+        wait = self._placed_at.get(namespace, -PLACEMENT_COALESCE_S) + PLACEMENT_COALESCE_S
+        wait -= time.monotonic()
+        asyncio.get_running_loop().call_later(max(0.0, wait), self._place_due, namespace)
 
     def forget(self, key: Key) -> None:
-        self._stale.add(key[0])
+        self.stale(key[0])
 
     # -- reads --------------------------------------------------------------------------------
+
+    def current(self, namespace: str) -> placement.Placement | None:
+        """The namespace's placement; None until one is computed (an adapter asks for one,
+        and every Ready pod has reported)."""
+        return self._placements.get(namespace)
 
     def placed(self, rec: AdapterRecord) -> placement.Placed | None:
         """The adapter's placement; None when it goes on every matching pod."""
@@ -68,20 +83,20 @@ class Placer(Actor):
 
     # -- recomputing --------------------------------------------------------------------------
 
-    def refresh(self, namespace: str) -> placement.Placement | None:
-        """The namespace's placement, recomputed first if an input changed and it may be."""
+    def _place_due(self, namespace: str) -> None:
+        self._due.discard(namespace)
+        if namespace in self._stale:
+            self._place(namespace)
+
+    def _place(self, namespace: str) -> None:
+        """Recompute the namespace's placement, unless it may not be yet (it stays stale until
+        the next `stale`)."""
+        if not self.seams.active.is_set() or not self.cache.heard(namespace):
+            return
+        infos = [self.cache.current(i)[0] for i in self.cache.indexed(namespace)]
+        if not any(info.placed for info in infos):
+            return  # placed only where an adapter asks for it (it reads the whole namespace)
         current = self._placements.get(namespace)
-        if namespace not in self._stale and current is not None:
-            return current
-        if not self.cache.heard(namespace):
-            return current
-        wait = self._placed_at.get(namespace, -PLACEMENT_COALESCE_S) + PLACEMENT_COALESCE_S
-        wait -= time.monotonic()
-        if current is not None and wait > 0:
-            if namespace not in self._due:
-                self._due.add(namespace)
-                asyncio.get_running_loop().call_later(wait, self._place_later, namespace)
-            return current
         self._stale.discard(namespace)
         self._placed_at[namespace] = time.monotonic()
         reports = {
@@ -89,7 +104,6 @@ class Placer(Actor):
             for p in self.cache.pods_in(namespace)
             if p.report is not None and p.info.reachable
         }
-        infos = [self.cache.current(i)[0] for i in self.cache.indexed(namespace)]
         capacities, demands = placement.plan_demands(
             infos, reports, lambda info: self.replicas(info, self.cache.adapters.get(info.key))
         )
@@ -105,10 +119,3 @@ class Placer(Actor):
                 if (namespace, name) in self.cache.adapters:
                     self.signals.mark((namespace, name))
             self.signals.wake_namespace(namespace)
-        return new
-
-    def _place_later(self, namespace: str) -> None:
-        """The end of a coalescing wait: place now if something changed meanwhile."""
-        self._due.discard(namespace)
-        if namespace in self._stale:
-            self.refresh(namespace)

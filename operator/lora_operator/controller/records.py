@@ -71,10 +71,9 @@ class Scaling:
 
 @dataclass
 class Rolling:
-    """Rollouts': the rollout under way (None: none), its timer, and the command taken last."""
+    """Rollouts': the rollout under way (None: none) and the command taken last."""
 
     rollout: rollout.Rollout | None = None
-    wake: asyncio.TimerHandle | None = None
     taking: bool = False  # removing the rollout annotation, to act on it
     taken: Command | None = None  # acted on (or gone): not taken again
 

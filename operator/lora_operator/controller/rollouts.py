@@ -1,8 +1,9 @@
 """Rollouts (spec.rollout): a newly staged revision rolled out in weighted steps. It owns the
-record's `rolling` sub-record (the rollout under way, the timer for the end of a step's pause,
-the command taken last) and says `canary_changed` when the canary changes (the pod workers
-start its entries afresh);
-`rollout` decides every step and `canary` what the pods' entries say of it.
+record's `rolling` sub-record (the rollout under way, the command taken last), which adapters
+are due to be looked at (marked, or a step's pause ending) and the loop that looks at them; it
+says `canary_changed` when the canary changes (the pod workers start its entries afresh);
+`rollout` decides every step and `canary` what the pods' entries say of it. The status writer
+renders what it decided.
 
 A command (the rollout annotation: promote, abort) is removed from the version it was read on
 before it is acted on, so it acts once; one lost to a crash in between is given again by the user.
@@ -11,9 +12,9 @@ before it is acted on, so it acts once; one lost to a crash in between is given 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from typing import Any
 
 from lora_operator import canary, events, kube, rollout, status
 from lora_operator.controller.placer import Placer
@@ -24,16 +25,40 @@ from lora_operator.model import Command
 
 log = logging.getLogger("lora_operator")
 
+UNHEARD_RETRY_S = 0.5  # while a namespace's Ready pods have not all reported (as the writer)
+COMMAND_RETRY_S = 1.0  # after the annotation's removal failed
+PAUSE_SLACK_S = 0.05  # a pause's end is looked at this much after it, not a hair before
+
 
 class Rollouts(Actor):
     def __init__(self, shared: Shared, placer: Placer) -> None:
         super().__init__(shared)
         self.placer = placer
+        self._dirty: set[Key] = set()
+        self._due: dict[Key, float] = {}  # when to look again (a pause's end, a retry)
+        self._wake = asyncio.Event()
+
+    def mark(self, key: Key) -> None:
+        """The adapter may have changed: look at it, if it has a rollout or a command."""
+        rec = self.cache.adapters.get(key)
+        if rec is None:
+            return
+        rolling, command = rec.rolling, rec.info.command
+        if rolling.rollout is not None or (command is not None and command != rolling.taken):
+            self._dirty.add(key)
+            self._wake.set()
+
+    def mark_namespace(self, namespace: str) -> None:
+        for rec in self.cache.adapters_in(namespace):
+            self.mark(rec.key)
 
     def forget(self, key: Key) -> None:
-        rec = self.cache.adapters.get(key)
-        if rec is not None and rec.rolling.wake is not None:
-            rec.rolling.wake.cancel()
+        self._dirty.discard(key)
+        self._due.pop(key, None)
+
+    def _retry(self, key: Key, delay: float) -> None:
+        self._due[key] = time.monotonic() + delay
+        self._wake.set()
 
     def begin(self, key: Key, serving: str | None, staged: str) -> None:
         """`staged` became the adapter's newest revision: roll it out, or not (rollout.begin)."""
@@ -48,22 +73,43 @@ class Rollouts(Actor):
         if after != before:
             self._changed(rec, before)
 
-    def advance(self, rec: AdapterRecord, targeted: status.Targeted) -> None:
-        """Take a command from the annotation, and move the rollout on (rollout.advance)."""
-        command, rolling = rec.info.command, rec.rolling
-        if command is not None and command != rolling.taken and not rolling.taking:
-            rolling.taking = True
-            self.signals.spawn(self._take(rec, command), f"rollout {rec.info.name}")
-        self._step(rec, targeted, None)
+    async def run(self) -> None:
+        while True:
+            now = time.monotonic()
+            timeout = max(0.0, min(self._due.values()) - now) if self._due else None
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), timeout)
+            self._wake.clear()
+            if not self.seams.active.is_set():
+                continue
+            self._pass()
 
-    def render(self, rec: AdapterRecord, targeted: status.Targeted) -> dict[str, Any] | None:
-        """`status.rollout` (canary.render_status decides)."""
-        return canary.render_status(rec.rollout, rec.info, targeted, rec.entries.canary)
+    def _pass(self) -> None:
+        """Take each due adapter's command from its annotation, and move its rollout on."""
+        now = time.monotonic()
+        keys = self._dirty | {k for k, t in self._due.items() if t <= now}
+        self._dirty = set()
+        heard: dict[str, bool] = {}
+        for key in keys:
+            self._due.pop(key, None)
+            rec = self.cache.adapters.get(key)
+            if rec is None or rec.info.deleting:
+                continue
+            ns = key[0]
+            if not heard.setdefault(ns, self.cache.heard(ns)):
+                # Until every Ready pod has reported, a canary's readiness says too little.
+                self._due[key] = now + UNHEARD_RETRY_S
+                continue
+            command, rolling = rec.info.command, rec.rolling
+            if command is not None and command != rolling.taken and not rolling.taking:
+                rolling.taking = True
+                self.signals.spawn(self._take(rec, command), f"rollout {rec.info.name}")
+            self._step(rec, self.placer.targeted(rec), None)
 
     def _step(
         self, rec: AdapterRecord, targeted: status.Targeted, command: str | None
     ) -> str | None:
-        """Move the rollout on (rollout.advance decides), and set a timer for the end of the
+        """Move the rollout on (rollout.advance decides), and look again at the end of the
         step's pause; the command it acted on, if any."""
         r, rolling = rec.rollout, rec.rolling
         if r is None:
@@ -77,13 +123,9 @@ class Rollouts(Actor):
             promoted_everywhere=promoted,
             command=command,
         )
-        if rolling.wake is not None:
-            rolling.wake.cancel()
-            rolling.wake = None
+        self._due.pop(rec.key, None)
         if progress.wake_at is not None:
-            rolling.wake = asyncio.get_running_loop().call_later(
-                max(0.0, progress.wake_at - time.time()) + 0.05, self.signals.mark, rec.key
-            )
+            self._retry(rec.key, max(0.0, progress.wake_at - time.time()) + PAUSE_SLACK_S)
         if progress.rollout != r:
             rolling.rollout = progress.rollout
             if progress.rollout is None:
@@ -125,8 +167,7 @@ class Rollouts(Actor):
                 rolling.taken = command
                 return
             log.warning("action=rollout-command adapter=%s/%s error=%r", *info.key, e)
-            # The status pass then tries again.
-            asyncio.get_running_loop().call_later(1.0, self.signals.mark, rec.key)
+            self._retry(rec.key, COMMAND_RETRY_S)
             return
         rolling.taking, rolling.taken = False, command
         action = command.action

@@ -35,10 +35,11 @@ if TYPE_CHECKING:
 
 class Signals(Protocol):
     def mark(self, key: Key) -> None:
-        """The adapter's status may have changed (the status writer)."""
+        """The adapter may have changed: its status (the status writer) and what moves its
+        rollout on (rollouts)."""
 
     def mark_namespace(self, namespace: str) -> None:
-        """Every adapter of the namespace may have changed (the status writer)."""
+        """Every adapter of the namespace may have changed (the status writer, rollouts)."""
 
     def wake_namespace(self, namespace: str) -> None:
         """What the namespace's pods should hold may have changed (the pod workers)."""
@@ -128,9 +129,11 @@ class Hub:
 
     def mark(self, key: Key) -> None:
         self.writer.mark(key)
+        self.rollouts.mark(key)
 
     def mark_namespace(self, namespace: str) -> None:
         self.writer.mark_namespace(namespace)
+        self.rollouts.mark_namespace(namespace)
 
     def wake_namespace(self, namespace: str) -> None:
         self.workers.wake_namespace(namespace)

@@ -8,8 +8,9 @@ an adapter, and nothing is kept that a restart would need.
 
 It owns the pod records (their tasks, reports, backoff; the cache adds them and takes in their
 `info`) and every adapter's `entries` sub-record (its entry on each pod; podstate.transition
-decides each change). It starts a rollout's canary entries afresh when rollouts say the canary
-changed (`canary_changed`).
+decides each change). It plans with the placer's placement as it is (the placer recomputes it,
+told by `replace`, and wakes the pods when it moves them), and starts a rollout's canary entries
+afresh when rollouts say the canary changed (`canary_changed`).
 """
 
 from __future__ import annotations
@@ -172,6 +173,7 @@ class Workers(Actor):
             prec.retry_in = backoff.delay(prec.failures, cap=self.config.max_backoff_s)
             if prec.failures >= UNHEARD_FAILURES and not prec.heard:
                 prec.heard = True
+                self.signals.replace(prec.info.namespace)  # it may wait for this pod no more
                 self.signals.mark_namespace(prec.info.namespace)
             log.info(
                 "action=read-models pod=%s/%s result=error message=%r", *prec.info.key, e.message
@@ -185,7 +187,7 @@ class Workers(Actor):
     ) -> tuple[dict[str, planning.Want], set[str]]:
         """What the pod should hold, and what it may keep as it is (planning.plan_wants)."""
         # A pass runs this for every adapter of the namespace: plain lookups, one tuple each.
-        adapters, candidates, any_placed = self.cache.adapters, [], False
+        adapters, candidates = self.cache.adapters, []
         for i in self.cache.indexed(pod.namespace):
             rec = adapters.get(i.key)
             if rec is None:
@@ -195,10 +197,8 @@ class Workers(Actor):
                 c = planning.Candidate(
                     rec.info, staged, rec.rolling.rollout, rec.deletion.unpublished
                 )
-            any_placed = any_placed or c.info.placed
             candidates.append(c)
-        # Placement is read only where an adapter asks for it (it reads the whole namespace).
-        chosen = self.placer.refresh(pod.namespace) if any_placed else None
+        chosen = self.placer.current(pod.namespace)
         placed = chosen.adapters if chosen is not None else None
         return planning.plan_wants(pod, base_model, candidates, placed)
 

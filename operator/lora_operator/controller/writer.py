@@ -1,9 +1,10 @@
 """The status writer: writes each changed adapter's status, coalesced and paced
 (statuswrite.write_delay), each change of headline announced by at most one Event
 (events.plan_event). It owns which adapters are due (`mark`), the record's `status` sub-record
-(what the object has, what summarise says now) and the phase gauge. Before it summarises an
-adapter it has the placer bring the namespace's placement up to date and rollouts step the
-rollout; it changes nothing else.
+(what the object has, what summarise says now) and the phase gauge. It renders what the
+others decided (the placer's placement, the rollout rollouts keep, the pods' entries), as they
+are when it passes, and changes nothing else: each of them marks an adapter when what it decided
+changes.
 """
 
 from __future__ import annotations
@@ -15,11 +16,10 @@ import time
 from collections import Counter
 from typing import Any
 
-from lora_operator import events, kube, rollout, statuswrite
+from lora_operator import canary, events, kube, rollout, statuswrite
 from lora_operator import status as status_mod
 from lora_operator.controller.placer import Placer
 from lora_operator.controller.records import AdapterRecord
-from lora_operator.controller.rollouts import Rollouts
 from lora_operator.controller.seams import Key
 from lora_operator.controller.signals import Actor, Shared
 
@@ -31,9 +31,9 @@ COALESCE_S = 0.1
 
 
 class StatusWriter(Actor):
-    def __init__(self, shared: Shared, placer: Placer, rollouts: Rollouts) -> None:
+    def __init__(self, shared: Shared, placer: Placer) -> None:
         super().__init__(shared)
-        self.placer, self.rollouts = placer, rollouts
+        self.placer = placer
         self.policy = statuswrite.WritePolicy(
             self.config.status_settle_s, self.config.status_progress_s
         )
@@ -92,11 +92,8 @@ class StatusWriter(Actor):
             if not heard.setdefault(ns, self.cache.heard(ns)):
                 self._due[key] = now + 0.5
                 continue
-            if rec.info.placed:
-                self.placer.refresh(ns)
             targeted = self.placer.targeted(rec)
             placed = self.placer.placed(rec)
-            self.rollouts.advance(rec, targeted)
             r = rec.rollout
             summary = status_mod.summarise(
                 rec.info,
@@ -108,7 +105,7 @@ class StatusWriter(Actor):
             )
             self._set_phase(rec, summary.phase)
             written = rec.status
-            rollout_body = self.rollouts.render(rec, targeted)
+            rollout_body = canary.render_status(r, rec.info, targeted, rec.entries.canary)
             # The routers read the weights from the status: a change there is written at once.
             reroutes = rollout.routing_changed((written.body or {}).get("rollout"), rollout_body)
             if written.now != summary.headline:
