@@ -1,6 +1,7 @@
 # The operator image: `python -m lora_operator` with the [operator] extra only (kopf, aiohttp,
 # huggingface_hub, boto3). No torch and no inference server: what it shares with the server (the
-# volume layout, the safetensors checks, the selectors) is lora_volume, which imports neither.
+# volume layout, the safetensors checks, the selectors) is lora_volume, and what every process
+# runs on (the API client, token files, metrics) lora_runtime; neither imports torch.
 # The router (`python -m lora_router`, the chart's router Deployment) runs from this image too: it
 # needs nothing beyond the same extra, so no third image is built, pulled or patched.
 #
@@ -30,6 +31,7 @@ print("\n".join(p["build-system"]["requires"] + p["project"]["optional-dependenc
 # devcluster/ (the local cluster, a development tool), so changing either rebuilds no operator
 # image; their console scripts are inert here.
 COPY README.md ./
+COPY runtime/ runtime/
 COPY volume/ volume/
 COPY operator/ operator/
 COPY router/ router/

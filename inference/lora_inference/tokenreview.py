@@ -20,7 +20,6 @@ import binascii
 import hashlib
 import json
 import logging
-import os
 import re
 import ssl
 import time
@@ -31,10 +30,10 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+from lora_runtime import login
 
 log = logging.getLogger(__name__)
 
-SERVICE_ACCOUNT = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 ACCEPTED_TTL_S = 60.0
 REFUSED_TTL_S = 10.0
 MAX_ENTRIES = 1024
@@ -84,22 +83,22 @@ class ApiServer:
 
     @classmethod
     def in_cluster(cls) -> ApiServer:
-        host = os.environ.get("KUBERNETES_SERVICE_HOST")
-        if not host:
+        """The API server at the pod's in-cluster address (`lora_runtime.login`), asked with
+        the pod's own mounted token (read again at each review)."""
+        url = login.api_server_address()
+        if url is None:
             raise ValueError(
                 "--operator-service-account needs the Kubernetes API server: KUBERNETES_SERVICE_"
                 "HOST is not set (the server is not running in a pod)"
             )
-        port = os.environ.get("KUBERNETES_SERVICE_PORT", "443")
-        token = SERVICE_ACCOUNT / "token"
+        token = login.SERVICE_ACCOUNT / "token"
         if not token.is_file():
             raise ValueError(
                 f"--operator-service-account needs the pod's ServiceAccount token at {token}: "
                 "set automountServiceAccountToken: true on the pod (the chart does)"
             )
-        ca = SERVICE_ACCOUNT / "ca.crt"
-        server_host = f"[{host}]" if ":" in host else host
-        return cls(f"https://{server_host}:{port}", token, ca if ca.is_file() else None)
+        ca = login.SERVICE_ACCOUNT / "ca.crt"
+        return cls(url, token, ca if ca.is_file() else None)
 
 
 class TokenReviewer:

@@ -1,81 +1,24 @@
-"""The server's bearer tokens from their mounted files: refused when empty or missing at start,
-read again whenever a file changes, so a rotated Secret is picked up without a restart.
-
-The kubelet replaces a mounted Secret's files by swapping a symlink; one `stat` per request tells
-whether to read again. A file that is empty or unreadable for a moment (mid-swap) keeps the last
-good token. `LORA_ADMIN_TOKEN_SECRET` and `LORA_CLIENT_TOKEN_SECRET` (set by the chart, e.g.
-"Secret lora/rel-admin-token, key token") name where a file comes from, so the error at start
-says which Secret to fix.
-
-`Tokens` decides who may call what: load and unload take the admin token or, with a reviewer
+"""Who may call what on the server: load and unload take the admin token or, with a reviewer
 (`tokenreview`), the operator's ServiceAccount token bound to this pod's namespace; generation
 and the reads take the client token, either of those, or anything when no client token is set.
+
+The tokens themselves come from their mounted files (`lora_runtime.tokenfiles`: refused when
+empty or missing at start, read again whenever a file changes, so a rotated Secret is picked
+up without a restart).
 """
 
 from __future__ import annotations
 
 import hmac
-import logging
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-log = logging.getLogger(__name__)
-
-
-class TokenError(ValueError):
-    pass
-
-
-def origin(kind: str, path: Path | None) -> str:
-    """Where a token comes from, for messages: its file and Secret, or its variable."""
-    secret = os.environ.get(f"LORA_{kind.upper()}_TOKEN_SECRET")
-    where = f"the file {path}" if path is not None else f"LORA_{kind.upper()}_TOKEN"
-    return f"{where} (from {secret})" if secret else where
-
-
-def read_token(path: Path, kind: str) -> str:
-    """The token in `path`; TokenError naming the file and its Secret when missing or empty."""
-    try:
-        token = path.read_text().strip()
-    except OSError as e:
-        raise TokenError(
-            f"the {kind} token cannot be read from {origin(kind, path)}: {e.strerror or e}; "
-            "create the Secret with the key mounted there"
-        ) from e
-    if not token:
-        raise TokenError(
-            f"the {kind} token in {origin(kind, path)} is empty: put a token in the Secret's "
-            "key (an empty token would turn authentication off)"
-        )
-    return token
-
-
-class TokenFile:
-    """The current token of a mounted file (read again when the file changes)."""
-
-    def __init__(self, path: Path, kind: str, token: str | None = None) -> None:
-        self.path, self.kind = path, kind
-        self._token = token
-        self._seen: tuple[int, int, int] | None = None
-
-    def get(self) -> str | None:
-        try:
-            st = self.path.stat()
-        except OSError:
-            return self._token
-        seen = (st.st_ino, st.st_mtime_ns, st.st_size)
-        if seen != self._seen:
-            try:
-                token = read_token(self.path, self.kind)
-            except TokenError as e:
-                log.warning("%s token kept: %s", self.kind, e)
-                return self._token
-            if self._token is not None and token != self._token:
-                log.info("%s token rotated (%s)", self.kind, self.path)
-            self._seen, self._token = seen, token
-        return self._token
+# The CLI checks the token files at start with the same reader.
+from lora_runtime.tokenfiles import TokenError as TokenError
+from lora_runtime.tokenfiles import TokenFile
+from lora_runtime.tokenfiles import origin as origin
+from lora_runtime.tokenfiles import read_token as read_token
 
 
 class Reviewer(Protocol):

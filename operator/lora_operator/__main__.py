@@ -8,8 +8,9 @@ import sys
 from collections.abc import Sequence
 
 import kopf
+from lora_runtime import tokenfiles
 
-from lora_operator import errors, tokens, volumecheck
+from lora_operator import errors, volumecheck
 from lora_operator.config import OperatorConfig, parse_args
 from lora_operator.controller import Controller
 from lora_operator.handlers import build_registry
@@ -36,8 +37,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if config.admin_token is None and needs_admin_token:
         # No silent open door: pods that require a token would refuse every call, and pods
         # that require none are a choice to make on the command line.
+        where = tokenfiles.origin("admin", config.admin_token_file)
         print(
-            f"lora-operator: no admin token: {tokens.origin(config.admin_token_file)} holds "
+            f"lora-operator: no admin token: {where} holds "
             "none; pass --admin-token-file (the chart mounts its Secret there), or "
             "--pod-token-service-account for pods that check the operator's ServiceAccount "
             "tokens, or --no-admin-token for inference pods that require none",

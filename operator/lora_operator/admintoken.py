@@ -27,6 +27,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 import aiohttp
+from lora_runtime import login
 
 from lora_operator import kube
 
@@ -125,7 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 async def _run(namespace: str, name: str, labels: Mapping[str, str]) -> Action:
-    info = kube.in_cluster_login()
+    info = login.in_cluster()
     if info is None:
         raise SystemExit("admintoken: not in a pod (no service account token)")
     api = kube.KubeApi(info, instance="lora-operator-admintoken")
@@ -148,7 +149,7 @@ async def _run(namespace: str, name: str, labels: Mapping[str, str]) -> Action:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    namespace = args.namespace or kube.pod_namespace()
+    namespace = args.namespace or login.pod_namespace()
     if not namespace:
         print("admintoken: --namespace is required outside a pod", file=sys.stderr)
         return 2

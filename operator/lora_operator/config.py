@@ -4,58 +4,21 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
-from fractions import Fraction
 from pathlib import Path
 
-from lora_operator import consent, limits, podtokens, tokens, trust
+from lora_runtime import sizes, tokenfiles
+
+from lora_operator import consent, limits, podtokens, trust
 from lora_operator.model import DEFAULT_POD_VOLUME_ROOT
-
-# Decimal (SI) and binary (IEC) multiples, and Kubernetes' quantity suffixes (Ki, Mi, Gi...), so
-# a size reads the same in the chart's values, on the command line and in a PVC.
-_SIZE_UNITS = {
-    "": 1,
-    "b": 1,
-    **{f"{p}b": 1000**i for i, p in enumerate("kmgt", 1)},
-    **{p: 1000**i for i, p in enumerate("kmgt", 1)},
-    **{f"{p}ib": 1024**i for i, p in enumerate("kmgt", 1)},
-    **{f"{p}i": 1024**i for i, p in enumerate("kmgt", 1)},
-}
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*$")
-
-
-def parse_size(text: str) -> int:
-    """Bytes in a size such as `2GiB`, `500MB`, `1.5Gi` or `2147483648` (pure).
-
-    Units are case-insensitive: B, kB/MB/GB/TB (powers of 1000), KiB/MiB/GiB/TiB and Kubernetes'
-    Ki/Mi/Gi/Ti (powers of 1024), K/M/G/T (powers of 1000, as in a Kubernetes quantity). A
-    fraction is rounded down to whole bytes. Raises ValueError saying what is accepted.
-    """
-    match = _SIZE.fullmatch(text)
-    unit = match.group(2).lower() if match else None
-    if match is None or unit not in _SIZE_UNITS:
-        raise ValueError(
-            f"invalid size {text!r}: give a number of bytes with an optional unit, e.g. "
-            "2147483648, 2GiB, 2Gi or 500MB (units: B, kB, MB, GB, TB, KiB, MiB, GiB, TiB, "
-            "Ki, Mi, Gi, Ti)"
-        )
-    return int(Fraction(match.group(1)) * _SIZE_UNITS[unit])
-
-
-def _size_arg(text: str) -> int:
-    try:
-        return parse_size(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from e
 
 
 def _quota_arg(text: str) -> int | None:
     """A size, or `none` (or 0) for no limit."""
     if text.strip().lower() == "none":
         return None
-    return _size_arg(text) or None
+    return sizes.argument(text) or None
 
 
 def _cidr_arg(text: str) -> str:
@@ -269,7 +232,7 @@ def parse_args(argv: Sequence[str] | None = None) -> OperatorConfig:
     p.add_argument("--max-concurrent-stagings", type=int, default=limits.DEFAULT_MAX_CONCURRENT)
     p.add_argument(
         "--max-adapter-bytes",
-        type=_size_arg,
+        type=sizes.argument,
         default=limits.DEFAULT_MAX_BYTES,
         metavar="SIZE",
         help="the largest adapter file, e.g. 2GiB or 500MB (default 2GiB)",
@@ -300,8 +263,8 @@ def parse_args(argv: Sequence[str] | None = None) -> OperatorConfig:
     token: str | None
     if a.admin_token_file is not None:
         try:
-            token = tokens.read_token(a.admin_token_file)
-        except tokens.TokenError as e:
+            token = tokenfiles.read_token(a.admin_token_file, "admin")
+        except tokenfiles.TokenError as e:
             p.error(str(e))
     else:
         token = os.environ.get("LORA_ADMIN_TOKEN", "").strip() or None

@@ -16,7 +16,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
-from lora_operator import backoff, consent, egress, errors
+from lora_runtime import backoff
+
+from lora_operator import consent, egress, errors
 
 CHUNK_BYTES = 1024 * 1024
 # An https read waits until it has its whole size (or the end): small while the source is slow,

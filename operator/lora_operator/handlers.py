@@ -17,11 +17,11 @@ from __future__ import annotations
 from typing import Any
 
 import kopf
+from lora_runtime import metrics
 
 from lora_operator import kube, trust
 from lora_operator.config import OperatorConfig
 from lora_operator.controller import Controller
-from lora_operator.metrics import serve as serve_metrics
 from lora_operator.model import (
     GROUP,
     INFERENCE_LABEL,
@@ -60,7 +60,8 @@ def build_registry(controller: Controller) -> kopf.OperatorRegistry:
         configure(settings, controller.config)
         # kopf hands its (still empty, then live) indices to every handler, this one included.
         controller.start(kwargs["inference_pods"], kwargs["lora_adapters"])
-        runner = await serve_metrics(controller.metrics, "0.0.0.0", controller.config.metrics_port)
+        registry, port = controller.metrics.registry, controller.config.metrics_port
+        runner = await metrics.serve(registry, "0.0.0.0", port)
         controller.on_stop(runner.cleanup)
 
     @kopf.on.cleanup(id="cleanup", registry=registry)

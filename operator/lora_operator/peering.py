@@ -25,7 +25,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from lora_operator import backoff
+from lora_runtime import backoff
 
 log = logging.getLogger("lora_operator")
 

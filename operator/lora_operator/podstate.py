@@ -26,7 +26,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Literal
 
-from lora_operator import backoff
+from lora_runtime import backoff
+
 from lora_operator.planning import Card, Want, satisfied
 
 PodState = Literal["Pending", "Loading", "Loaded", "Failed"]

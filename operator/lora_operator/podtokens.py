@@ -22,9 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from lora_runtime import tokenfiles
 from lora_volume import podauth
-
-from lora_operator import tokens
 
 # What the operator asks for; the API server may shorten it (its --service-account-max-token-
 # expiration) and never gives less than 10 minutes.
@@ -45,7 +44,7 @@ class AdminToken:
 
     def __init__(self, token: str | None, path: Path | None = None) -> None:
         self._fixed = token
-        self._file = tokens.TokenFile(path, token) if path is not None else None
+        self._file = tokenfiles.TokenFile(path, "admin", token) if path is not None else None
 
     async def header(self, namespace: str) -> dict[str, str]:
         token = self._file.get() if self._file is not None else self._fixed

@@ -10,9 +10,10 @@ from collections.abc import Sequence
 
 import uvloop
 from aiohttp import web
+from lora_runtime import metrics as prometheus
 
 from lora_router import server
-from lora_router.app import create_app, metrics_app
+from lora_router.app import create_app
 from lora_router.config import RouterConfig, parse_args
 from lora_router.metrics import Metrics
 from lora_router.sources import kube_sources
@@ -34,7 +35,7 @@ async def serve(
         # No access log: a line per request cost a fifth of the router's CPU per request; the
         # pods log every generation, and lora_router_requests_total counts each route and code.
         web.AppRunner(app, access_log=None),
-        web.AppRunner(metrics_app(metrics), access_log=None),
+        web.AppRunner(prometheus.app(metrics.registry), access_log=None),
     ]
     for runner in runners:
         await runner.setup()

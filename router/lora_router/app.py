@@ -22,11 +22,11 @@ from typing import Any
 import aiohttp
 import lora_playground as playground
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from lora_runtime import tokenfiles
 
 from lora_router import fleet as fleet_mod
 from lora_router import paths, proxy, upstream
-from lora_router.config import RouterConfig, read_token
+from lora_router.config import RouterConfig
 from lora_router.fleet import Fleet
 from lora_router.metrics import Metrics
 from lora_router.state import CONFIG, FLEET, METRICS, STATE, ProxyState, Source
@@ -104,21 +104,17 @@ async def ready(request: web.Request) -> web.Response:
     return web.json_response({"status": "ready"})
 
 
-async def metrics_handler(request: web.Request) -> web.Response:
-    body = generate_latest(request.app[METRICS].registry)
-    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
-
-
 def poll_headers(config: RouterConfig) -> dict[str, str]:
     """The headers of the router's own polls: the pods' client token when it has one. Read at
     every round, so a rotated Secret is picked up without a restart."""
     if config.client_token_file is None:
         return {}
     try:
-        return {"Authorization": f"Bearer {read_token(config.client_token_file)}"}
-    except (OSError, ValueError) as e:
+        token = tokenfiles.read_token(config.client_token_file, "client")
+    except tokenfiles.TokenError as e:
         log.warning("action=poll result=no-token error=%s", e)
         return {}
+    return {"Authorization": f"Bearer {token}"}
 
 
 async def poll_residency(fleet: Fleet, state: ProxyState) -> None:
@@ -207,10 +203,3 @@ async def _background(app: web.Application, sources: list[Source]) -> AsyncItera
     await asyncio.gather(*tasks, return_exceptions=True)
     await state.session.close()
     state.pool.close()
-
-
-def metrics_app(metrics: Metrics) -> web.Application:
-    app = web.Application()
-    app[METRICS] = metrics
-    app.router.add_get("/metrics", metrics_handler)
-    return app

@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from lora_operator.config import parse_size
-from lora_operator.kube import pod_namespace
+from lora_runtime import login, sizes, tokenfiles
 
 
 @dataclass(frozen=True)
@@ -31,30 +29,6 @@ class RouterConfig:
     # The pods' client token, sent with the router's own residency polls only: client requests
     # carry their own Authorization, so the router never lends its token to a client.
     client_token_file: Path | None = None
-
-
-def read_token(path: Path) -> str:
-    """The bearer token in `path` (a Secret's key, mounted); ValueError when it is empty.
-
-    Read again at every poll, so a rotated Secret is picked up without a restart; the message
-    names the Secret when the chart says which one is mounted there
-    (`LORA_CLIENT_TOKEN_SECRET`)."""
-    secret = os.environ.get("LORA_CLIENT_TOKEN_SECRET")
-    where = f"{path} (from {secret})" if secret else str(path)
-    try:
-        token = path.read_text().strip()
-    except OSError as e:
-        raise ValueError(f"{where} cannot be read: {e.strerror or e}") from e
-    if not token:
-        raise ValueError(f"{where} is empty: an empty token would turn authentication off")
-    return token
-
-
-def _size_arg(text: str) -> int:
-    try:
-        return parse_size(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from e
 
 
 def parse_args(argv: Sequence[str] | None = None) -> RouterConfig:
@@ -82,7 +56,7 @@ def parse_args(argv: Sequence[str] | None = None) -> RouterConfig:
     )
     p.add_argument(
         "--max-body-bytes",
-        type=_size_arg,
+        type=sizes.argument,
         default=d.max_body_bytes,
         metavar="SIZE",
         help="the largest request body, e.g. 1MiB (413 beyond)",
@@ -116,10 +90,10 @@ def parse_args(argv: Sequence[str] | None = None) -> RouterConfig:
         p.error("--shutdown-delay-seconds must be at least 0")
     if a.client_token_file is not None:
         try:
-            read_token(a.client_token_file)
-        except (OSError, ValueError) as e:
+            tokenfiles.read_token(a.client_token_file, "client")
+        except tokenfiles.TokenError as e:
             p.error(f"--client-token-file: {e}")
-    namespace = a.namespace or pod_namespace()
+    namespace = a.namespace or login.pod_namespace()
     if not namespace:
         p.error("--namespace is required outside a pod")
     return RouterConfig(

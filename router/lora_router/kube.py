@@ -1,10 +1,10 @@
 """The router's reads of the Kubernetes API: list, then watch, again after any break.
 
-The calls are the operator's client (`lora_operator.kube`: one `KubeApi`, one `ApiError`, one
-in-cluster login; the router ships in the operator image). Credentials: the pod's service
-account (read again at every new list, so a rotated token is picked up), or the kubeconfig
-outside a cluster (kopf's loader). The router only reads: its RBAC grants get, list and watch on
-LoRAAdapters and EndpointSlices of its namespace.
+The calls go through the client the operator uses too (`lora_runtime.kube`), without kopf or
+the operator. Credentials: the pod's service account (read again at every new list, so a
+rotated token is picked up), or the kubeconfig outside a cluster (`lora_runtime.login`). The
+router only reads: its RBAC grants get, list and watch on LoRAAdapters and EndpointSlices of its
+namespace.
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from collections.abc import Callable
 from typing import Any
 
 import aiohttp
-import kopf
-from lora_operator import backoff
-from lora_operator.kube import ApiError, KubeApi, in_cluster_login
+from lora_runtime import backoff
+from lora_runtime import login as logins
+from lora_runtime.kube import ApiError, KubeClient
 
 log = logging.getLogger("lora_router")
 
@@ -28,16 +28,16 @@ RETRY_CAP_S = 10.0
 Obj = dict[str, Any]
 
 
-def login() -> kopf.ConnectionInfo:
+def login() -> logins.Login:
     """The service account in a pod, else the kubeconfig."""
-    info = in_cluster_login() or kopf.login_with_kubeconfig(settings=kopf.OperatorSettings())
+    info = logins.in_cluster() or logins.from_kubeconfig()
     if info is None:
         raise RuntimeError("no service account and no kubeconfig: set KUBECONFIG")
     return info
 
 
 async def _watch(
-    api: KubeApi, path: str, params: dict[str, str], on_event: Callable[[str, Obj], None]
+    api: KubeClient, path: str, params: dict[str, str], on_event: Callable[[str, Obj], None]
 ) -> str | None:
     """One watch request; calls `on_event` per event and returns the last resourceVersion,
     or None when the server said the version is too old (list again)."""
@@ -59,14 +59,14 @@ async def mirror(
     replace: Callable[[list[Obj]], None],
     on_event: Callable[[str, Obj], None],
     *,
-    connect: Callable[[], kopf.ConnectionInfo] = login,
+    connect: Callable[[], logins.Login] = login,
 ) -> None:
     """Keep a collection mirrored for ever: list (handing `replace` every object), then watch,
     and list again after a break, an expired version or an API server restart."""
     attempt = 0
     listing_path = f"{path}?{urllib.parse.urlencode(params)}" if params else path
     while True:
-        api = KubeApi(connect())
+        api = KubeClient(connect())
         try:
             listing = await api.request("GET", listing_path)
             replace(list(listing.get("items") or ()))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import kopf
+from lora_runtime.login import Login
 
 from lora_router import fleet as fleet_mod
 from lora_router import kube
@@ -17,7 +17,7 @@ GROUP_VERSION = "lora.dev/v1alpha1"
 
 
 def kube_sources(
-    config: RouterConfig, *, connect: Callable[[], kopf.ConnectionInfo] = kube.login
+    config: RouterConfig, *, connect: Callable[[], Login] = kube.login
 ) -> list[Source]:
     ns = config.namespace
     slices_path = f"/apis/discovery.k8s.io/v1/namespaces/{ns}/endpointslices"

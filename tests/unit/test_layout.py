@@ -1,6 +1,6 @@
-"""The suite's layout holds: the operator's, the router's and the volume's unit tests import no
-torch (the operator image has none, so nothing of theirs may need it), and every test has its
-kind's marker."""
+"""The suite's layout holds: the unit tests of what the operator image holds (the operator, the
+router, the volume contract, the runtime) import no torch (the operator image has
+none, so nothing of theirs may need it), and every test has its kind's marker."""
 
 from __future__ import annotations
 
@@ -11,7 +11,12 @@ import pytest
 
 from tests.support import ROOT
 
-TORCH_FREE = ["tests/unit/operator", "tests/unit/router", "tests/unit/volume"]
+TORCH_FREE = [
+    "tests/unit/operator",
+    "tests/unit/router",
+    "tests/unit/volume",
+    "tests/unit/runtime",
+]
 
 # torch blocked before anything runs: `import torch` anywhere raises ImportError.
 COLLECT_WITHOUT_TORCH = (

@@ -17,7 +17,9 @@ import logging
 import time
 from dataclasses import dataclass
 
-from lora_operator import backoff, kube, trust
+from lora_runtime import backoff
+
+from lora_operator import kube, trust
 from lora_operator.controller.signals import Actor, Shared
 from lora_operator.model import PodInfo
 

@@ -21,8 +21,9 @@ import logging
 import time
 
 import aiohttp
+from lora_runtime import backoff
 
-from lora_operator import backoff, composition, consent, errors, kube, sources
+from lora_operator import composition, consent, errors, kube, sources
 from lora_operator.controller.records import AdapterRecord
 from lora_operator.controller.seams import Key
 from lora_operator.controller.signals import Actor, Shared

@@ -22,7 +22,9 @@ import logging
 import time
 from typing import NamedTuple
 
-from lora_operator import backoff, kube, placement, planning, podstate
+from lora_runtime import backoff
+
+from lora_operator import kube, placement, planning, podstate
 from lora_operator.controller.placer import Placer
 from lora_operator.controller.records import Found, PodRecord, Recorded
 from lora_operator.controller.seams import Key

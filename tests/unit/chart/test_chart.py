@@ -14,6 +14,7 @@ import pytest
 import yaml
 from lora_inference import cli as inference_cli
 from lora_operator import config
+from lora_runtime import sizes
 
 from tests.support.chart import (
     CHART,
@@ -727,7 +728,7 @@ def test_max_adapter_bytes_takes_units_and_integers(helm: str) -> None:
     ):
         args = operator_args(render(helm, "--set", f"operator.maxAdapterBytes={value}"))
         flag = next(a for a in args if a.startswith("--max-adapter-bytes="))
-        assert config.parse_size(flag.split("=", 1)[1]) == expected, flag
+        assert sizes.parse_size(flag.split("=", 1)[1]) == expected, flag
     assert "operator/maxAdapterBytes" in refused(helm, "--set", "operator.maxAdapterBytes=2 gigs")
 
 

@@ -54,3 +54,9 @@ def test_https_reads_grow_while_fast_and_shrink_while_slow() -> None:
     for _ in range(12):  # a slow link: back down to the smallest, and no further
         size = downloads.next_read_size(size, 2.0)
     assert size == downloads.MIN_READ_BYTES
+
+
+def test_the_download_policy_counts_attempts_from_zero() -> None:
+    """downloads.RetryPolicy waits as `lora_runtime.backoff` says, from its first attempt."""
+    policy = downloads.RetryPolicy()
+    assert [policy.delay(i) for i in range(6)] == [0.5, 1, 2, 4, 8, 8]

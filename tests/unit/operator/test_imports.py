@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import ast
 import graphlib
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
 
 import lora_operator
+
+from tests.support.imports import import_everything
 
 PACKAGE = Path(lora_operator.__file__).parent
 
@@ -46,26 +45,8 @@ def test_no_module_of_the_operator_imports_itself_back() -> None:
 def test_the_operator_and_the_router_import_no_torch_and_no_inference_server() -> None:
     # In a fresh interpreter (the test process may hold torch for other tests). Every module is
     # imported, so a torch import anywhere in the operator image's code fails here, not in a pod.
-    script = textwrap.dedent(
-        """
-        import importlib, pkgutil, sys
-        import lora_operator, lora_router
-        names = [
-            m.name
-            for pkg in (lora_operator, lora_router)
-            for m in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + ".")
-        ]
-        for name in names:
-            importlib.import_module(name)
-        heavy = {"torch", "diffusers", "peft", "transformers", "lora_inference"}
-        loaded = sorted({n.split(".")[0] for n in sys.modules} & heavy)
-        assert not loaded, f"imported {loaded}"
-        print(len(names))
-        """
-    )
-    done = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=False
-    )
-    assert done.returncode == 0, done.stderr
+    names, loaded = import_everything(["lora_operator", "lora_router"])
+    heavy = {"torch", "diffusers", "peft", "transformers", "lora_inference"}
+    assert not loaded & heavy, f"imported {sorted(loaded & heavy)}"
     modules = len(list(PACKAGE.glob("*.py"))) - 1  # walk_packages lists no __init__
-    assert int(done.stdout) >= modules, "the script imported fewer modules than the operator has"
+    assert len(names) >= modules, "the script imported fewer modules than the operator has"

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from lora_operator import backoff, model, podstate
+from lora_operator import model, podstate
 from lora_operator.planning import Card, Want
 from lora_operator.podstate import (
     Conflicted,
@@ -20,6 +20,7 @@ from lora_operator.podstate import (
     transition,
 )
 from lora_operator.status import StagingState, summarise
+from lora_runtime import backoff
 
 BOUND = 3
 A = Want("pixel", "a" * 64, 1.0, False)

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 from lora_operator import __main__ as entry
-from lora_operator import config, tokens
+from lora_operator import config
+from lora_runtime import tokenfiles
 
 SECRET = "Secret lora/rel-admin-token, key token"
 
@@ -18,7 +19,7 @@ def test_a_missing_or_empty_token_file_refuses_to_start_naming_the_secret(
     monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    monkeypatch.setenv(tokens.SECRET_ENV, SECRET)
+    monkeypatch.setenv(tokenfiles.secret_env("admin"), SECRET)
     token = tmp_path / "token"
     if content is not None:
         token.write_text(content)
@@ -45,7 +46,7 @@ def test_the_token_file_is_read_again_when_it_changes(tmp_path: Path) -> None:
     path.write_text("one\n")
     c = config.parse_args(["--admin-token-file", str(path)])
     assert (c.admin_token, c.admin_token_file) == ("one", path)
-    f = tokens.TokenFile(path, c.admin_token)
+    f = tokenfiles.TokenFile(path, "admin", c.admin_token)
     assert f.get() == "one"
     # A mounted Secret changes by a symlink swap: a new file under the same name.
     new = tmp_path / "token.new"

@@ -13,8 +13,8 @@ from collections.abc import Callable
 import pytest
 from aiohttp import web
 from lora_router import http1, server
-from lora_router.app import metrics_app
 from lora_router.metrics import Metrics
+from lora_runtime import metrics as prometheus
 
 from tests.support.stand_ins import Pod, StartBackend, pods
 from tests.unit.router.conftest import Router, StartRouter
@@ -163,7 +163,7 @@ async def test_a_site_of_an_app_that_forwards_nothing_reads_every_request_by_the
 ):
     """The metrics app behind a `server.Site`: every request is aiohttp's server's, through the
     relay (a generation too: there is nothing to forward it to), and slow clients are cut off."""
-    runner = web.AppRunner(metrics_app(Metrics()), access_log=None)
+    runner = web.AppRunner(prometheus.app(Metrics().registry), access_log=None)
     await runner.setup()
     site = server.Site(runner, "127.0.0.1", 0)
     await site.start()
