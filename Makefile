@@ -39,7 +39,7 @@ lint: $(STAMP)
 	$(VENV)/bin/lint-imports
 
 typecheck: $(STAMP)
-	$(VENV)/bin/mypy runtime/lora_runtime volume/lora_volume playground/lora_playground inference/lora_inference operator/lora_operator router/lora_router devcluster/lora_devcluster demo/lora_demo tests
+	$(VENV)/bin/mypy runtime/lora_runtime podapi/lora_podapi volume/lora_volume playground/lora_playground inference/lora_inference operator/lora_operator router/lora_router devcluster/lora_devcluster demo/lora_demo tests
 
 unit: prepare
 	$(VENV)/bin/pytest

@@ -34,15 +34,17 @@ print("\n".join(p["build-system"]["requires"] + p["project"]["optional-dependenc
     && pip install -r /tmp/requirements.txt \
     && rm /tmp/requirements.txt
 # The project itself, without dependencies (they are all above): the server, the volume
-# contract it shares with the operator (lora_volume), and what every process of the product
-# runs on (lora_runtime). operator/, router/ and devcluster/ stay out: the server imports none
-# of them, and changing them rebuilds no inference image.
+# contract and the pod API it shares with the operator and the router (lora_volume,
+# lora_podapi), and what every process of the product runs on (lora_runtime). operator/,
+# router/ and devcluster/ stay out: the server imports none of them, and changing them rebuilds
+# no inference image.
 COPY models/shapes/ /opt/lora/shapes/
 # Readable by the non-root user whatever the modes in the build context (diffusers writes weights
 # 0600; a git checkout has 0644).
 RUN chmod -R a+rX /opt/lora/shapes
 COPY README.md ./
 COPY runtime/ runtime/
+COPY podapi/ podapi/
 COPY volume/ volume/
 COPY inference/ inference/
 COPY playground/ playground/

@@ -1,7 +1,8 @@
 # The operator image: `python -m lora_operator` with the [operator] extra only (kopf, aiohttp,
 # huggingface_hub, boto3). No torch and no inference server: what it shares with the server (the
-# volume layout, the safetensors checks, the selectors) is lora_volume, and what every process
-# runs on (the API client, token files, metrics) lora_runtime; neither imports torch.
+# volume layout, the safetensors checks, the selectors) is lora_volume, the pods' JSON is
+# lora_podapi, and what every process runs on (the API client, token files, metrics)
+# lora_runtime; none of them imports torch.
 # The router (`python -m lora_router`, the chart's router Deployment) runs from this image too: it
 # needs nothing beyond the same extra, so no third image is built, pulled or patched.
 #
@@ -32,6 +33,7 @@ print("\n".join(p["build-system"]["requires"] + p["project"]["optional-dependenc
 # image; their console scripts are inert here.
 COPY README.md ./
 COPY runtime/ runtime/
+COPY podapi/ podapi/
 COPY volume/ volume/
 COPY operator/ operator/
 COPY router/ router/

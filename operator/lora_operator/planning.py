@@ -1,29 +1,27 @@
 """What one pod should hold versus what it reports, and the calls that close the gap (pure).
 
-A pod reports its adapters in `GET /v1/models`. An adapter the operator loaded is a revision
-directory of the adapter volume's layout, `.../<name>/revisions/<sha256>`, and its card says so:
-`root` is the adapter's name and `revision` the sha256 (an older server's card, or vLLM's, has
-the directory's path as its `root` instead; `parse_models` reads both). That is how the operator
-recognises its own adapters after a restart without keeping any state, and how it leaves static
-(`--lora`) and hand-loaded adapters alone. A card served under a rollout's alias
+A pod reports its adapters in `GET /v1/models` (`lora_podapi.models`, which reads every version a
+pod may send). An adapter the operator loaded is a revision directory of the adapter volume's
+layout, `.../<name>/revisions/<sha256>`, and its card says so: it names the LoRAAdapter and the
+revision (`report_of` takes a card as the operator's only when they match its name). That is how
+the operator recognises its own adapters after a restart without keeping any state, and how it
+leaves static (`--lora`) and hand-loaded adapters alone. A card served under a rollout's alias
 (`<name>_<sha prefix>`, rollout.py) is the operator's too: it names the adapter and the revision
 the alias is made of.
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import PurePosixPath
 from typing import Any, NamedTuple, Protocol
 
+from lora_podapi import models
 from lora_volume import layout
 
 from lora_operator import rollout
 from lora_operator.model import AdapterInfo, PodInfo, StagedRef
-
-_SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
 
 @dataclass(frozen=True)
@@ -87,52 +85,35 @@ class PodReport:
 
 
 def parse_models(payload: Any) -> PodReport:
-    """Read a `/v1/models` answer; raise ValueError when it is not one."""
-    if not isinstance(payload, dict) or not isinstance(payload.get("data"), list):
-        raise ValueError("GET /v1/models did not return {'data': [...]}")
-    base: str | None = None
+    """Read a `/v1/models` answer of any version; raise ValueError when it is not one."""
+    return report_of(models.parse(payload))
+
+
+def report_of(listed: models.ModelList) -> PodReport:
+    """The pod's adapters as the operator sees them: a card is the operator's when it names a
+    published revision of the adapter it is served as, or of the adapter whose rollout alias
+    (`<name>_<sha prefix>`) it is served as."""
     cards: dict[str, Card] = {}
-    for raw in payload["data"]:
-        if not isinstance(raw, dict) or not isinstance(raw.get("id"), str):
-            raise ValueError(f"GET /v1/models returned a card without an id: {raw!r}")
-        if raw.get("parent") is None:
-            base = base or raw["id"]
+    for raw in listed.cards:
+        if raw.parent is None:
             continue
-        name = raw["id"]
-        adapter, revision = _published(raw)
-        if revision is None or adapter not in (name, rollout.adapter_of_alias(name, revision)):
+        adapter, revision = raw.adapter, raw.revision
+        if revision is None or adapter not in (raw.id, rollout.adapter_of_alias(raw.id, revision)):
             adapter = revision = None
-        scale = raw.get("scale")
-        pinned = raw.get("pinned")
-        cards[name] = Card(
-            name=name,
+        cards[raw.id] = Card(
+            name=raw.id,
             revision=revision,
-            scale=float(scale) if isinstance(scale, int | float) else None,
-            pinned=pinned if isinstance(pinned, bool) else None,
-            hits=_count(raw.get("hits")),
+            scale=raw.scale,
+            pinned=raw.pinned,
+            hits=raw.hits,
             adapter=adapter,
         )
     return PodReport(
-        base_model=base,
+        base_model=listed.base,
         cards=cards,
-        max_loras=_count(payload.get("max_loras")),
-        max_cpu_loras=_count(payload.get("max_cpu_loras")),
+        max_loras=listed.max_loras,
+        max_cpu_loras=listed.max_cpu_loras,
     )
-
-
-def _published(card: Mapping[str, Any]) -> tuple[str | None, str | None]:
-    """The (adapter, revision) a card says it was loaded from: `root` and `revision`, or, on an
-    older server's card (or vLLM's) without `revision`, the revision directory's path in
-    `root`. (None, None) when it names no published revision."""
-    root, revision = card.get("root"), card.get("revision")
-    if isinstance(revision, str) and _SHA256.fullmatch(revision):
-        return (root, revision) if isinstance(root, str) else (None, None)
-    found = layout.published_revision(root) if isinstance(root, str) else None
-    return (found.adapter, found.sha256) if found is not None else (None, None)
-
-
-def _count(value: Any) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
 
 
 @dataclass(frozen=True)

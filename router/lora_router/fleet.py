@@ -7,10 +7,11 @@ and the one mutable record that holds it (`Fleet`).
 - Placement comes from the LoRAAdapters of the namespace: `status.placedPods` lists the pods an
   adapter with `spec.replicas` (or `spec.autoscale`) is placed on; an adapter without either is on
   every pod.
-- Residency comes from each pod's `GET /v1/adapters`: every adapter's tier (`gpu`, `cpu`,
-  `disk`), and, where the server says so, its GPU slots (`max_loras`) and queue
-  (`num_requests_waiting`, `num_requests_running`). The queue is also counted on every
-  generation answer (`x-lora-queue`), so it is fresher than the polls.
+- Residency comes from each pod's `GET /v1/adapters` (`lora_podapi.adapters`, either form, any
+  version): every adapter's tier (`gpu`, `cpu`, `disk`), and, where the server says so, its GPU
+  slots (`max_loras`) and queue (`num_requests_waiting`, `num_requests_running`). The queue is
+  also counted on every generation answer (`x-lora-queue`, `lora_podapi.headers`), so it is
+  fresher than the polls.
 
 The router keeps nothing on disk: after a restart it lists the objects again and polls the pods.
 """
@@ -23,10 +24,9 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from lora_router.routing import Backend, Residency
+from lora_podapi import adapters
 
-# The header on a pod's generation answers with its requests waiting and running as it answered.
-QUEUE_HEADER = "x-lora-queue"
+from lora_router.routing import Backend, Residency
 
 
 @dataclass(frozen=True)
@@ -137,63 +137,22 @@ def estimated_load(own: int, queue: int | None, mine_then: int) -> int:
     return own + max(0, queue - mine_then)
 
 
-def answered_queue(headers: Iterable[tuple[str, str]]) -> int | None:
-    """The queue a pod's answer reports (`x-lora-queue`), or None when it has none (pure)."""
-    for name, value in headers:
-        if name.lower() == QUEUE_HEADER:
-            return int(value) if value.isdigit() else None
-    return None
-
-
 def parse_report(payload: Any, at: float, etag: str | None = None) -> Report:
-    """A `GET /v1/adapters` answer, the full listing or its residency view (`gpu`, `cpu` and
-    `disk`: lists of names); raise ValueError when it is neither."""
-    if isinstance(payload, Mapping) and payload.get("object") == "residency":
-        tiers: list[set[str]] = []
-        for tier in ("gpu", "cpu", "disk"):
-            names = payload.get(tier)
-            if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
-                raise ValueError(f"GET /v1/adapters?view=residency did not list {tier} names")
-            tiers.append(set(names))
-        return _report(payload, at, etag, *tiers)
-    if not isinstance(payload, Mapping) or not isinstance(payload.get("data"), list):
-        raise ValueError("GET /v1/adapters did not return {'data': [...]}")
-    gpu, cpu, disk = set(), set(), set()
-    for card in payload["data"]:
-        if not isinstance(card, Mapping) or not isinstance(card.get("id"), str):
-            raise ValueError(f"GET /v1/adapters returned an entry without an id: {card!r}")
-        if card.get("tier") == "gpu":
-            gpu.add(card["id"])
-        elif card.get("tier") == "cpu":
-            cpu.add(card["id"])
-        else:
-            disk.add(card["id"])
-    return _report(payload, at, etag, gpu, cpu, disk)
-
-
-def _report(
-    payload: Mapping[str, Any],
-    at: float,
-    etag: str | None,
-    gpu: set[str],
-    cpu: set[str],
-    disk: set[str],
-) -> Report:
-    max_loras = payload.get("max_loras")
-    free_slot = isinstance(max_loras, int) and len(gpu) < max_loras
-    waiting, running = payload.get("num_requests_waiting"), payload.get("num_requests_running")
-    queue = None
-    if isinstance(waiting, int) and isinstance(running, int):
-        queue = waiting + running
-    model = payload.get("model")
+    """A `GET /v1/adapters` answer, its residency view or the full listing, as read `at` (the
+    answer's version `etag`); raise ValueError when it is neither."""
+    read = adapters.parse_residency(payload)
+    slots, queue = read.capacity.max_loras, read.capacity.queue
     return Report(
         residency=Residency(
-            gpu=frozenset(gpu), cpu=frozenset(cpu), free_slot=free_slot, disk=frozenset(disk)
+            gpu=frozenset(read.gpu),
+            cpu=frozenset(read.cpu),
+            free_slot=slots is not None and len(set(read.gpu)) < slots,
+            disk=frozenset(read.disk),
         ),
         queue=queue,
-        base_model=model if isinstance(model, str) else None,
+        base_model=read.capacity.model,
         at=at,
-        slots=max_loras if isinstance(max_loras, int) else None,
+        slots=slots,
         etag=etag,
         polled=queue,
     )

@@ -30,9 +30,10 @@ from collections.abc import Iterable
 from typing import Protocol
 
 from aiohttp import web
+from lora_podapi import headers as answers
 
 from lora_router import bodies, http1, paths, routing, upstream
-from lora_router.fleet import AdapterPlacement, Fleet, Split, answered_queue
+from lora_router.fleet import AdapterPlacement, Fleet, Split
 from lora_router.metrics import Metrics
 from lora_router.state import CONFIG, STATE, ProxyState
 
@@ -296,7 +297,7 @@ async def _forward(
             log.warning("action=proxy pod=%s result=broken error=%s", decision.pod, e)
             reply.error(502, "BadGateway", f"pod {decision.pod} answered badly: {e}")
             return 502
-        queue = answered_queue(answer.headers)
+        queue = answers.parse_queue(answer.headers)
         if queue is not None:
             fleet.take_queue(decision.pod, queue)
         try:

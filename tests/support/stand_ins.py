@@ -9,6 +9,7 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
+from lora_podapi import headers as answers
 
 if TYPE_CHECKING:
     from tests.unit.router.conftest import Router
@@ -96,7 +97,8 @@ class Pod:
             "authorization": request.headers.get("Authorization"),
             "body": body.decode(),
         }
-        headers = {} if self.answered_queue is None else {"x-lora-queue": str(self.answered_queue)}
+        queue = self.answered_queue
+        headers = {} if queue is None else {answers.QUEUE: answers.render_queue(queue)}
         return web.json_response(echo, headers=headers)
 
 

@@ -1,5 +1,5 @@
 """The suite's layout holds: the unit tests of what the operator image holds (the operator, the
-router, the volume contract, the runtime) import no torch (the operator image has
+router, the volume contract, the pod API, the runtime) import no torch (the operator image has
 none, so nothing of theirs may need it), and every test has its kind's marker."""
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ TORCH_FREE = [
     "tests/unit/router",
     "tests/unit/volume",
     "tests/unit/runtime",
+    "tests/unit/podapi",
 ]
 
 # torch blocked before anything runs: `import torch` anywhere raises ImportError.

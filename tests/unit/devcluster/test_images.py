@@ -51,10 +51,11 @@ def test_keys_are_stable_for_an_unchanged_tree(tree: images.Tree) -> None:
 @pytest.mark.parametrize(
     ("path", "expected"),
     [
-        # The volume contract and the runtime are in both images; each side's own code only in
-        # its own.
+        # The volume contract, the pod API and the runtime are in both images; each side's own
+        # code only in its own.
         ("volume/lora_volume/layout.py", {"operator", "inference"}),
         ("runtime/lora_runtime/kube.py", {"operator", "inference"}),
+        ("podapi/lora_podapi/models.py", {"operator", "inference"}),
         ("inference/lora_inference/cli.py", {"inference"}),
         ("operator/lora_operator/__init__.py", {"operator"}),
         ("router/lora_router/routing.py", {"operator"}),

@@ -7,6 +7,7 @@ from pathlib import PurePosixPath
 import pytest
 from lora_operator import planning
 from lora_operator.planning import Card, Conflict, Load, PodReport, Unload, Want
+from lora_podapi import models
 
 SHA1, SHA2 = "1" * 64, "2" * 64
 
@@ -29,16 +30,20 @@ def adapter_card(
     served: str, adapter: str, sha: str, shape: str, **extra: object
 ) -> dict[str, object]:
     """A `/v1/models` adapter card for the revision `sha` of `adapter`, served as `served`, as
-    the server renders it now (`revision`, `root` the adapter's name) or as an older server
-    (or vLLM) did: `root` the revision directory's path on the pod."""
+    the server renders it now (`lora_podapi.models`, version 2: `adapter` and `revision`), as
+    servers of version 1 did (`revision`, `root` the adapter's name) or as older ones (and vLLM)
+    did: `root` the revision directory's path on the pod."""
     if shape == "card":
+        card = models.Card(served, adapter, "base", adapter=adapter, revision=sha)
+        return {**models.render_card(card), **extra}
+    if shape == "v1-card":
         fields: dict[str, object] = {"root": adapter, "revision": sha}
     else:
         fields = {"root": f"/var/lib/lora/adapters/ns/{adapter}/revisions/{sha}"}
     return {"id": served, "object": "model", "parent": "base", **fields, **extra}
 
 
-SHAPES = pytest.mark.parametrize("shape", ["card", "old-card"])
+SHAPES = pytest.mark.parametrize("shape", ["card", "v1-card", "old-card"])
 
 
 @SHAPES
@@ -84,13 +89,13 @@ def test_a_rollouts_alias_is_a_revision_of_its_adapter(shape: str) -> None:
 def test_a_rolling_upgrade_reads_old_and_new_pods_alike() -> None:
     """Pods of the release before (the path in `root`) and after (no path) report the same
     adapters: the operator takes both for its own, at the same revisions."""
-    old, new = (
+    old, v1, new = (
         planning.parse_models({"data": [adapter_card("ours", "ours", SHA1, shape)]})
-        for shape in ("old-card", "card")
+        for shape in ("old-card", "v1-card", "card")
     )
-    assert old.cards == new.cards and new.managed() == {"ours": SHA1}
+    assert old.cards == v1.cards == new.cards and new.managed() == {"ours": SHA1}
     # A card with both reads its fields, not the path; a bad revision field falls back to it.
-    both = adapter_card("ours", "ours", SHA2, "card")
+    both = adapter_card("ours", "ours", SHA2, "v1-card")
     assert planning.parse_models({"data": [both]}).managed() == {"ours": SHA2}
     for revision in ("x" * 64, "A" * 64, 7):
         broken = {**adapter_card("ours", "ours", SHA1, "old-card"), "revision": revision}

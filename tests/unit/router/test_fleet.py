@@ -11,7 +11,6 @@ from lora_router.fleet import (
     Fleet,
     Report,
     Split,
-    answered_queue,
     estimated_load,
     parse_adapter,
     parse_endpoint_slice,
@@ -201,20 +200,6 @@ def test_an_answer_for_a_pod_without_a_report_changes_nothing() -> None:
     fleet.inflight = {"a": 1}
     fleet.take_queue("a", 3)
     assert fleet.reports == {}
-
-
-@pytest.mark.parametrize(
-    ("headers", "queue"),
-    [
-        ([("Content-Type", "application/json"), ("x-lora-queue", "3")], 3),
-        ([("X-Lora-Queue", "0")], 0),
-        ([("x-lora-model", "a")], None),  # an answer from a server that does not count it
-        ([("x-lora-queue", "-1")], None),
-        ([("x-lora-queue", "many")], None),
-    ],
-)
-def test_the_queue_an_answer_reports(headers: list[tuple[str, str]], queue: int | None) -> None:
-    assert answered_queue(headers) == queue
 
 
 @pytest.mark.parametrize(
