@@ -5,8 +5,8 @@ the load endpoint and `--lora` (`register`), a generation request's `model` (`re
 registered name, or one published on the adapter root for this pod) and `lora.local_path`
 (`register_from_request`), and `unregister`. A registration checks the name, resolves the path
 inside the allowed roots, asks `registry.plan_register` whether the name may be taken, checks the
-base model that `adapter_config.json` declares, reads and checks the weights
-(`pipeline.parse_adapter`), and only then changes the registry: a refusal changes nothing.
+base model that `adapter_config.json` declares, reads and checks the weights (the backend's
+`parse_adapter`), and only then changes the registry: a refusal changes nothing.
 
 Every filesystem read runs off the event loop: path and adapter-root lookups in
 `asyncio.to_thread`, `adapter_config.json` and the weights in a small read pool (`reader`) that
@@ -44,8 +44,8 @@ from lora_inference.adapters.registry import (
     plan_register,
 )
 from lora_inference.api import StackMember
+from lora_inference.backend import ParsedAdapter
 from lora_inference.config import ServerConfig
-from lora_inference.pipeline import ParsedAdapter
 from lora_inference.reader import Reader, new_record
 from lora_inference.residency import Residency
 from lora_inference.stackkeys import stack_name
@@ -235,7 +235,7 @@ class Admission:
         """One record for adapters a request stacks (`lora` as a list), built on first use.
 
         Each member resolves as a lone name does (404 naming it if unknown); a member without a
-        scale is applied at its default. The stack is one adapter (`stacking.compose`) that the
+        scale is applied at its default. The stack is one adapter (the backend's `compose`) that the
         CPU tier caches and a GPU slot holds like any other; requests naming the same members at
         the same scales, in any order, share it. It is never registered: it has no name of its
         own, and it is retired when a member is replaced or unloaded.

@@ -1,7 +1,9 @@
 """The aiohttp application: routes, the error middleware, and the engine's lifecycle.
 
-`create_app(config)` returns an application that starts answering /health at once and loads the
-pipeline in the background; /ready turns 200 when the model and the static adapters are loaded.
+`create_app(config, backend=...)` (or `load=...`) returns an application around the pipeline it
+is given (a `backend.Backend`: the CLI picks the diffusers one or the simulated one; the app
+imports neither). It starts answering /health at once and loads the pipeline, when given a way to
+load it, in the background; /ready turns 200 when the model and the static adapters are loaded.
 Route handlers only parse (api), authorise (the admin token for load/unload, the client token for
 generation and reads; /health, /ready and /metrics stay open for probes and Prometheus) and
 delegate to the engine; /metrics has the engine refresh the gauges read from its occupancy
@@ -30,10 +32,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from lora_inference import api, errors, tokenreview
 from lora_inference import tokens as tokens_mod
 from lora_inference.adapters.registry import AdapterRecord
+from lora_inference.backend import Backend
 from lora_inference.config import ServerConfig
 from lora_inference.engine import Engine, GeneratedImage
 from lora_inference.metrics import Metrics
-from lora_inference.pipeline import DiffusionBackend, resolve_dtype
 
 log = logging.getLogger(__name__)
 
@@ -364,8 +366,17 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
-def create_app(config: ServerConfig, *, backend: DiffusionBackend | None = None) -> web.Application:
-    """The server's application. Pass `backend` to reuse an already loaded pipeline (tests)."""
+def create_app(
+    config: ServerConfig,
+    *,
+    backend: Backend | None = None,
+    load: Callable[[], Backend] | None = None,
+) -> web.Application:
+    """The server's application around `backend`, a pipeline already loaded (a simulated one,
+    or one tests share), or the one `load` returns (blocking; run on a thread at startup, so
+    /health answers meanwhile): exactly one of the two."""
+    if (backend is None) == (load is None):
+        raise TypeError("create_app takes exactly one of backend= and load=")
     config.check()
     app = web.Application(middlewares=[error_middleware], client_max_size=1024**2)
     app[CONFIG] = config
@@ -393,27 +404,22 @@ def create_app(config: ServerConfig, *, backend: DiffusionBackend | None = None)
     app.router.add_get("/ready", ready)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/", playground_page)
-    app.cleanup_ctx.append(lambda app: _engine_lifecycle(app, backend))
+    app.cleanup_ctx.append(lambda app: _engine_lifecycle(app, backend, load))
     return app
 
 
 async def _engine_lifecycle(
-    app: web.Application, backend: DiffusionBackend | None
+    app: web.Application, backend: Backend | None, load: Callable[[], Backend] | None
 ) -> AsyncIterator[None]:
     config = app[CONFIG]
 
     async def start() -> Engine:
-        loaded = backend
-        if loaded is None:
-            dtype = resolve_dtype(config.dtype, config.device)
-            loaded = await asyncio.to_thread(
-                DiffusionBackend.load,
-                config.model,
-                device=config.device,
-                dtype=dtype,
-                slots=config.max_loras,
-                max_rank=config.max_lora_rank,
-            )
+        if backend is not None:
+            loaded = backend
+        elif load is not None:
+            loaded = await asyncio.to_thread(load)
+        else:  # create_app refuses it
+            raise TypeError("no backend")
         engine = Engine(loaded, config, app[METRICS])
         try:
             await engine.start()

@@ -17,7 +17,8 @@ import torch
 
 from lora_inference import costs, formats
 from lora_inference.adapters import validation
-from lora_inference.slots import LayerKey, LayerWeights, Slots
+from lora_inference.backend import LayerKey
+from lora_inference.slots import LayerWeights, Slots
 
 
 def measure_rows(

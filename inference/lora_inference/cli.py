@@ -1,15 +1,21 @@
-"""`lora-inference`: serve a pipeline, or write tiny models and random adapters for tests."""
+"""`lora-inference`: serve a pipeline, or write tiny models and random adapters for tests.
+
+`serve` picks the backend (`lora_inference.backend.Backend`) and passes it to the app: the
+diffusers pipeline, loaded in the background, or with `--simulate` the simulated one, in which
+case nothing imports torch (the server core imports none; the pipeline module is imported here,
+for a real pipeline only).
+"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import logging
 import os
 import signal
 import sys
 from pathlib import Path
-from typing import Any
 
 from lora_inference.config import ServerConfig, StaticLora
 
@@ -214,9 +220,18 @@ def token_problem(args: argparse.Namespace) -> str | None:
     return None
 
 
-def config_from_args(args: argparse.Namespace) -> ServerConfig:
-    from lora_inference.pipeline import default_device
+def default_device(simulated: bool) -> str:
+    """The device when --device is not given: the simulation's own, else cuda if available."""
+    if simulated:
+        from lora_inference.simulate import SIMULATED_DEVICE
 
+        return SIMULATED_DEVICE
+    from lora_inference.pipeline import default_device as torch_default
+
+    return torch_default()
+
+
+def config_from_args(args: argparse.Namespace) -> ServerConfig:
     return ServerConfig(
         model=args.model,
         served_model_name=args.served_model_name,
@@ -236,7 +251,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         pod_namespace=args.pod_namespace,
         published_only=args.published_only,
         allow_request_adapters=args.allow_request_adapters,
-        device=args.device or default_device(),
+        device=args.device or default_device(bool(args.simulate)),
         dtype=args.dtype,
         max_batch_size=args.max_batch_size,
         merge=args.merge,
@@ -252,12 +267,15 @@ async def serve(config: ServerConfig) -> int:
 
     from lora_inference.app import STARTUP, create_app
 
-    backend: Any = None
     if config.simulate:
         from lora_inference import simulate
 
-        backend = simulate.SimulatedBackend(simulate.load_profile(config.simulate))
-    app = create_app(config, backend=backend)
+        profile = simulate.load_profile(config.simulate)
+        app = create_app(config, backend=simulate.SimulatedBackend(profile))
+    else:
+        from lora_inference import pipeline
+
+        app = create_app(config, load=functools.partial(pipeline.load_backend, config))
     runner = web.AppRunner(app, handle_signals=False)
     await runner.setup()
     await web.TCPSite(runner, config.host, config.port).start()
@@ -286,7 +304,6 @@ def main(argv: list[str] | None = None) -> int:
     )
     if args.command == "serve":
         if args.simulate:
-            # Before anything imports the server: its pipeline module would import torch.
             from lora_inference import simulate
 
             try:
@@ -294,7 +311,6 @@ def main(argv: list[str] | None = None) -> int:
             except simulate.ProfileError as e:
                 print(f"lora-inference: --simulate: {e}", file=sys.stderr)
                 return 2
-            simulate.stand_in()
         config = config_from_args(args)
         try:
             config.check()

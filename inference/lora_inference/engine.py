@@ -5,9 +5,9 @@ validated records, every file read off the event loop), residency (`residency.Re
 one record of which version is in a GPU slot, in the CPU tier, pinned or still held by a
 request), and this module, which queues requests and runs batches. The batch policy
 (`scheduling`) and the tiers' policy (`adapters.cache`) decide; the worker and residency act.
-The engine holds the whole pipeline (`pipeline.DiffusionBackend`, which app loads, exposed as
+The engine holds the whole pipeline (a `backend.Backend`, which the app is given, exposed as
 `backend`) and calls its `calibrate` and `run_batch`; the reader and residency are given it as
-only what they call on it (`reader.AdapterParser`, `residency.SlotPipeline`).
+only what they call on it (`backend.AdapterParser`, `backend.SlotPipeline`).
 
 Everything here runs on the event loop except what touches the pipeline: one dedicated thread,
 always entered under `_pipeline_lock`, which residency takes too when it moves adapters. So
@@ -37,9 +37,9 @@ from PIL import Image
 from lora_inference import admission, errors, reader, residency, scheduling
 from lora_inference.adapters.registry import AdapterRecord, Registry
 from lora_inference.api import GenerationParams
+from lora_inference.backend import Backend, BatchOutcome, ImageJob
 from lora_inference.config import ServerConfig
 from lora_inference.metrics import Metrics
-from lora_inference.pipeline import BatchOutcome, DiffusionBackend, ImageJob
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -80,7 +80,7 @@ class _Pending:
 
 
 class Engine:
-    def __init__(self, backend: DiffusionBackend, config: ServerConfig, metrics: Metrics) -> None:
+    def __init__(self, backend: Backend, config: ServerConfig, metrics: Metrics) -> None:
         self.backend = backend
         self.config = config
         self.metrics = metrics

@@ -40,7 +40,8 @@ from lora_volume import formats as names
 
 from lora_inference import errors, formats, lycoris
 from lora_inference.adapters import validation
-from lora_inference.merging import FullLayer, LayerKey
+from lora_inference.backend import LayerKey
+from lora_inference.merging import FullLayer
 
 Tensors = dict[str, torch.Tensor]
 

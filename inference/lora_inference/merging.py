@@ -21,7 +21,8 @@ from typing import Any
 
 import torch
 
-LayerKey = tuple[str, str]  # (pipeline component, module path inside it)
+from lora_inference.backend import LayerKey
+
 # Takes a layer's parameter ("weight" or "bias") for the call: (the live one, its pristine copy).
 Take = Callable[[LayerKey, str], tuple[torch.Tensor, torch.Tensor]]
 

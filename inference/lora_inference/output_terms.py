@@ -23,7 +23,7 @@ from typing import Any, Protocol
 
 import torch
 
-LayerKey = tuple[str, str]
+from lora_inference.backend import LayerKey
 
 
 class Weights(Protocol):

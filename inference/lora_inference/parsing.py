@@ -1,19 +1,21 @@
 """Reading an adapter file (any thread: touches no pipeline state): hashed, checked and converted
-into what the CPU tier caches (`ParsedAdapter`), before the pipeline ever sees it.
+into what the CPU tier caches (`backend.ParsedAdapter`), before the pipeline ever sees it.
 
 Low-rank modules become per-layer pairs with the setup diffusers and peft would give them
 (`formats`, `lycoris`), packed into one slot row; a merged-only file's whole-matrix modules become
 per-layer deltas (`merge_only`). NaN, Inf, shapes, ranks and names are checked here, so a file
 the pipeline would fail on is a 422 before any state changes.
+
+Of the pipeline it reads only what `Model` declares (`pipeline.DiffusionBackend` is one), so it
+never imports the pipeline module, which calls it.
 """
 
 from __future__ import annotations
 
 import hashlib
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import safetensors.torch
 import torch
@@ -22,35 +24,27 @@ from lora_volume.formats import Format
 
 from lora_inference import errors, formats, merge_only, merging
 from lora_inference.adapters import validation
-from lora_inference.slots import LayerKey, LayerWeights
-
-if TYPE_CHECKING:
-    from lora_inference.pipeline import DiffusionBackend
+from lora_inference.backend import LayerKey, ParsedAdapter
+from lora_inference.slots import LayerWeights, Slots
 
 
-@dataclass(frozen=True)
-class ParsedAdapter:
-    """An adapter read from disk, checked and converted: what the CPU tier caches."""
+class Model(Protocol):
+    """What reading an adapter needs of the pipeline it is for, none of it state a read
+    changes: the pipeline (its components and configs, for diffusers' converters), its layer
+    table, its dtype, its slots (whether host copies are page-locked) and their packing."""
 
-    sha256: str
-    size_bytes: int
-    rank: int
-    weights_file: Path
-    # Per targeted layer: the weights under peft's module names, with the setup peft would give
-    # them (stacks are built from these).
-    layers: Mapping[LayerKey, LayerWeights]
-    # The same, packed into one slot row (`slots.Slots.pack`): entering a slot is one copy of it.
-    packed: torch.Tensor
-    format: str = "lora"  # lora_volume.formats.Format.key of the file
-    trigger_words: tuple[str, ...] = ()  # what the file's metadata says to put in a prompt
-    # A merged-only adapter's whole-matrix layers (`merge_only`), on the CPU: merged into the
-    # base weights for batches of it alone, never held in a slot.
-    full: Mapping[LayerKey, merging.FullLayer] = field(default_factory=dict)
+    @property
+    def pipe(self) -> Any: ...
+    @property
+    def shapes(self) -> validation.ModelShapes: ...
+    @property
+    def dtype(self) -> torch.dtype: ...
+    @property
+    def slots(self) -> Slots: ...
+    def pack(self, layers: Mapping[LayerKey, LayerWeights], *, name: str) -> torch.Tensor: ...
 
 
-def parse_adapter(
-    model: DiffusionBackend, path: Path, *, name: str, max_rank: int
-) -> ParsedAdapter:
+def parse_adapter(model: Model, path: Path, *, name: str, max_rank: int) -> ParsedAdapter:
     """`DiffusionBackend.parse_adapter`: read, hash, check and convert the adapter at `path`."""
     weights = files.find_weights_file(path)
     data = weights.read_bytes()
@@ -95,7 +89,7 @@ def parse_adapter(
 
 
 def _pairs(
-    model: DiffusionBackend,
+    model: Model,
     tensors: dict[str, torch.Tensor],
     fmt: Format,
     metadata: Mapping[str, Any] | None,

@@ -1,9 +1,11 @@
 """The diffusers pipeline and everything that touches it (with `formats`, which converts adapter
-files with diffusers' converters, the only modules that import diffusers).
+files with diffusers' converters, the only modules that import diffusers): the server's real
+`backend.Backend`, which the CLI loads (`load_backend`) and passes to the app.
 
 Adapter state in a diffusers pipeline is global and not thread-safe, so a `DiffusionBackend` is
-driven by exactly one thread (the engine's pipeline worker), apart from `parse_adapter`, which
-reads files and touches no pipeline state. Its methods are blocking. Rules from
+driven by exactly one thread (the engine's pipeline worker), apart from `parse_adapter` and
+`compose` (the reader's pool), which read files and build stacks and touch no pipeline state.
+Its methods are blocking. Rules from
 docs/architecture.md enforced here:
 
 - an adapter is read, converted and checked against the model's layer table before the pipeline
@@ -26,19 +28,20 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from diffusers import DiffusionPipeline
 from PIL import Image
 
-from lora_inference import calibration, costs, errors, formats, merging, parsing
+from lora_inference import calibration, costs, errors, formats, merging, parsing, stacking
 from lora_inference.adapters import validation
+from lora_inference.backend import BatchOutcome, ImageJob, LayerKey, ParsedAdapter, StackMember
+from lora_inference.config import ServerConfig
 from lora_inference.costs import MergePolicy
-from lora_inference.parsing import ParsedAdapter
-from lora_inference.slots import LayerKey, LayerWeights, Slots
+from lora_inference.slots import LayerWeights, Slots
 
-__all__ = ["BatchOutcome", "Calibration", "DiffusionBackend", "ImageJob", "ParsedAdapter"]
+__all__ = ["Calibration", "DiffusionBackend", "default_device", "load_backend", "resolve_dtype"]
 
 log = logging.getLogger(__name__)
 
@@ -51,24 +54,6 @@ _SAMPLING_DEFAULTS = {
     "FluxPipeline": (28, 3.5),
 }
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-BatchPath = Literal["base", "adapter", "merged", "mixed"]
-
-
-@dataclass(frozen=True)
-class ImageJob:
-    """One request's share of a batch."""
-
-    prompt: str
-    negative_prompt: str | None
-    seeds: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class BatchOutcome:
-    images: list[Image.Image]
-    path: BatchPath
-    merged_layers: int
 
 
 @dataclass(frozen=True)
@@ -91,8 +76,20 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def load_backend(config: ServerConfig) -> DiffusionBackend:
+    """The pipeline `config` serves, loaded (blocking: the app runs it on a thread)."""
+    return DiffusionBackend.load(
+        config.model,
+        device=config.device,
+        dtype=resolve_dtype(config.dtype, config.device),
+        slots=config.max_loras,
+        max_rank=config.max_lora_rank,
+    )
+
+
 class DiffusionBackend:
-    """A loaded pipeline, its LoRA slots, and the layer table adapters are checked against."""
+    """A loaded pipeline, its LoRA slots, and the layer table adapters are checked against (a
+    `backend.Backend`)."""
 
     def __init__(
         self, pipe: Any, *, device: str, dtype: torch.dtype, slots: int = 16, max_rank: int = 64
@@ -152,6 +149,30 @@ class DiffusionBackend:
         rank for this model).
         """
         return parsing.parse_adapter(self, path, name=name, max_rank=max_rank)
+
+    def compose(self, members: Sequence[StackMember], *, name: str, param: str) -> ParsedAdapter:
+        """One adapter equal to `members` at their scales (`stacking.compose`), packed into a
+        slot row (any thread: touches no pipeline state)."""
+        layers = stacking.compose(
+            [
+                stacking.Member(
+                    name=m.name,
+                    sha256=m.parsed.sha256,
+                    scale=m.scale,
+                    layers=m.parsed.layers,
+                    blocks=m.blocks,
+                )
+                for m in members
+            ],
+            param=param,
+        )
+        return ParsedAdapter.of_stack(
+            members,
+            layers,
+            self.pack(layers, name=name),
+            size_bytes=sum(w.down.nbytes + w.up.nbytes for w in layers.values()),  # in memory
+            rank=max((w.rank for w in layers.values()), default=0),
+        )
 
     def pack(self, layers: Mapping[LayerKey, LayerWeights], *, name: str) -> torch.Tensor:
         """`layers` packed into one slot row (any thread); IncompatibleAdapter if they do not

@@ -2,8 +2,8 @@
 small thread pool of their own that never runs pipeline work, and the record a read becomes.
 
 Owns the read pool. Must not change the registry (admission does, after a read succeeds) or
-touch the pipeline's state: of the pipeline it calls only what `AdapterParser` declares,
-`parse_adapter` and `pack`, which read and convert only.
+touch the pipeline's state: of the backend it calls only what `backend.AdapterParser` declares,
+`parse_adapter` and `compose`, which read and convert only.
 """
 
 from __future__ import annotations
@@ -11,35 +11,19 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
 
 from lora_volume import files
 from lora_volume.stacks import Blocks
 
-from lora_inference import errors, stacking
+from lora_inference import errors
 from lora_inference.adapters.registry import AdapterRecord, Origin, next_version
+from lora_inference.backend import AdapterParser, ParsedAdapter, StackMember
 from lora_inference.config import ServerConfig
 from lora_inference.metrics import Metrics
-from lora_inference.pipeline import ParsedAdapter
-from lora_inference.stackkeys import stack_name, stack_sha256
-
-if TYPE_CHECKING:
-    # Annotations only: a simulated server (`lora_inference.simulate`) never imports torch.
-    import torch
-
-    from lora_inference.slots import LayerKey, LayerWeights
-
-
-class AdapterParser(Protocol):
-    """What the reader calls on the pipeline (`pipeline.DiffusionBackend`; a simulated server's
-    `SimulatedBackend`), from its read pool: both read and convert, touching no pipeline state."""
-
-    def parse_adapter(self, path: Path, *, name: str, max_rank: int) -> ParsedAdapter: ...
-
-    def pack(self, layers: Mapping[LayerKey, LayerWeights], *, name: str) -> torch.Tensor: ...
+from lora_inference.stackkeys import stack_name
 
 
 class Reader:
@@ -52,7 +36,7 @@ class Reader:
         self._pool = ThreadPoolExecutor(2, thread_name_prefix="adapter-parse")
 
     async def read(self, path: Path, name: str) -> ParsedAdapter:
-        """Read, hash, check and convert the adapter at `path` (see pipeline.parse_adapter)."""
+        """Read, hash, check and convert the adapter at `path` (`AdapterParser.parse_adapter`)."""
         started = time.perf_counter()
         try:
             parsed = await asyncio.get_running_loop().run_in_executor(
@@ -75,7 +59,7 @@ class Reader:
         blocks: Sequence[Blocks] = (),
         param: str = "lora",
     ) -> ParsedAdapter:
-        """One adapter equal to `members` at their scales (`stacking.compose`), from their
+        """One adapter equal to `members` at their scales (`AdapterParser.compose`), from their
         parses (`parts`, in the same order), each member's scale varied by its `blocks` (in the
         same order; none: no member's is); `param` names the field a conflict is about."""
         for (record, _), part in zip(members, parts, strict=True):
@@ -87,35 +71,15 @@ class Reader:
                     param=param,
                 )
         stacked = [
-            stacking.Member(
-                name=record.name,
-                sha256=part.sha256,
-                scale=scale,
-                layers=part.layers,
-                blocks=member_blocks,
-            )
+            StackMember(name=record.name, scale=scale, parsed=part, blocks=member_blocks)
             for (record, scale), part, member_blocks in zip(
                 members, parts, blocks or [()] * len(members), strict=True
             )
         ]
-        loop = asyncio.get_running_loop()
-        layers = await loop.run_in_executor(
-            self._pool, functools.partial(stacking.compose, stacked, param=param)
-        )
         name = stack_name([(m.name, m.scale, m.blocks) for m in stacked])
-        packed = await loop.run_in_executor(
-            self._pool, functools.partial(self._backend.pack, layers, name=name)
-        )
-        return ParsedAdapter(
-            sha256=stack_sha256([(m.name, m.sha256, m.scale, m.blocks) for m in stacked]),
-            size_bytes=sum(
-                w.down.nbytes + w.up.nbytes
-                for w in layers.values()  # held in memory
-            ),
-            rank=max((w.rank for w in layers.values()), default=0),
-            weights_file=parts[0].weights_file,
-            layers=layers,
-            packed=packed,
+        return await asyncio.get_running_loop().run_in_executor(
+            self._pool,
+            functools.partial(self._backend.compose, stacked, name=name, param=param),
         )
 
     async def check_base_model(self, path: Path, name: str) -> None:

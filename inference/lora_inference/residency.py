@@ -19,7 +19,7 @@ It must not decide names (admission and the registry do) or batches (scheduling)
 no adapter file itself: a version whose parse the CPU tier dropped is read again through the
 injected `read`. It touches the pipeline only through the injected `in_pipeline` (the engine's
 pipeline thread) and only with the engine's pipeline lock held, and calls on it only what
-`SlotPipeline` declares: copying an adapter into a slot, and emptying a slot.
+`backend.SlotPipeline` declares: copying an adapter into a slot, and emptying a slot.
 """
 
 from __future__ import annotations
@@ -37,9 +37,9 @@ from typing import Any, Protocol, TypeVar
 from lora_inference import errors
 from lora_inference.adapters import cache
 from lora_inference.adapters.registry import AdapterRecord, Registry
+from lora_inference.backend import ParsedAdapter, SlotPipeline
 from lora_inference.config import ServerConfig
 from lora_inference.metrics import Metrics
-from lora_inference.pipeline import ParsedAdapter
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -58,15 +58,6 @@ class InPipeline(Protocol):
     """Runs `fn(*args)` on the pipeline thread."""
 
     def __call__(self, fn: Callable[..., T], *args: Any) -> Awaitable[T]: ...
-
-
-class SlotPipeline(Protocol):
-    """What residency calls on the pipeline (`pipeline.DiffusionBackend`; a simulated server's
-    `SimulatedBackend`), on the pipeline thread only: copy an adapter into a slot, empty one."""
-
-    def place(self, slot: str, adapter: ParsedAdapter) -> None: ...
-
-    def clear(self, slot: str) -> None: ...
 
 
 class Residency:

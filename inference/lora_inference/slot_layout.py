@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-LayerKey = tuple[str, str]  # (pipeline component, module path inside it)
+from lora_inference.backend import LayerKey
 
 
 @dataclass(frozen=True)

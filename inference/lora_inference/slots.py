@@ -39,11 +39,10 @@ import torch
 import torch.nn.functional as F
 
 from lora_inference import merging, output_terms
+from lora_inference.backend import LayerKey
 from lora_inference.slot_layout import SlotLayout
 
 __all__ = ["LayerKey", "LayerWeights", "SlotLayout", "Slots"]
-
-LayerKey = tuple[str, str]  # (pipeline component, module path inside it)
 
 
 @dataclass(frozen=True)

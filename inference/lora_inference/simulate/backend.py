@@ -1,18 +1,17 @@
-"""The simulated pipeline: the engine's backend with every GPU cost replaced by a sleep.
+"""The simulated pipeline: a `lora_inference.backend.Backend` with every GPU cost replaced by a
+sleep.
 
-`SimulatedBackend` has the methods the engine, residency and the reader call on
-`pipeline.DiffusionBackend`, and does what they expect of it, except the arithmetic: reading an
-adapter checks the file as far as it can without a model (its format, its safetensors header,
-that it is a LoRA, its rank) and sleeps for the profile's read; a copy into a slot sleeps for the
-profile's copy; a pipeline call sleeps for the call's cost and returns, per image, an 8x8 image
-whose colours are a function of the prompt, the seed, and the adapter in the slot and its scale.
-It cannot refuse what needs the model's weights: adapter shapes that do not fit the model's
-layers, or NaN and Inf weights (the real server's 422 for those).
+`SimulatedBackend` does what the engine, residency and the reader expect of a backend, except
+the arithmetic: reading an adapter checks the file as far as it can without a model (its format,
+its safetensors header, that it is a LoRA, its rank) and sleeps for the profile's read; a copy
+into a slot sleeps for the profile's copy; a pipeline call sleeps for the call's cost and returns,
+per image, an 8x8 image whose colours are a function of the prompt, the seed, and the adapter in
+the slot and its scale. It cannot refuse what needs the model's weights: adapter shapes that do
+not fit the model's layers, or NaN and Inf weights (the real server's 422 for those).
 
-The module also stands in for `lora_inference.pipeline` in a process that serves with
-`--simulate` (see `lora_inference.simulate`), so it defines the names the server imports from
-there (`DiffusionBackend`, `ParsedAdapter`, `ImageJob`, `BatchOutcome`, `resolve_dtype`,
-`default_device`), with the same fields, and imports neither torch nor the real pipeline.
+A parse's layers are one `SimulatedWeights` (its size on the simulated model and its rank); a
+stack's is as large as its members at a non-zero scale together, and its rank is the sum of
+theirs (as a real stack's is on a layer every member targets).
 """
 
 from __future__ import annotations
@@ -22,88 +21,39 @@ import hashlib
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from lora_volume import files
 from PIL import Image
 
 from lora_inference import errors
-from lora_inference.simulate.profile import BatchPath, Profile
+from lora_inference.backend import BatchOutcome, BatchPath, ImageJob, ParsedAdapter, StackMember
+from lora_inference.costs import MergePolicy
+from lora_inference.simulate.profile import Profile
 
 SIMULATED_DEVICE = "simulated"
 _IMAGE_SIDE = 8
 _LAYER = ("simulated", "adapter")
-
-
-@dataclass(frozen=True)
-class _Extent:
-    """Stands for a tensor where only its size is read (`nbytes`)."""
-
-    nbytes: int
+_STACK = ("simulated", "stack")
 
 
 @dataclass(frozen=True)
 class SimulatedWeights:
     """An adapter's weights as the simulation keeps them: how large they are on the simulated
-    model, and their rank (what the engine and stacking read of a layer's weights)."""
+    model, and their rank."""
 
     mb: float
     rank: int
 
-    @property
-    def down(self) -> _Extent:
-        return _Extent(int(self.mb * 1e6))
 
-    @property
-    def up(self) -> _Extent:
-        return _Extent(0)
-
-
-@dataclass(frozen=True)
-class ParsedAdapter:
-    """What the CPU tier caches (the fields of `pipeline.ParsedAdapter`)."""
-
-    sha256: str
-    size_bytes: int
-    rank: int
-    weights_file: Path
-    layers: Mapping[Any, Any]
-    packed: Any  # no slot row to copy: a simulated slot holds only a size
-    format: str = "lora"
-    trigger_words: tuple[str, ...] = ()
-    full: Mapping[Any, Any] = field(default_factory=dict)  # never merged only when simulated
-
-
-@dataclass(frozen=True)
-class ImageJob:
-    """One request's share of a batch (the fields of `pipeline.ImageJob`)."""
-
-    prompt: str
-    negative_prompt: str | None
-    seeds: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class BatchOutcome:
-    images: list[Image.Image]
-    path: BatchPath
-    merged_layers: int
-
-
-def resolve_dtype(name: str, device: str) -> str:
-    """The simulation has no tensors: the dtype is only a name."""
-    return name
-
-
-def default_device() -> str:
-    return SIMULATED_DEVICE
-
-
-def simulated_mb(parsed: Any) -> float:
+def simulated_mb(parsed: ParsedAdapter) -> float:
     """How large a parsed adapter (or a stack of them) is on the simulated model."""
-    return float(sum(getattr(w, "mb", 0.0) for w in parsed.layers.values()))
+    return float(sum(w.mb for w in _weights(parsed)))
+
+
+def _weights(parsed: ParsedAdapter) -> list[SimulatedWeights]:
+    return [w for w in parsed.layers.values() if isinstance(w, SimulatedWeights)]
 
 
 class SimulatedBackend:
@@ -118,17 +68,10 @@ class SimulatedBackend:
         self.default_size = profile.size
         self.default_steps = profile.steps
         self.default_guidance = profile.guidance
-        self.calibration = None
         self._sleep = sleep
         self._slots: dict[str, tuple[str, float]] = {}  # slot -> (adapter sha256, its MB)
         self._lock = threading.Lock()  # `charged` is written by the reader pool too
         self.charged: collections.defaultdict[str, float] = collections.defaultdict(float)
-
-    @classmethod
-    def load(cls, model_dir: Path, *, device: str, dtype: Any) -> SimulatedBackend:
-        raise RuntimeError(
-            "a simulated server is given its profile (lora-inference serve --simulate PROFILE)"
-        )
 
     def _charge(self, kind: str, seconds: float) -> None:
         with self._lock:
@@ -181,9 +124,21 @@ class SimulatedBackend:
             trigger_words=files.trigger_words(header),
         )
 
-    def pack(self, layers: Mapping[Any, Any], *, name: str) -> None:
-        """A stack's slot row: nothing to pack in a simulation (its size is in `layers`)."""
-        return None
+    def compose(self, members: Sequence[StackMember], *, name: str, param: str) -> ParsedAdapter:
+        """A stack: as large as its members at a non-zero scale, of the sum of their ranks;
+        nothing to pack (a simulated slot holds only a size)."""
+        kept = [m.parsed for m in members if m.scale != 0.0]
+        weights = SimulatedWeights(
+            mb=sum(simulated_mb(p) for p in kept),
+            rank=sum(max((w.rank for w in _weights(p)), default=0) for p in kept),
+        )
+        return ParsedAdapter.of_stack(
+            members,
+            {_STACK: weights},
+            None,
+            size_bytes=int(weights.mb * 1e6),  # held in memory
+            rank=weights.rank,
+        )
 
     # -- the pipeline (pipeline thread only) ----------------------------------------------------
 
@@ -203,7 +158,7 @@ class SimulatedBackend:
 
     def run_batch(
         self,
-        jobs: Sequence[Any],
+        jobs: Sequence[ImageJob],
         slots: Sequence[str | None],
         scales: Mapping[str, float],
         *,
@@ -211,8 +166,7 @@ class SimulatedBackend:
         height: int,
         steps: int,
         guidance_scale: float,
-        merge: str = "auto",
-        fuse: str = "auto",
+        merge: MergePolicy = "auto",
     ) -> BatchOutcome:
         """Sleep for one call of the profile, the way the real pipeline would run it."""
         kinds = set(slots)
@@ -239,14 +193,8 @@ class SimulatedBackend:
                 out.append(_image(f"{job.prompt}\0{seed}\0{served}\0{scale!r}\0{guidance_scale}"))
         return BatchOutcome(out, path, 1 if path == "merged" else 0)
 
-    def parameter_count(self) -> int:
-        return 0
-
 
 def _image(key: str) -> Image.Image:
     """An 8x8 image whose pixels are a function of `key` (pure)."""
     pixels = hashlib.shake_256(key.encode()).digest(_IMAGE_SIDE * _IMAGE_SIDE * 3)
     return Image.frombytes("RGB", (_IMAGE_SIDE, _IMAGE_SIDE), pixels)
-
-
-DiffusionBackend = SimulatedBackend

@@ -24,11 +24,11 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
+
+from lora_inference.backend import BatchPath
 
 PROFILES = Path(__file__).resolve().parent / "profiles"
-
-BatchPath = Literal["base", "adapter", "merged", "mixed"]
 
 
 class ProfileError(ValueError):

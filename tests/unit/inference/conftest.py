@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import functools
 import io
 import shutil
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
@@ -26,7 +27,7 @@ from aiohttp.test_utils import TestServer
 from diffusers import DiffusionPipeline
 from lora_inference.app import create_app
 from lora_inference.config import ServerConfig
-from lora_inference.pipeline import DiffusionBackend
+from lora_inference.pipeline import DiffusionBackend, load_backend
 from lora_inference.tools.random_adapters import write_random_adapter
 from lora_inference.tools.tiny_models import write_tiny_model
 from lora_volume.targeting import Target
@@ -154,7 +155,7 @@ class Server:
 async def serving(model: Path, root: Path) -> AsyncIterator[Server]:
     """A real server on `model` over HTTP, adapters allowed from `root`."""
     config = ServerConfig(model=model, allowed_roots=(root,), admin_token=ADMIN_TOKEN, max_loras=4)
-    app = create_app(config)
+    app = create_app(config, load=functools.partial(load_backend, config))
     server = TestServer(app, host="127.0.0.1")
     await server.start_server()
     async with ClientSession() as session:

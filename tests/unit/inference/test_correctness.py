@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 import torch
 from lora_inference import errors
-from lora_inference.pipeline import DiffusionBackend, ImageJob
+from lora_inference.backend import ImageJob
+from lora_inference.pipeline import DiffusionBackend
 
 from tests.unit.inference.bad_adapters import BadAdapter
 from tests.unit.inference.conftest import Assets, Reference, Server

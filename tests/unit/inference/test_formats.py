@@ -20,7 +20,8 @@ import numpy as np
 import pytest
 import torch
 from lora_inference import errors
-from lora_inference.pipeline import DiffusionBackend, ImageJob
+from lora_inference.backend import ImageJob
+from lora_inference.pipeline import DiffusionBackend
 from lora_inference.tools.random_adapters import build_random_lora, to_kohya
 from lora_inference.tools.tiny_models import build_tiny_pipeline
 from lora_volume import errors as volume_errors

@@ -15,7 +15,8 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from lora_inference.pipeline import DiffusionBackend, ImageJob
+from lora_inference.backend import ImageJob
+from lora_inference.pipeline import DiffusionBackend
 from lora_inference.tools.random_adapters import build_random_lora, to_kohya
 from lora_inference.tools.tiny_models import build_tiny_pipeline
 from peft.tuners.lora import LoraLayer

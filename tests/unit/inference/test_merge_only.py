@@ -22,7 +22,8 @@ import pytest
 import torch
 from diffusers import DiffusionPipeline
 from lora_inference import errors
-from lora_inference.pipeline import DiffusionBackend, ImageJob
+from lora_inference.backend import ImageJob
+from lora_inference.pipeline import DiffusionBackend
 from lora_inference.tools.tiny_models import build_tiny_pipeline
 from lora_volume import formats
 

@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from lora_inference.pipeline import DiffusionBackend, ImageJob
+from lora_inference.backend import ImageJob
+from lora_inference.pipeline import DiffusionBackend
 
 from tests.unit.inference.conftest import Assets, BatchShape, Reference, decode
 

@@ -22,8 +22,9 @@ import numpy as np
 import pytest
 import torch
 from diffusers import DiffusionPipeline
+from lora_inference.backend import ImageJob
 from lora_inference.costs import MergePolicy
-from lora_inference.pipeline import DiffusionBackend, ImageJob
+from lora_inference.pipeline import DiffusionBackend
 from lora_inference.tools.random_adapters import write_random_adapter
 from lora_inference.tools.tiny_models import ARCHITECTURES, write_tiny_model
 

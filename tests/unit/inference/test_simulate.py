@@ -1,13 +1,11 @@
 """The simulated GPU (`lora-inference serve --simulate`): its cost function, the real server
 around it charging a miss its first use and a hit nothing, the same answers and errors as the
 real server on every endpoint the operator and the router use, and a process that serves
-without torch."""
+without importing torch."""
 
 from __future__ import annotations
 
-import ast
 import asyncio
-import dataclasses
 import json
 import os
 import socket
@@ -23,15 +21,13 @@ import pytest
 import pytest_asyncio
 from aiohttp import ClientSession
 from aiohttp.test_utils import TestServer
-from lora_inference import simulate
 from lora_inference.app import create_app
+from lora_inference.backend import Backend, BatchPath
 from lora_inference.config import ServerConfig
 from lora_inference.simulate import backend as sim_backend
 from lora_inference.simulate import profile as sim_profile
-from lora_inference.simulate import stacking as sim_stacking
-from lora_inference.simulate.profile import BatchPath, Profile, ProfileError, load_profile
+from lora_inference.simulate.profile import Profile, ProfileError, load_profile
 
-from tests.support import ROOT
 from tests.unit.inference.bad_adapters import BadAdapter
 from tests.unit.inference.conftest import ADMIN_TOKEN, Assets, Server
 
@@ -142,47 +138,23 @@ def test_an_unknown_profile_names_the_bundled_ones(tmp_path: Path) -> None:
         load_profile(str(bad))
 
 
-# -- standing in for the real modules -------------------------------------------------------------
+# -- one Protocol, two backends -------------------------------------------------------------------
 
 
-def _imported_names(module: str, source: str) -> set[str]:
-    """The names `from <source> import ...` takes in the server module `module`."""
-    tree = ast.parse((ROOT / "inference/lora_inference" / f"{module}.py").read_text())
-    names = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.module == source:
-            names |= {a.name for a in node.names}
-    return names
+def test_the_simulated_backend_is_a_backend() -> None:
+    """mypy checks the assignment: the simulated backend satisfies `backend.Backend` (the
+    diffusers pipeline's fixtures are typed as one where the app is given them)."""
+    backend: Backend = sim_backend.SimulatedBackend(PROFILE)
+    assert backend.family == f"{PROFILE.family}, simulated as {PROFILE.name}"
 
 
-def _attributes_used(module: str, name: str) -> set[str]:
-    """The attributes `<name>.X` the server module `module` reads."""
-    tree = ast.parse((ROOT / "inference/lora_inference" / f"{module}.py").read_text())
-    return {
-        node.attr
-        for node in ast.walk(tree)
-        if isinstance(node, ast.Attribute)
-        and isinstance(node.value, ast.Name)
-        and node.value.id == name
-    }
-
-
-@pytest.mark.parametrize("module", ["engine", "admission", "residency", "app", "cli"])
-def test_the_stand_in_defines_what_the_server_imports_from_the_pipeline(module: str) -> None:
-    wanted = _imported_names(module, "lora_inference.pipeline")
-    assert all(hasattr(sim_backend, n) for n in wanted), wanted
-    assert all(hasattr(sim_stacking, n) for n in _attributes_used(module, "stacking"))
-
-
-def test_the_stand_ins_have_the_real_fields_and_names() -> None:
-    from lora_inference import pipeline, stacking
-
-    for name in ("ParsedAdapter", "ImageJob", "BatchOutcome"):
-        real = [f.name for f in dataclasses.fields(getattr(pipeline, name))]
-        assert [f.name for f in dataclasses.fields(getattr(sim_backend, name))] == real, name
-    assert [f.name for f in dataclasses.fields(sim_stacking.Member)] == [
-        f.name for f in dataclasses.fields(stacking.Member)
-    ]
+def test_the_app_is_given_its_backend_and_picks_none(config: ServerConfig) -> None:
+    """The CLI (or a test) passes the backend, or how to load one; the app never picks one."""
+    backend = sim_backend.SimulatedBackend(PROFILE)
+    with pytest.raises(TypeError, match="exactly one"):
+        create_app(config)
+    with pytest.raises(TypeError, match="exactly one"):
+        create_app(config, backend=backend, load=lambda: backend)
 
 
 # -- the real server around a simulated pipeline ---------------------------------------------------
@@ -206,9 +178,7 @@ async def start_simulated(config: ServerConfig) -> AsyncIterator[Callable[..., A
         profile: Profile = PROFILE, sleep: Callable[[float], None] | None = None, **overrides: Any
     ) -> tuple[Server, sim_backend.SimulatedBackend]:
         backend = sim_backend.SimulatedBackend(profile, sleep=sleep or Charges())
-        # The simulated backend stands in for a DiffusionBackend by duck typing, as the CLI's
-        # --simulate passes it; create_app's annotation names the real one.
-        app = create_app(replace(config, simulate=profile.name, **overrides), backend=backend)  # type: ignore[arg-type]
+        app = create_app(replace(config, simulate=profile.name, **overrides), backend=backend)
         server = TestServer(app, host="127.0.0.1")
         await server.start_server()
         session = ClientSession()
@@ -349,9 +319,15 @@ async def test_each_answer_counts_the_queue_it_leaves_behind(
 
 # -- a process that serves without torch ---------------------------------------------------------
 
-BLOCKED = "torch", "diffusers", "peft", "transformers", "lora_inference.slots"
+# What a simulated server must never import: the frameworks, and the real pipeline's modules.
+HEAVY = ("torch", "diffusers", "peft", "transformers")
+REAL = ("lora_inference.pipeline", "lora_inference.parsing", "lora_inference.slots")
+# The CLI, which writes to the file named by its first argument what it imported of those when
+# it exits (atexit: after `serve` has answered SIGTERM and stopped).
 SERVE = (
-    f"import sys; sys.modules.update(dict.fromkeys({BLOCKED!r})); "
+    "import atexit, json, sys; out = sys.argv.pop(1); "
+    "atexit.register(lambda: open(out, 'w').write(json.dumps(sorted(m for m in sys.modules "
+    f"if m.split('.')[0] in {HEAVY!r} or m.startswith({REAL!r}))))); "
     "from lora_inference.cli import main; sys.exit(main(sys.argv[1:]))"
 )
 
@@ -362,10 +338,15 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-async def test_a_simulated_server_serves_with_torch_blocked(assets: Assets, tmp_path: Path) -> None:
+async def test_a_simulated_server_serves_without_importing_torch(
+    assets: Assets, tmp_path: Path
+) -> None:
+    """`serve --simulate` loads adapters, serves a stack and an adapter, its card and its
+    metric, and when it stops it has imported neither torch nor the real pipeline."""
     port = _free_port()
     env = {**os.environ, "LORA_ADMIN_TOKEN": ADMIN_TOKEN}
-    args = ["serve", "--simulate", "h200-sdxl-4step", "--model", str(assets.model)]
+    imported = tmp_path / "imported.json"
+    args = [str(imported), "serve", "--simulate", "h200-sdxl-4step", "--model", str(assets.model)]
     args += ["--allowed-root", str(assets.root), "--host", "127.0.0.1", "--port", str(port)]
     log = (tmp_path / "server.log").open("w")
     proc = subprocess.Popen([sys.executable, "-c", SERVE, *args], stdout=log, stderr=log, env=env)
@@ -407,21 +388,19 @@ async def test_a_simulated_server_serves_with_torch_blocked(assets: Assets, tmp_
         proc.wait(timeout=30)
         log.close()
     assert "Traceback" not in (tmp_path / "server.log").read_text()
+    assert proc.returncode == 0, (tmp_path / "server.log").read_text()
+    assert json.loads(imported.read_text()) == []
 
 
-def test_an_unknown_profile_stops_the_server_before_it_starts(assets: Assets) -> None:
+def test_an_unknown_profile_stops_the_server_before_it_starts(
+    assets: Assets, tmp_path: Path
+) -> None:
+    args = [str(tmp_path / "imported.json"), "serve", "--simulate", "nope"]
     proc = subprocess.run(
-        [sys.executable, "-c", SERVE, "serve", "--simulate", "nope", "--model", str(assets.model)],
+        [sys.executable, "-c", SERVE, *args, "--model", str(assets.model)],
         capture_output=True,
         text=True,
         timeout=120,
         env={**os.environ, "LORA_ADMIN_TOKEN": ADMIN_TOKEN},
     )
     assert proc.returncode == 2 and "h200-sdxl-4step" in proc.stderr, proc.stderr
-
-
-def test_stand_in_refuses_once_the_real_pipeline_is_imported() -> None:
-    import lora_inference.pipeline  # noqa: F401  (the test process has the real server)
-
-    with pytest.raises(RuntimeError, match="already imported"):
-        simulate.stand_in()

@@ -13,7 +13,8 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from lora_inference.pipeline import DiffusionBackend, ImageJob, ParsedAdapter
+from lora_inference.backend import ImageJob, ParsedAdapter
+from lora_inference.pipeline import DiffusionBackend
 from lora_inference.slots import LayerWeights, Slots
 
 from tests.unit.inference.conftest import Assets, BatchShape

@@ -29,9 +29,9 @@ import pytest
 import torch
 from lora_inference import residency
 from lora_inference.adapters.registry import AdapterRecord, Registry
+from lora_inference.backend import ParsedAdapter
 from lora_inference.config import ServerConfig
 from lora_inference.metrics import Metrics
-from lora_inference.pipeline import ParsedAdapter
 from lora_inference.reader import new_record
 
 from tests.unit.inference.conftest import Assets, Server, decode
