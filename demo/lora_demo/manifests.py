@@ -227,11 +227,21 @@ def generation_request(
     }
 
 
+# A refused connection is tried again for a minute: a new pod is refused by the namespace's
+# NetworkPolicies until the cluster's enforcer has added its address to what they allow.
 GENERATE_SCRIPT = """
-import json, sys, urllib.request
+import json, sys, time, urllib.error, urllib.request
 url, body = sys.argv[1], sys.argv[2]
 req = urllib.request.Request(url, data=body.encode(), headers={"Content-Type": "application/json"})
-with urllib.request.urlopen(req, timeout=300) as r:
+for attempt in range(60):
+    try:
+        r = urllib.request.urlopen(req, timeout=300)
+        break
+    except urllib.error.URLError as e:
+        if not isinstance(e.reason, ConnectionRefusedError) or attempt == 59:
+            raise
+        time.sleep(1)
+with r:
     images = json.loads(r.read())["data"]
 print(json.dumps({"status": r.status, "images": len(images), "seed": images[0].get("seed")}))
 """

@@ -54,6 +54,7 @@ ROUTER_LABELS = "app.kubernetes.io/component=router"
 AFFINITY = ("gpu-resident", "cpu-resident")
 SHORT: dict[str, Any] = {"size": 32, "steps": 2}  # generation_request's keywords
 MUTE_LABEL = "lora.test/residency"  # the extra pod whose /v1/adapters fails carries it
+MUTE_WORKLOAD = "inference-mute"  # its Deployment, one of the release's inference workloads
 
 
 @dataclass
@@ -189,6 +190,8 @@ def fleet(devcluster: Harness, tmp_path_factory: pytest.TempPathFactory) -> Iter
         release.prepare_model(h, ns)
         release.install_crd(h)
         values = manifests.local_values(ns, replicas=PODS)
+        # The extra Deployment a test adds is one of the release's inference workloads.
+        values["operator"]["inferencePods"] = {"workloads": [MUTE_WORKLOAD]}
         release.install_chart(h, ns, values, tmp_path_factory.mktemp("values"))
         release.prepare_adapters(h, ns, tuple(sources.values()), "prepare-sources")
         release.ready_inference_pods(h, ns, PODS)
@@ -365,10 +368,12 @@ web.run_app(app, port=8000, access_log=None)
 """
 
 
-def mute_pod(deployment: Obj, image: str, name: str) -> Obj:
-    """An inference pod like the chart's (its template: labels, annotations, volumes, the
-    server's arguments) whose server listens on 8001 behind a front on the `http` port that
-    answers GET /v1/adapters with a 503. No pod-template-hash: no ReplicaSet adopts it."""
+def mute_deployment(deployment: Obj, image: str, name: str) -> Obj:
+    """A Deployment of one inference pod like the chart's (its template: labels, annotations,
+    volumes, the server's arguments) whose server listens on 8001 behind a front on the `http`
+    port that answers GET /v1/adapters with a 503. The release names it among its inference
+    workloads (`operator.inferencePods.workloads`), so the operator counts its pod among the
+    release's inference pods."""
     template = json.loads(json.dumps(deployment["spec"]["template"]))
     spec = template["spec"]
     (server,) = spec["containers"]
@@ -390,28 +395,27 @@ def mute_pod(deployment: Obj, image: str, name: str) -> Obj:
         }
     )
     labels = {**template["metadata"]["labels"], MUTE_LABEL: "withheld"}
-    metadata = {"name": name, "labels": labels, "annotations": template["metadata"]["annotations"]}
-    # Owned by the release's inference Deployment (it runs as the release's ServiceAccount, from
-    # the template), so the operator counts it among the release's inference pods; the
-    # Deployment controller leaves alone a pod it controls directly (no ReplicaSet of it).
-    owner = {"kind": "Deployment", "apiVersion": "apps/v1", "controller": True}
-    owner |= {"name": deployment["metadata"]["name"], "uid": deployment["metadata"]["uid"]}
-    metadata["ownerReferences"] = [owner]
-    return {"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": spec}
+    pod = {"labels": labels, "annotations": template["metadata"]["annotations"]}
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": name},
+        "spec": {
+            "replicas": 1,
+            "selector": {"matchLabels": {MUTE_LABEL: "withheld"}},
+            "template": {"metadata": pod, "spec": spec},
+        },
+    }
 
 
 def test_a_pod_that_stops_reporting_residency_is_routed_by_its_queue(fleet: Fleet) -> None:
     h, ns = fleet.h, fleet.ns
     fleet.healthy()
     deployment = h.get(f"/apis/apps/v1/namespaces/{ns}/deployments/{RELEASE}-inference")
-    name = "inference-mute"
-    h.apply(mute_pod(deployment, h.image("operator"), name), ns)
+    h.apply(mute_deployment(deployment, h.image("operator"), MUTE_WORKLOAD), ns)
     try:
-        h.wait_for(
-            "the extra pod to be Ready",
-            lambda: release.is_ready(h.get(f"/api/v1/namespaces/{ns}/pods/{name}")),
-            timeout=240,
-        )
+        (pod,) = release.ready_pods(h, ns, f"{MUTE_LABEL}=withheld", 1, timeout=240)
+        name = pod["metadata"]["name"]
         # It generates (its own server, through its front), but reports nothing.
         ip = fleet.ip(name)
         with pytest.raises(urllib.error.HTTPError) as refused:
@@ -453,8 +457,9 @@ def test_a_pod_that_stops_reporting_residency_is_routed_by_its_queue(fleet: Flee
     finally:
         h.kubectl("delete", "loraadapter", "quiet", "-n", ns, "--ignore-not-found",
                   "--timeout=90s", check=False)  # fmt: skip
-        h.kubectl("delete", "pod", name, "-n", ns, "--ignore-not-found", "--wait=true",
-                  "--timeout=60s", check=False)  # fmt: skip
+        h.kubectl("delete", "deployment", MUTE_WORKLOAD, "-n", ns, "--ignore-not-found",
+                  "--wait=true", "--timeout=60s", check=False)  # fmt: skip
+        h.wait_for("the extra pod to be gone", lambda: not h.pods(ns, f"{MUTE_LABEL}=withheld"), 90)
 
 
 # ---- the pod an adapter is placed on deleted

@@ -906,6 +906,62 @@ def test_the_routers_http_layer_refuses_what_it_cannot_read_one_way(secured: Rel
     assert not [line for line in loads for ip in routers if f": {ip} [" in line], loads
 
 
+def test_a_namespace_over_its_quota_degrades_and_another_still_stages(secured: Release) -> None:
+    """The release's quota lowered to one and a half adapters: a second adapter of this
+    namespace is Degraded (`QuotaExceeded`, its usage and the value to raise in the message),
+    while another namespace of the release stages its own; this namespace's first adapter
+    keeps serving."""
+    h, ns = secured.h, secured.ns
+    other = f"{ns}-q"
+    size = int(release.adapter_status(h, ns, "pixel-art")["staged"]["sizeBytes"])
+    shared = AdapterSource("quota-shared", seed=3)  # in _shared/: any namespace may copy it
+    release.prepare_adapters(h, ns, (shared,), "prepare-quota")
+    h.kubectl("create", "namespace", other)
+    upgrade = ["helm", "upgrade", RELEASE, str(CHART), "-n", ns, "--reuse-values"]
+    h.run(
+        [
+            *upgrade,
+            "--set",
+            f"operator.watchNamespaces={{{ns},{other}}}",
+            "--set",
+            f"operator.namespaceQuota={size * 3 // 2}",
+        ]
+    )
+    try:
+        release.ready_pods(h, ns, OPERATOR_PODS, 1)
+        by_hand = str(manifests.VOLUME_ROOT / ns / "by-hand")  # another adapter, as large
+        h.apply(sourced({"over-quota": by_hand}), ns)
+        h.apply(sourced({"elsewhere": shared.uri}), other)
+
+        def degraded() -> Obj | None:
+            status = release.adapter_status(h, ns, "over-quota")
+            return status if status.get("phase") == "Degraded" else None
+
+        h.wait_for("the adapter over the quota to be Degraded", degraded, timeout=120)
+        reason = secured.condition("over-quota", "Degraded")
+        assert reason.get("reason") == "QuotaExceeded", reason
+        assert "operator.namespaceQuota" in reason["message"] and ns in reason["message"]
+        h.wait_for(
+            "the other namespace's adapter to be staged",
+            lambda: release.adapter_status(h, other, "elsewhere").get("staged"),
+            timeout=120,
+        )
+        assert not release.adapter_status(h, ns, "over-quota").get("staged")
+        assert release.adapter_status(h, ns, "pixel-art")["ready"] == "1/1"
+    finally:
+        h.kubectl("delete", "loraadapters", "over-quota", "-n", ns, "--timeout=60s", check=False)
+        h.kubectl("delete", "loraadapters", "--all", "-n", other, "--timeout=60s", check=False)
+        restore = [
+            "--set",
+            f"operator.watchNamespaces={{{ns}}}",
+            "--set",
+            "operator.namespaceQuota=20GiB",
+        ]
+        h.run([*upgrade, *restore], check=False)
+        h.kubectl("delete", "namespace", other, "--wait=false", check=False)
+        release.ready_pods(h, ns, OPERATOR_PODS, 1)
+
+
 def test_the_operator_never_restarted(secured: Release) -> None:
     """After every attack above (the suite runs in file order): the operator's containers never
     restarted, and the namespace's adapter is still served."""
