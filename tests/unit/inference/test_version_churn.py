@@ -78,7 +78,7 @@ async def queued(server: Server, count: int) -> None:
 
 
 class Slots:
-    """The pipeline's slots as residency sees them (`residency.SlotPipeline`): names only."""
+    """The pipeline's slots as residency sees them (`backend.SlotPipeline`): names only."""
 
     def __init__(self) -> None:
         self.filled: dict[str, str] = {}
