@@ -25,11 +25,13 @@ from typing import Any
 
 import lora_playground as playground
 from aiohttp import web
-from lora_volume import boundedjson, formats, layout, podauth
+from lora_podapi import adapters, models
+from lora_podapi import headers as answers
+from lora_runtime import metrics as prometheus
+from lora_volume import boundedjson, podauth
 from lora_volume import errors as volume_errors
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from lora_inference import api, errors, tokenreview
+from lora_inference import api, errors, payloads, tokenreview
 from lora_inference import tokens as tokens_mod
 from lora_inference.adapters.registry import AdapterRecord
 from lora_inference.backend import Backend
@@ -38,9 +40,6 @@ from lora_inference.engine import Engine, GeneratedImage
 from lora_inference.metrics import Metrics
 
 log = logging.getLogger(__name__)
-
-# Every generation answer's count of this pod's requests waiting and running (routers read it).
-QUEUE_HEADER = "x-lora-queue"
 
 CONFIG = web.AppKey("config", ServerConfig)
 METRICS = web.AppKey("metrics", Metrics)
@@ -158,121 +157,27 @@ async def unload_adapter(request: web.Request) -> web.Response:
 
 
 async def list_models(request: web.Request) -> web.Response:
+    """The base model's card and one per adapter (`lora_podapi.models`; `payloads` says what
+    each holds)."""
     await _authorise_client(request)
-    config = request.app[CONFIG]
-    created = int(request.app[STARTED_AT])
-    # No card shows a path on the pod (the model's, or the adapter volume's): `root` is what
-    # the card was made from, by name.
-    cards = [_card(config.model_id, config.model_id, None, created)]
-    if config.simulate:
-        cards[0]["simulated"] = config.simulate  # benchmarks and tests: no real model
-    engine = _started(request.app)
-    if engine is not None:
-        for record in engine.registry.records():
-            # A revision the operator published: `root` names its LoRAAdapter (a rollout's
-            # alias is served from another adapter's revision), `revision` is the revision's
-            # sha256, and the operator recognises its own adapters by the two. Any other
-            # adapter's `root` is its own name and its `revision` null.
-            published = layout.published_revision(record.path)
-            root = published.adapter if published is not None else record.name
-            card = _card(record.name, root, config.model_id, created)
-            # Beyond vLLM's card: what the operator compares with the LoRAAdapter's spec, and
-            # the demand it scales hot adapters by.
-            card.update(
-                revision=published.sha256 if published is not None else None,
-                scale=record.scale,
-                pinned=record.pinned,
-                sha256=record.sha256,
-                hits=engine.registry.stats(record.name).hits,
-                # What the playground shows beside each adapter.
-                format=record.format,
-                rank=record.rank,
-                trigger_words=list(record.trigger_words),
-            )
-            cards.append(card)
-    # Beyond vLLM's list: the capacity the operator places adapters by.
-    return web.json_response(
-        {
-            "object": "list",
-            "data": cards,
-            "max_loras": config.max_loras,
-            "max_cpu_loras": config.max_cpu_loras,
-        }
-    )
-
-
-def _card(model_id: str, root: str, parent: str | None, created: int) -> dict[str, Any]:
-    return {
-        "id": model_id,
-        "object": "model",
-        "created": created,
-        "owned_by": "lora-operator",
-        "root": root,
-        "parent": parent,
-    }
+    app = request.app
+    listed = payloads.model_list(app[CONFIG], _started(app), int(app[STARTED_AT]))
+    return web.json_response(models.render(listed))
 
 
 async def list_adapters(request: web.Request) -> web.Response:
-    """Residency, capacity and queue: what an adapter-aware router routes by.
+    """Residency, capacity and queue: what an adapter-aware router routes by
+    (`lora_podapi.adapters`).
 
     `?view=residency` is the router's form: the adapters' names by tier, without the details of
     each. Either form carries an `ETag` and answers a matching `If-None-Match` with a bodiless
     304, so a router that polls every second reads next to nothing while nothing changed."""
     await _authorise_client(request)
-    config = request.app[CONFIG]
-    engine = _engine(request)
+    config, engine = request.app[CONFIG], _engine(request)
     if request.query.get("view") == "residency":
-        tiers: dict[str, list[str]] = {"gpu": [], "cpu": [], "disk": []}
-        for record in engine.registry.records():
-            tiers[engine.residency.tier_of(record)].append(record.name)
-        occupancy = engine.occupancy()
-        return _unless_unchanged(
-            request,
-            {
-                "object": "residency",
-                **tiers,
-                "model": config.model_id,
-                "max_loras": config.max_loras,
-                "max_cpu_loras": config.max_cpu_loras,
-                "num_requests_waiting": occupancy.waiting,
-                "num_requests_running": occupancy.running,
-            },
-        )
-    data = []
-    for record in engine.registry.records():
-        stats = engine.registry.stats(record.name)
-        data.append(
-            {
-                "id": record.name,
-                "path": str(record.path),
-                "tier": engine.residency.tier_of(record),
-                "pinned": record.pinned,
-                "origin": record.origin,
-                "hits": stats.hits,
-                "last_used": stats.last_used,
-                "size_bytes": record.size_bytes,
-                "sha256": record.sha256,
-                "rank": record.rank,
-                "format": record.format,
-                # Served merged into the base weights, in batches of its own (docs/adapters.md).
-                "merged_only": formats.merged_only(record.format),
-                "targets": list(record.targets),
-                "trigger_words": list(record.trigger_words),
-            }
-        )
-    occupancy = engine.occupancy()
-    return _unless_unchanged(
-        request,
-        {
-            "object": "list",
-            "data": data,
-            "model": config.model_id,
-            "max_loras": config.max_loras,
-            "max_cpu_loras": config.max_cpu_loras,
-            "num_requests_waiting": occupancy.waiting,
-            "num_requests_running": occupancy.running,
-        },
-    )
+        view = adapters.render_residency(payloads.residency(config, engine))
+        return _unless_unchanged(request, view)
+    return _unless_unchanged(request, adapters.render_listing(payloads.listing(config, engine)))
 
 
 def _unless_unchanged(request: web.Request, payload: dict[str, Any]) -> web.Response:
@@ -315,7 +220,7 @@ async def generate_images(request: web.Request) -> web.Response:
     headers = served_headers(record, request.app[CONFIG].model_id)
     # This pod's queue as the answer leaves (this request no longer in it): a router learns it
     # with every answer, between its polls (docs/routing.md).
-    headers[QUEUE_HEADER] = str(engine.queue_length())
+    headers[answers.QUEUE] = answers.render_queue(engine.queue_length())
     return web.Response(body=body, content_type="application/json", headers=headers)
 
 
@@ -340,8 +245,8 @@ def served_headers(record: AdapterRecord | None, base_model: str) -> dict[str, s
     rollout's canary: its alias; a stack: its members at their scales) or the base model's id,
     and `x-lora-revision`, the sha256 of the adapter's weights (a stack's: of its members')."""
     if record is None:
-        return {"x-lora-model": base_model}
-    return {"x-lora-model": record.name, "x-lora-revision": record.sha256}
+        return answers.served(base_model, None)
+    return answers.served(record.name, record.sha256)
 
 
 async def playground_page(request: web.Request) -> web.Response:
@@ -362,8 +267,7 @@ async def metrics(request: web.Request) -> web.Response:
     engine = _started(request.app)
     if engine is not None:
         engine.update_fleet_gauges()
-    body = generate_latest(request.app[METRICS].registry)
-    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+    return prometheus.exposition(request.app[METRICS].registry)
 
 
 def create_app(

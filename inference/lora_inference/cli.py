@@ -191,7 +191,7 @@ def _token(path: Path | None, env: str) -> str | None:
 def token_problem(args: argparse.Namespace) -> str | None:
     """Why `serve` must not start with these tokens (None: it may): a token file that is
     missing or empty, or no admin token at all without --no-admin-token. No silent open door."""
-    from lora_inference import tokens
+    from lora_runtime import tokenfiles as tokens
 
     for kind, path in (("admin", args.admin_token_file), ("client", args.client_token_file)):
         if path is not None:

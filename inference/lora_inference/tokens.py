@@ -14,11 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-# The CLI checks the token files at start with the same reader.
-from lora_runtime.tokenfiles import TokenError as TokenError
 from lora_runtime.tokenfiles import TokenFile
-from lora_runtime.tokenfiles import origin as origin
-from lora_runtime.tokenfiles import read_token as read_token
 
 
 class Reviewer(Protocol):

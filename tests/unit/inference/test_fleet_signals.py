@@ -73,6 +73,7 @@ async def test_adapters_report_model_capacity_and_an_idle_queue(start_server: An
         "max_cpu_loras": 5,
         "num_requests_waiting": 0,
         "num_requests_running": 0,
+        "api_version": 1,
     }
     assert base == "tiny-sd"
 

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 from lora_operator import planning
+from lora_podapi import models as models_api
 
 from tests.support.http import assert_error
 from tests.unit.inference.bad_adapters import BadAdapter
@@ -133,6 +134,7 @@ async def test_models_and_adapters_listing(server: Server, assets: Assets) -> No
         "object": "model",
         "root": "pixel",
         "parent": base_id,
+        "adapter": None,
         "revision": None,
     }
     _, adapters = await server.get("/v1/adapters")
@@ -163,9 +165,11 @@ async def test_a_published_revisions_card_names_it_without_a_path(
             "object": "model",
             "root": "pixel",
             "parent": base_id,
+            "adapter": "pixel",
             "revision": sha,
         }
     assert str(tmp_path) not in json.dumps(models)
+    assert models_api.render(models_api.parse(models)) == models  # one definition, both ends
     report = planning.parse_models(models)
     assert report.managed() == {"pixel": sha, alias: sha}
     assert report.revisions() == {("pixel", sha)}
