@@ -172,6 +172,11 @@ async def start_pods(
     return pods, runners
 
 
+# What a router imports of this tree besides its own package (lora_runtime, lora_podapi; a
+# baseline's operator package, when it has one, comes first: see `export`).
+PACKAGE_DIRS = ("runtime", "podapi", "operator", "volume", "playground")
+
+
 class Router:
     """One router process (this tree's, or a baseline's)."""
 
@@ -184,8 +189,10 @@ class Router:
         env: dict[str, str],
     ):
         self.label, self.port = label, free_port()
+        # A baseline's own operator package (export) comes before this tree's.
+        own = [router_dir.parent / "operator"] if router_dir.parent != ROOT else []
         path = os.pathsep.join(
-            [str(router_dir), *(str(ROOT / p) for p in ("operator", "volume", "playground"))]
+            str(p) for p in [router_dir, *own, *(ROOT / p for p in PACKAGE_DIRS)]
         )
         self.proc = subprocess.Popen(
             [
@@ -344,10 +351,12 @@ def print_profiles(before: Path, after: Path) -> None:
 
 
 def export(revision: str, into: Path) -> Path:
-    """The router package at `revision`, written under `into`."""
+    """The router package at `revision`, written under `into`, with the operator package of the
+    same revision beside it (a router before lora_runtime imported the operator's client, size
+    parser and backoff: it runs against its own)."""
     archive = subprocess.run(
-        ["git", "archive", revision, "router/lora_router"], cwd=ROOT, capture_output=True,
-        check=True,
+        ["git", "archive", revision, "router/lora_router", "operator/lora_operator"], cwd=ROOT,
+        capture_output=True, check=True,
     ).stdout  # fmt: skip
     subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
     return into / "router"
