@@ -12,7 +12,7 @@ and prints the best of two calls' wall-clock and CPU time for each, then the ker
 one-step call, mixed and base, from torch's profiler (those through the CUDA runtime,
 cudaLaunchKernel; cuBLAS launches some through the driver, not counted). GPU only:
 
-    PYTHONPATH=inference:volume:playground python3 bench/gpu_batch_paths.py
+    PYTHONPATH=runtime:podapi:inference:volume:playground python3 bench/gpu_batch_paths.py
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ if compgen -G ".whl/*.whl" >/dev/null; then
     --target /tmp/site .whl/*.whl || exit
   site=/tmp/site:
 fi
-export PYTHONPATH="${site}inference:volume:playground:bench" PYTHONUNBUFFERED=1
+export PYTHONPATH="${site}runtime:podapi:inference:volume:playground:bench" PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
 python3 -c 'import sys, torch, diffusers, peft, transformers; print(sys.version.split()[0], "torch", torch.__version__, "diffusers", diffusers.__version__, "peft", peft.__version__, "transformers", transformers.__version__)' | tee "$out/versions.txt"
 

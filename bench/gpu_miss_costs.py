@@ -6,7 +6,7 @@ four images at 4 steps (the simulated 4-step profile's), then bench_inference's 
 (first use: parse the file and copy it into a slot; swap: copy a parsed adapter into a slot;
 activate: switch the layers before a batch) with 1 and 5 adapters resident. GPU only:
 
-    PYTHONPATH=inference:volume:playground:bench python3 bench/gpu_miss_costs.py
+    PYTHONPATH=runtime:podapi:inference:volume:playground:bench python3 bench/gpu_miss_costs.py
 """
 
 from __future__ import annotations

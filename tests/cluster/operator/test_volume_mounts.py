@@ -17,7 +17,9 @@ import pytest
 
 from tests.support import ROOT
 
-PYTHONPATH = os.pathsep.join(str(ROOT / d) for d in ("inference", "operator", "volume"))
+PYTHONPATH = os.pathsep.join(
+    str(ROOT / d) for d in ("runtime", "podapi", "inference", "operator", "volume")
+)
 
 
 def _operator_on(
