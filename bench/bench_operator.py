@@ -541,7 +541,8 @@ class FileOrigin:
 STAGE_CHILD = """
 import asyncio, json, os, sys, time, uuid
 from pathlib import Path
-from lora_operator import consent, egress, fetchers, sources, staging
+from lora_operator.rules import consent
+from lora_operator.store import egress, fetchers, sources, staging
 
 uri, volume = sys.argv[1], Path(sys.argv[2])
 credentials = sources.Credentials(

@@ -29,8 +29,8 @@ from pathlib import Path
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1] / d) for d in ("operator", "inference")]
 
-from lora_operator import autoscale, placement  # noqa: E402
-from lora_operator.placement import Demand, PodCapacity  # noqa: E402
+from lora_operator.rules import autoscale, placement  # noqa: E402
+from lora_operator.rules.placement import Demand, PodCapacity  # noqa: E402
 
 POD_SIZES = (64, 128, 256)  # CPU-tier slots of three simulated pod sizes
 

@@ -191,7 +191,7 @@ _SUFFIX = {"counter": "_total", "histogram": "", "gauge": "", "summary": ""}
 def registered_metrics() -> list[tuple[str, str, str, tuple[str, ...], str]]:
     """(component, name as exposed, type, labels, help) of every metric registered in code."""
     from lora_inference import metrics as inference_metrics
-    from lora_operator import metrics as operator_metrics
+    from lora_operator.edges import metrics as operator_metrics
 
     found = []
     for component, module in (("operator", operator_metrics), ("inference", inference_metrics)):

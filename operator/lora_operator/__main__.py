@@ -10,10 +10,11 @@ from collections.abc import Sequence
 import kopf
 from lora_runtime import tokenfiles
 
-from lora_operator import errors, volumecheck
-from lora_operator.config import OperatorConfig, parse_args
 from lora_operator.controller import Controller
-from lora_operator.handlers import build_registry
+from lora_operator.edges.config import OperatorConfig, parse_args
+from lora_operator.edges.handlers import build_registry
+from lora_operator.rules import errors
+from lora_operator.store import volumecheck
 
 
 def run(config: OperatorConfig, *, stop_flag: asyncio.Event | None = None) -> None:

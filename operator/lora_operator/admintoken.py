@@ -29,7 +29,7 @@ from typing import Any, Literal
 import aiohttp
 from lora_runtime import login
 
-from lora_operator import kube
+from lora_operator.edges import kube
 
 TOKEN_BYTES = 32
 KEEP = {"helm.sh/resource-policy": "keep"}

@@ -5,7 +5,7 @@ the API's own rules that every client follows: names checked before they become 
 (`object_path`), its timestamps (`parse_time`, `now_iso`), its errors (`ApiError`).
 
 The operator's calls (status, Events, Secrets, tokens) are the operator's, on top of this
-client (`lora_operator.kube`); the router only lists and watches.
+client (`lora_operator.edges.kube`); the router only lists and watches.
 """
 
 from __future__ import annotations

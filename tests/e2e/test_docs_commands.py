@@ -30,7 +30,7 @@ import pytest
 import yaml
 from lora_devcluster.harness import Harness
 from lora_inference import cli as inference_cli
-from lora_operator import model
+from lora_operator.rules import model
 
 from tests.support import ROOT
 from tests.support.chart import MONITORING_CRDS, in_cluster, server_dry_run

@@ -171,7 +171,7 @@ def registered_metrics() -> dict[str, tuple[str, set[str]]]:
     """Every metric the operator, the inference server and the router register: name -> (type,
     labels)."""
     from lora_inference import metrics as inference_metrics
-    from lora_operator import metrics as operator_metrics
+    from lora_operator.edges import metrics as operator_metrics
     from lora_router import metrics as router_metrics
 
     found: dict[str, tuple[str, set[str]]] = {}

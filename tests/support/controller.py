@@ -10,11 +10,13 @@ from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 from typing import Any, Self
 
-from lora_operator import consent, kube, planning, staging
-from lora_operator.config import OperatorConfig
 from lora_operator.controller import Controller
-from lora_operator.model import PodInfo, pod_info
-from lora_operator.podclient import PodError
+from lora_operator.edges import kube
+from lora_operator.edges.config import OperatorConfig
+from lora_operator.edges.podclient import PodError
+from lora_operator.rules import consent, planning
+from lora_operator.rules.model import PodInfo, pod_info
+from lora_operator.store import staging
 
 from tests.support.loras import lora_bytes
 

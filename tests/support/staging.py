@@ -11,7 +11,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from lora_operator import consent, downloads, egress, fetchers, staging
+from lora_operator.rules import consent
+from lora_operator.store import downloads, egress, fetchers, staging
 from lora_volume import layout
 
 FAST = downloads.RetryPolicy(attempts=3, backoff_s=0.01, max_backoff_s=0.02)

@@ -3,7 +3,7 @@
 Plain domain errors, one per fault, each with a message that says what to fix. They know
 nothing of who asked: the inference server answers them with HTTP statuses
 (`lora_inference.errors.from_volume`), the operator turns them into staging errors
-(`lora_operator.errors.from_volume`), each in that one place.
+(`lora_operator.rules.errors.from_volume`), each in that one place.
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """The controller: stages adapters, keeps every inference pod's adapters equal to what it should
-hold, and writes each LoRAAdapter's status and Events. kopf's handlers (handlers.py) feed it
-events; the decisions are pure functions (planning, podstate, placement, autoscale, rollout,
-canary, status, events, resume, gc, peering); the actors of this package do the I/O and the
-waiting, each over its own part of the state:
+hold, and writes each LoRAAdapter's status and Events. kopf's handlers (edges/handlers.py) feed it
+events; the decisions are pure functions (the rules: planning, podstate, placement, autoscale,
+rollout, canary, status, events, resume, gc; and `peering.decide`); the actors of this package do
+the I/O and the waiting, through the store and the edges' clients, each over its own part of the
+state:
 
 | actor | module | owns |
 |---|---|---|
@@ -43,8 +44,6 @@ from urllib.parse import urlsplit
 
 import kopf
 
-from lora_operator import egress, fetchers, kube, peering, podtokens, staging
-from lora_operator.config import OperatorConfig
 from lora_operator.controller.autoscaler import Autoscaler
 from lora_operator.controller.collector import Collector
 from lora_operator.controller.finalizer import Finalizer
@@ -58,10 +57,13 @@ from lora_operator.controller.signals import Actor, Hub, Shared
 from lora_operator.controller.stager import Stager
 from lora_operator.controller.workers import Workers
 from lora_operator.controller.writer import StatusWriter
-from lora_operator.metrics import Metrics
-from lora_operator.model import AdapterInfo, PodInfo, adapter_info
-from lora_operator.podclient import PodClient
-from lora_operator.resume import needs_staging
+from lora_operator.edges import kube, peering, podtokens
+from lora_operator.edges.config import OperatorConfig
+from lora_operator.edges.metrics import Metrics
+from lora_operator.edges.podclient import PodClient
+from lora_operator.rules.model import AdapterInfo, PodInfo, adapter_info
+from lora_operator.rules.resume import needs_staging
+from lora_operator.store import egress, fetchers, staging
 
 __all__ = ["AdapterRecord", "Api", "Controller", "PodRecord", "Pods", "Volume", "needs_staging"]
 

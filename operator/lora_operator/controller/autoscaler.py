@@ -10,11 +10,11 @@ import asyncio
 import logging
 import time
 
-from lora_operator import autoscale, events
 from lora_operator.controller.records import AdapterRecord
 from lora_operator.controller.seams import Key
 from lora_operator.controller.signals import Actor
-from lora_operator.model import AutoscaleSpec
+from lora_operator.rules import autoscale, events
+from lora_operator.rules.model import AutoscaleSpec
 
 log = logging.getLogger("lora_operator")
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from lora_operator import gc
 from lora_operator.controller.seams import Key
 from lora_operator.controller.signals import Actor, Shared
+from lora_operator.rules import gc
 
 log = logging.getLogger("lora_operator")
 

@@ -11,11 +11,11 @@ import asyncio
 import logging
 from collections.abc import Callable
 
-from lora_operator import events
-from lora_operator import status as status_mod
 from lora_operator.controller.seams import Key
 from lora_operator.controller.signals import Actor, Shared
-from lora_operator.model import AdapterInfo
+from lora_operator.rules import events
+from lora_operator.rules import status as status_mod
+from lora_operator.rules.model import AdapterInfo
 
 log = logging.getLogger("lora_operator")
 

@@ -19,9 +19,10 @@ from dataclasses import dataclass
 
 from lora_runtime import backoff
 
-from lora_operator import kube, trust
 from lora_operator.controller.signals import Actor, Shared
-from lora_operator.model import PodInfo
+from lora_operator.edges import kube
+from lora_operator.rules import trust
+from lora_operator.rules.model import PodInfo
 
 log = logging.getLogger("lora_operator")
 

@@ -17,12 +17,12 @@ from __future__ import annotations
 import asyncio
 import time
 
-from lora_operator import autoscale, placement
 from lora_operator.controller.records import AdapterRecord
 from lora_operator.controller.seams import Key
 from lora_operator.controller.signals import Actor, Shared
-from lora_operator.model import AdapterInfo, PodInfo
-from lora_operator.podstate import PodEntry
+from lora_operator.rules import autoscale, placement
+from lora_operator.rules.model import AdapterInfo, PodInfo
+from lora_operator.rules.podstate import PodEntry
 
 PLACEMENT_COALESCE_S = 0.5
 

@@ -10,10 +10,10 @@ import logging
 import time
 import uuid
 
-from lora_operator import events
 from lora_operator.controller.seams import Key
 from lora_operator.controller.signals import Actor, Shared
-from lora_operator.model import INFERENCE_LABEL, AdapterInfo, PodInfo, object_ref
+from lora_operator.rules import events
+from lora_operator.rules.model import INFERENCE_LABEL, AdapterInfo, PodInfo, object_ref
 
 log = logging.getLogger("lora_operator")
 

@@ -22,11 +22,11 @@ from typing import Any, NamedTuple
 
 import kopf
 
-from lora_operator import autoscale, planning, rollout, status
 from lora_operator.controller.seams import Body, Key
-from lora_operator.model import AdapterInfo, Command, PodInfo
-from lora_operator.podstate import PodEntry
-from lora_operator.resume import RecordedLoad, plan_resume
+from lora_operator.rules import autoscale, planning, rollout, status
+from lora_operator.rules.model import AdapterInfo, Command, PodInfo
+from lora_operator.rules.podstate import PodEntry
+from lora_operator.rules.resume import RecordedLoad, plan_resume
 
 
 @dataclass

@@ -16,12 +16,13 @@ import contextlib
 import logging
 import time
 
-from lora_operator import canary, events, kube, rollout, status
 from lora_operator.controller.placer import Placer
 from lora_operator.controller.records import AdapterRecord
 from lora_operator.controller.seams import Key
 from lora_operator.controller.signals import Actor, Shared
-from lora_operator.model import Command
+from lora_operator.edges import kube
+from lora_operator.rules import canary, events, rollout, status
+from lora_operator.rules.model import Command
 
 log = logging.getLogger("lora_operator")
 

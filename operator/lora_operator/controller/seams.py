@@ -13,8 +13,10 @@ from typing import Any, Protocol
 import kopf
 from lora_volume import description, stacks, targeting
 
-from lora_operator import gc, kube, peering, planning, sinks, sources, staging
-from lora_operator.model import PodInfo
+from lora_operator.edges import kube, peering
+from lora_operator.rules import gc, planning
+from lora_operator.rules.model import PodInfo
+from lora_operator.store import sinks, sources, staging
 
 Key = tuple[str, str]  # (namespace, name)
 Body = kopf.Body | Mapping[str, Any]

@@ -15,12 +15,12 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from lora_operator import events
-from lora_operator.config import OperatorConfig
 from lora_operator.controller.records import Cache
 from lora_operator.controller.seams import Key, Seams
-from lora_operator.metrics import Metrics
-from lora_operator.model import AdapterInfo, PodInfo
+from lora_operator.edges.config import OperatorConfig
+from lora_operator.edges.metrics import Metrics
+from lora_operator.rules import events
+from lora_operator.rules.model import AdapterInfo, PodInfo
 
 if TYPE_CHECKING:
     from lora_operator.controller.collector import Collector

@@ -23,12 +23,14 @@ import time
 import aiohttp
 from lora_runtime import backoff
 
-from lora_operator import composition, consent, errors, kube, sources
 from lora_operator.controller.records import AdapterRecord
 from lora_operator.controller.seams import Key
 from lora_operator.controller.signals import Actor, Shared
-from lora_operator.model import AdapterInfo, StagedRef
-from lora_operator.resume import needs_staging
+from lora_operator.edges import kube
+from lora_operator.rules import composition, consent, errors
+from lora_operator.rules.model import AdapterInfo, StagedRef
+from lora_operator.rules.resume import needs_staging
+from lora_operator.store import sources
 
 log = logging.getLogger("lora_operator")
 

@@ -24,14 +24,15 @@ from typing import NamedTuple
 
 from lora_runtime import backoff
 
-from lora_operator import kube, placement, planning, podstate
 from lora_operator.controller.placer import Placer
 from lora_operator.controller.records import Found, PodRecord, Recorded
 from lora_operator.controller.seams import Key
 from lora_operator.controller.signals import Actor, Shared
-from lora_operator.model import PodInfo
-from lora_operator.podclient import PodError
-from lora_operator.podstate import PodEntry
+from lora_operator.edges import kube
+from lora_operator.edges.podclient import PodError
+from lora_operator.rules import placement, planning, podstate
+from lora_operator.rules.model import PodInfo
+from lora_operator.rules.podstate import PodEntry
 
 log = logging.getLogger("lora_operator")
 

@@ -16,12 +16,13 @@ import time
 from collections import Counter
 from typing import Any
 
-from lora_operator import canary, events, kube, rollout, statuswrite
-from lora_operator import status as status_mod
 from lora_operator.controller.placer import Placer
 from lora_operator.controller.records import AdapterRecord
 from lora_operator.controller.seams import Key
 from lora_operator.controller.signals import Actor, Shared
+from lora_operator.edges import kube
+from lora_operator.rules import canary, events, rollout, statuswrite
+from lora_operator.rules import status as status_mod
 
 log = logging.getLogger("lora_operator")
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 from lora_inference import cli as inference_cli
-from lora_operator import config
+from lora_operator.edges import config
 from lora_runtime import sizes
 
 from tests.support.chart import (

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from lora_operator import planning
+from lora_operator.rules import planning
 from lora_podapi import models as models_api
 
 from tests.support.http import assert_error

@@ -10,7 +10,8 @@ import base64
 from typing import Any
 
 import pytest
-from lora_operator import admintoken, kube
+from lora_operator import admintoken
+from lora_operator.edges import kube
 
 NS, NAME = "lora", "demo-lora-operator-admin-token"
 LABELS = {"app.kubernetes.io/component": "admin-token"}

@@ -7,7 +7,7 @@ import itertools
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from lora_operator.autoscale import Policy, Scale, clamp, plan_scale, request_rate, start
+from lora_operator.rules.autoscale import Policy, Scale, clamp, plan_scale, request_rate, start
 
 POLICY = Policy(min_replicas=1, max_replicas=6, target_rps=1.0, narrow_after_s=60)
 

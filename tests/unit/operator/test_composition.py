@@ -10,9 +10,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from lora_operator import composition, errors, sources, staging
 from lora_operator.controller import needs_staging
-from lora_operator.model import StagedRef, adapter_info
+from lora_operator.rules import composition, errors
+from lora_operator.rules.model import StagedRef, adapter_info
+from lora_operator.store import sources, staging
 from lora_volume import description, formats, layout, stacks
 
 from tests.support.controller import NS, Rig, adapter, pod

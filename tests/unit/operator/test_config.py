@@ -4,7 +4,7 @@ reports a bad one."""
 from __future__ import annotations
 
 import pytest
-from lora_operator import config
+from lora_operator.edges import config
 
 
 def test_max_adapter_bytes_takes_units(capsys: pytest.CaptureFixture[str]) -> None:

@@ -7,7 +7,8 @@ import ipaddress
 from pathlib import Path
 
 import pytest
-from lora_operator import config, consent
+from lora_operator.edges import config
+from lora_operator.rules import consent
 
 
 @pytest.mark.parametrize(

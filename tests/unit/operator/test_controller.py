@@ -15,13 +15,15 @@ from typing import Any
 
 import aiohttp
 import pytest
-from lora_operator import consent, errors, kube, staging
-from lora_operator.config import OperatorConfig
 from lora_operator.controller import Controller, needs_staging
 from lora_operator.controller.signals import Actor
-from lora_operator.model import adapter_info
-from lora_operator.podclient import PodError
-from lora_operator.status import summarise
+from lora_operator.edges import kube
+from lora_operator.edges.config import OperatorConfig
+from lora_operator.edges.podclient import PodError
+from lora_operator.rules import consent, errors
+from lora_operator.rules.model import adapter_info
+from lora_operator.rules.status import summarise
+from lora_operator.store import staging
 from lora_volume import layout, targeting
 
 from tests.support.controller import (
@@ -324,7 +326,7 @@ def test_the_fakes_speak_the_real_interfaces() -> None:
     """The fakes above stand in for our own seams: keep them honest about the signatures."""
     import inspect
 
-    from lora_operator import podclient
+    from lora_operator.edges import podclient
 
     for fake, real in ((FakePods, podclient.PodClient), (FakeApi, kube.KubeApi)):
         for name in (

@@ -8,9 +8,9 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
-from lora_operator import kube
 from lora_operator.controller import identity
-from lora_operator.model import PodInfo, pod_info
+from lora_operator.edges import kube
+from lora_operator.rules.model import PodInfo, pod_info
 
 from tests.support.controller import NS, Rig, adapter
 from tests.support.polling import until

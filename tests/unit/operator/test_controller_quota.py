@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from lora_operator.model import PodInfo, pod_info
+from lora_operator.rules.model import PodInfo, pod_info
 
 from tests.support.controller import Rig, adapter, pod
 from tests.support.loras import lora_bytes

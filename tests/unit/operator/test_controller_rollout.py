@@ -11,9 +11,9 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-from lora_operator import planning, rollout
-from lora_operator.model import PodInfo
-from lora_operator.podclient import PodError
+from lora_operator.edges.podclient import PodError
+from lora_operator.rules import planning, rollout
+from lora_operator.rules.model import PodInfo
 from lora_volume import layout, stacks
 
 from tests.support.controller import NS, CountingPods, Rig, adapter, holders, placed_rig, pod

@@ -7,10 +7,10 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from lora_operator import autoscale, canary, gc, placement, planning, resume, rollout
-from lora_operator.model import AdapterInfo, PodInfo, StagedRef, adapter_info, pod_info
-from lora_operator.planning import Candidate, Card, PodReport, Want
-from lora_operator.podstate import PodEntry
+from lora_operator.rules import autoscale, canary, gc, placement, planning, resume, rollout
+from lora_operator.rules.model import AdapterInfo, PodInfo, StagedRef, adapter_info, pod_info
+from lora_operator.rules.planning import Candidate, Card, PodReport, Want
+from lora_operator.rules.podstate import PodEntry
 
 SHA1, SHA2 = "1" * 64, "2" * 64
 STAGED = StagedRef(sha256=SHA1, size=1)

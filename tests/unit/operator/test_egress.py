@@ -17,7 +17,8 @@ import pytest
 import urllib3
 from aiohttp import web
 from lora_devcluster.certs import PKI, write_pki
-from lora_operator import consent, egress, errors, sources
+from lora_operator.rules import consent, errors
+from lora_operator.store import egress, sources
 
 from tests.support.loras import lora_bytes, sha
 from tests.support.origin import Origin

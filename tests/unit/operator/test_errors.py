@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from lora_operator import errors
+from lora_operator.rules import errors
 from lora_volume import errors as volume_errors
 
 EXPECTED = {

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from lora_operator.events import Note, Series, plan_event
-from lora_operator.status import Summary
+from lora_operator.rules.events import Note, Series, plan_event
+from lora_operator.rules.status import Summary
 
 
 def summary(phase: str, reason: str, message: str = "m") -> Summary:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from lora_operator import downloads, fetchers, sources
+from lora_operator.store import downloads, fetchers, sources
 
 
 @pytest.mark.parametrize(

@@ -6,7 +6,8 @@ import asyncio
 from pathlib import Path
 
 import pytest
-from lora_operator import gc, sources, staging, volumefiles
+from lora_operator.rules import gc
+from lora_operator.store import sources, staging, volumefiles
 from lora_volume import layout
 
 from tests.support.loras import lora_bytes, sha

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import kopf
 import pytest
-from lora_operator import kube
+from lora_operator.edges import kube
 from lora_runtime import login
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from lora_operator import model
 from lora_operator.controller import needs_staging
+from lora_operator.rules import model
 
 
 def pod_body(**over: Any) -> dict[str, Any]:

@@ -8,8 +8,8 @@ from collections import Counter
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from lora_operator import placement
-from lora_operator.placement import Demand, PodCapacity, Shortfall, plan_placement
+from lora_operator.rules import placement
+from lora_operator.rules.placement import Demand, PodCapacity, Shortfall, plan_placement
 
 ROOMY = 100  # more than any test here places on one pod
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import PurePosixPath
 
 import pytest
-from lora_operator import planning
-from lora_operator.planning import Card, Conflict, Load, PodReport, Unload, Want
+from lora_operator.rules import planning
+from lora_operator.rules.planning import Card, Conflict, Load, PodReport, Unload, Want
 from lora_podapi import models
 
 SHA1, SHA2 = "1" * 64, "2" * 64

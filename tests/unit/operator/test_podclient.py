@@ -9,9 +9,10 @@ from typing import Any
 import pytest
 import pytest_asyncio
 from aiohttp import web
-from lora_operator import config, model, planning
-from lora_operator.podclient import PodClient, PodError
-from lora_operator.podtokens import AdminToken, BoundTokens
+from lora_operator.edges import config
+from lora_operator.edges.podclient import PodClient, PodError
+from lora_operator.edges.podtokens import AdminToken, BoundTokens
+from lora_operator.rules import model, planning
 
 SHA = "c" * 64
 
@@ -166,7 +167,7 @@ async def test_a_pod_gets_its_own_namespaces_token_and_a_401_renews_it(pod: Any)
 
 
 async def test_no_token_to_be_had_is_a_transient_pod_error(pod: Any) -> None:
-    from lora_operator import kube
+    from lora_operator.edges import kube
 
     info, _ = pod
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from lora_operator import model, podstate
-from lora_operator.planning import Card, Want
-from lora_operator.podstate import (
+from lora_operator.rules import model, podstate
+from lora_operator.rules.planning import Card, Want
+from lora_operator.rules.podstate import (
     Conflicted,
     Failed,
     PodEntry,
@@ -19,7 +19,7 @@ from lora_operator.podstate import (
     retry_delay,
     transition,
 )
-from lora_operator.status import StagingState, summarise
+from lora_operator.rules.status import StagingState, summarise
 from lora_runtime import backoff
 
 BOUND = 3

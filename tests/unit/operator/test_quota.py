@@ -4,7 +4,8 @@ the store keeps, without a volume (the store on a real one: test_staging_tenancy
 from __future__ import annotations
 
 import pytest
-from lora_operator import errors, quota
+from lora_operator.rules import errors
+from lora_operator.store import quota
 
 GIB = 1024**3
 

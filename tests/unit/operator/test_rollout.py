@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from lora_operator import rollout
-from lora_operator.rollout import ABORT, PROMOTE, Plan, Rollout, State, Step
+from lora_operator.rules import rollout
+from lora_operator.rules.rollout import ABORT, PROMOTE, Plan, Rollout, State, Step
 
 OLD, NEW, NEWER = "a" * 64, "b" * 64, "c" * 64
 PLAN = Plan((Step(10, 60), Step(50), Step(100, 30)))

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
-from lora_operator import errors, sources
+from lora_operator.rules import errors
+from lora_operator.store import sources
 
 
 @pytest.mark.parametrize(

@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from lora_operator import staging
 from lora_operator.controller import stager
+from lora_operator.store import staging
 from lora_volume import layout
 
 from tests.support import bombs
@@ -33,7 +33,7 @@ CHILD = textwrap.dedent(
     """
     import asyncio, json, sys
     from pathlib import Path
-    from lora_operator import sources, staging
+    from lora_operator.store import sources, staging
 
     def peak_kib():
         for line in Path("/proc/self/status").read_text().splitlines():

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 from aiohttp import web
-from lora_operator import errors, sinks, sources, staging, volumefiles
+from lora_operator.rules import errors
+from lora_operator.store import sinks, sources, staging, volumefiles
 from lora_volume import files, layout
 
 from tests.support.loras import lora_bytes, not_lora_bytes, sha

@@ -16,7 +16,8 @@ from typing import Any
 
 import pytest
 from aiohttp import web
-from lora_operator import consent, downloads, errors, s3fetch, sources
+from lora_operator.rules import consent, errors
+from lora_operator.store import downloads, s3fetch, sources
 
 from tests.support.http import free_port
 from tests.support.loras import lora_bytes, sha

@@ -10,7 +10,9 @@ import re
 from pathlib import Path
 
 import pytest
-from lora_operator import errors, metrics, quota, sinks, sources, staging, volumefiles
+from lora_operator.edges import metrics
+from lora_operator.rules import errors
+from lora_operator.store import quota, sinks, sources, staging, volumefiles
 from lora_volume import layout, stacks
 
 from tests.support.loras import lora_bytes, sha

@@ -9,7 +9,8 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from lora_operator import errors, sinks, sources, staging, volumefiles
+from lora_operator.rules import errors
+from lora_operator.store import sinks, sources, staging, volumefiles
 from lora_volume import description, files, formats, layout, stacks, targeting
 
 from tests.support.loras import lora_bytes, sha
@@ -79,7 +80,7 @@ def test_a_killed_staging_leaves_only_a_temp_file(tmp_path: Path) -> None:
         f"""
         import asyncio, os
         from pathlib import Path
-        from lora_operator import sources, staging
+        from lora_operator.store import sources, staging
 
         def die(size: int) -> None:
             os._exit(9)  # no cleanup, no finally: as if the pod were killed

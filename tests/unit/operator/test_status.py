@@ -7,10 +7,10 @@ import json
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from lora_operator import model, resume
-from lora_operator.podstate import PodEntry, PodState
-from lora_operator.status import StagingState, Summary, summarise
-from lora_operator.statuswrite import MAX_LISTED_PODS, WritePolicy, render, write_delay
+from lora_operator.rules import model, resume
+from lora_operator.rules.podstate import PodEntry, PodState
+from lora_operator.rules.status import StagingState, Summary, summarise
+from lora_operator.rules.statuswrite import MAX_LISTED_PODS, WritePolicy, render, write_delay
 from lora_volume import description, formats
 
 SHA = "a" * 64

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 from lora_operator import __main__ as entry
-from lora_operator import config
+from lora_operator.edges import config
 from lora_runtime import tokenfiles
 
 SECRET = "Secret lora/rel-admin-token, key token"

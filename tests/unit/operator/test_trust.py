@@ -6,8 +6,9 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from lora_operator import config, model, trust
-from lora_operator.trust import Owner, Ref
+from lora_operator.edges import config
+from lora_operator.rules import model, trust
+from lora_operator.rules.trust import Owner, Ref
 
 POLICY = trust.Policy(
     namespaces=frozenset({"lora"}),

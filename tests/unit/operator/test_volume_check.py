@@ -9,7 +9,8 @@ import errno
 from pathlib import Path
 
 import pytest
-from lora_operator import errors, volumecheck
+from lora_operator.rules import errors
+from lora_operator.store import volumecheck
 
 
 @pytest.mark.parametrize(

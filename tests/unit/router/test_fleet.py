@@ -216,7 +216,7 @@ def test_estimated_load(own: int, queue: int | None, mine_then: int, load: int) 
 
 
 def test_a_rollout_in_the_status_the_operator_writes_is_a_split() -> None:
-    from lora_operator import rollout
+    from lora_operator.rules import rollout
 
     canary, stable = "c" * 64, "5" * 64
     plan = rollout.Plan((rollout.Step(20),))

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from lora_operator import staging
+from lora_operator.store import staging
 from lora_volume import errors, formats
 from safetensors.numpy import save_file
 
