@@ -16,7 +16,7 @@ from lora_volume import description, stacks, targeting
 from lora_operator.edges import kube, peering
 from lora_operator.rules import gc, planning
 from lora_operator.rules.model import PodInfo
-from lora_operator.store import sinks, sources, staging
+from lora_operator.store import publishing, sinks, sources
 
 Key = tuple[str, str]  # (namespace, name)
 Body = kopf.Body | Mapping[str, Any]
@@ -43,7 +43,7 @@ class Volume(Protocol):
         sha256: str | None = None,
         progress: sinks.ProgressCallback | None = None,
         target: targeting.Target | None = None,
-    ) -> staging.StagedRevision: ...
+    ) -> publishing.StagedRevision: ...
 
     async def stage_composition(
         self,
@@ -52,7 +52,7 @@ class Volume(Protocol):
         entries: Sequence[stacks.StackEntry],
         *,
         target: targeting.Target | None = None,
-    ) -> staging.StagedRevision: ...
+    ) -> publishing.StagedRevision: ...
 
     def publish_target(self, namespace: str, name: str, target: targeting.Target) -> bool: ...
 

@@ -10,8 +10,9 @@ namespaces' usages may add up to more than the volume holds.
 
 `check` decides (pure); `Ledger` is the store's record of every namespace's usage, which the
 store (`staging.Store`) loads from the volume (`volumefiles.held_objects`) and keeps up to date
-as it publishes and collects. Its reservations are taken on the fetchers' worker threads, so it
-has a lock of its own. Must not: read or write the volume.
+as it publishes (`publishing`) and collects. A download's share is a `Reservation`, grown as the
+download's sink hears of bytes announced and written, on the fetchers' worker threads, so the
+ledger has a lock of its own. Must not: read or write the volume.
 """
 
 from __future__ import annotations
@@ -167,3 +168,40 @@ class Ledger:
         if self._on_usage is not None:
             for namespace, total in sorted(totals.items()):
                 self._on_usage(namespace, total)
+
+
+class Reservation:
+    """One download's share of its namespace's quota (`Ledger.reserve`, with itself as
+    the token): what its source announced or what it has written, whichever is more, less
+    `credit` (the size of the adapter's current revision, which the download most often
+    repeats). `announced` and `written` are the download's sink's hooks, so a share that would
+    pass the quota raises QuotaExceeded where the fetcher writes, which ends the download.
+    `progress` (the staging's) hears what is written."""
+
+    def __init__(
+        self,
+        ledger: Ledger,
+        namespace: str,
+        progress: Callable[[int], None] | None,
+        credit: int = 0,
+    ) -> None:
+        self._ledger, self._namespace, self._progress = ledger, namespace, progress
+        self._credit = credit
+        self._announced = self._written = 0
+
+    def announced(self, declared: int | None) -> None:
+        self._announced = declared or 0
+        self._reserve()
+
+    def written(self, n: int) -> None:  # the sink's progress callback: the fetcher's thread
+        self._written = n
+        self._reserve()
+        if self._progress is not None:
+            self._progress(n)
+
+    def _reserve(self) -> None:
+        share = max(self._announced, self._written) - self._credit
+        self._ledger.reserve(self._namespace, self, max(0, share))
+
+    def release(self) -> None:
+        self._ledger.release(self._namespace, self)

@@ -79,8 +79,9 @@ class Sink:
     the slowest part of a fast download. At most `depth` batches wait in each, so memory stays
     flat in the file size, and a full lane makes the caller wait. The data is synced every
     `SYNC_BYTES` as it goes, so `finish`'s fsync has little left to do. The progress callback
-    is called from the fetcher's thread and must be quick. Use it as a context manager:
-    leaving stops the threads, and a fetcher still writing gets an error at its next chunk.
+    and `announced` are called from the fetcher's thread and must be quick. Use it as a context
+    manager: leaving stops the threads, and a fetcher still writing gets an error at its next
+    chunk.
     """
 
     SYNC_BYTES = 64 * 1024 * 1024
@@ -93,11 +94,13 @@ class Sink:
         max_bytes: int,
         description: str,
         progress: ProgressCallback | None = None,
+        announced: Callable[[int | None], None] | None = None,
         depth: int = 4,
     ) -> None:
         self._file = file
         self._max = max_bytes
         self._progress = progress
+        self._announced = announced
         self.description = description
         self._hash = hashlib.sha256()
         self.size = 0
@@ -131,9 +134,12 @@ class Sink:
             self._progress(0)
 
     def expect(self, declared: int | None) -> None:
-        """Refuse at once a source that announces more bytes than the limit."""
+        """Refuse at once a source that announces more bytes than the limit; then tell
+        `announced` (the store's quota reservation) what the source announced."""
         if declared is not None and declared > self._max:
             raise self._too_large(declared)
+        if self._announced is not None:
+            self._announced(declared)
 
     def write(self, chunk: bytes) -> None:
         if self._closed:

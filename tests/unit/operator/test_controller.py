@@ -23,7 +23,7 @@ from lora_operator.edges.podclient import PodError
 from lora_operator.rules import consent, errors
 from lora_operator.rules.model import adapter_info
 from lora_operator.rules.status import summarise
-from lora_operator.store import staging
+from lora_operator.store import publishing
 from lora_volume import layout, targeting
 
 from tests.support.controller import (
@@ -206,7 +206,7 @@ class FlakyStore(RecordingStore):
         super().__init__(root, log)
         self.failures = failures
 
-    async def stage(self, *args: Any, **kwargs: Any) -> staging.StagedRevision:
+    async def stage(self, *args: Any, **kwargs: Any) -> publishing.StagedRevision:
         if self.failures:
             self.failures -= 1
             raise errors.SourceUnavailable("connection refused")

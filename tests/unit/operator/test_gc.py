@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 from lora_operator.rules import gc
-from lora_operator.store import sources, staging, volumefiles
+from lora_operator.store import publishing, sources, staging, volumefiles
 from lora_volume import layout
 
 from tests.support.loras import lora_bytes, sha
@@ -65,7 +65,7 @@ def test_empty_plan_is_falsy() -> None:
 
 async def _stage(
     store: staging.Store, root: Path, ns: str, name: str, data: bytes
-) -> staging.StagedRevision:
+) -> publishing.StagedRevision:
     path = root / layout.SHARED / f"{sha(data)}.safetensors"
     path.parent.mkdir(exist_ok=True)
     path.write_bytes(data)
@@ -125,7 +125,7 @@ async def test_collect_racing_stagings_never_breaks_a_current(tmp_path: Path) ->
         (tmp_path / layout.SHARED).mkdir(exist_ok=True)
         (tmp_path / layout.SHARED / f"{sha(blob)}.safetensors").write_bytes(blob)
 
-    async def stage(i: int) -> staging.StagedRevision:
+    async def stage(i: int) -> publishing.StagedRevision:
         blob = blobs[i % len(blobs)]
         return await store.stage(
             "ns",
@@ -140,7 +140,7 @@ async def test_collect_racing_stagings_never_breaks_a_current(tmp_path: Path) ->
             await asyncio.sleep(0)
 
     results = await asyncio.gather(*(stage(i) for i in range(24)), collect())
-    assert all(isinstance(r, staging.StagedRevision) for r in results[:-1])
+    assert all(isinstance(r, publishing.StagedRevision) for r in results[:-1])
     await store.collect(set())
     for name in ("a0", "a1", "a2"):
         found = layout.resolve_on_root(tmp_path / "ns", name)

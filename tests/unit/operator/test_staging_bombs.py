@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 from lora_operator.controller import stager
-from lora_operator.store import staging
+from lora_operator.store import publishing
 from lora_volume import layout
 
 from tests.support import bombs
@@ -123,7 +123,7 @@ class CountingStore(RecordingStore):
 
     async def stage(
         self, namespace: str, name: str, *args: Any, **kwargs: Any
-    ) -> staging.StagedRevision:
+    ) -> publishing.StagedRevision:
         self.staged.append(name)
         if name == self.crashes and self.crash is not None:
             raise self.crash

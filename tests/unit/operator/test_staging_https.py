@@ -11,7 +11,7 @@ import pytest
 import pytest_asyncio
 from aiohttp import web
 from lora_operator.rules import errors
-from lora_operator.store import sinks, sources, staging, volumefiles
+from lora_operator.store import publishing, sinks, sources, staging, volumefiles
 from lora_volume import files, layout
 
 from tests.support.loras import lora_bytes, not_lora_bytes, sha
@@ -183,7 +183,7 @@ async def test_restaging_a_pinned_revision_downloads_nothing(
     store = make_store(tmp_path)
     first = await store.stage(NS, "x", sources.HttpsSource(url), sha256=sha(data))
     again = await store.stage(NS, "x", sources.HttpsSource(url), sha256=sha(data))
-    assert again == staging.StagedRevision(**{**first.__dict__, "reused": True})
+    assert again == publishing.StagedRevision(**{**first.__dict__, "reused": True})
     assert origin.hits["/w.safetensors"] == 1
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from lora_operator.store import staging
+from lora_operator.store import publishing
 from lora_volume import errors, formats
 from safetensors.numpy import save_file
 
@@ -114,7 +114,7 @@ def test_staging_accepts_each_served_format_merged_only_ones_included(
     `.diff`) is staged like any other."""
     path = tmp_path / "adapter.safetensors"
     save_file({k: np.zeros((2, 2), np.float32) for k in keys}, str(path))
-    assert staging.describe_file(path, "source x").format.key == key
+    assert publishing.describe_file(path, "source x").format.key == key
 
 
 @pytest.mark.parametrize(("tensor", "label"), REFUSED)
@@ -147,4 +147,4 @@ def test_staging_refuses_each_format_with_the_same_reason(
     path = tmp_path / "adapter.safetensors"
     save_file({k: np.zeros((2, 2), np.float32) for k in (*PAIR, tensor)}, str(path))
     with pytest.raises(errors.InvalidAdapter, match=label.replace("(", r"\(").replace(")", r"\)")):
-        staging.describe_file(path, "source x")
+        publishing.describe_file(path, "source x")

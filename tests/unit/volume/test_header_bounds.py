@@ -21,7 +21,7 @@ MIB = 1024 * 1024
 
 
 def check_as_staging_does(path: Path) -> description.Description:
-    """What the operator's store does with a download (staging.describe_file)."""
+    """What the operator's store does with a download (publishing.describe_file)."""
     return description.describe(files.read_safetensors_header(path, name="x"), name="x")
 
 
