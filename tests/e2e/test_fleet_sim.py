@@ -28,7 +28,10 @@ PODS, ADAPTERS, REQUESTS = 3, 20, 24
 
 @pytest.fixture(scope="module")
 def bench() -> ModuleType:
-    return bench_module("bench_fleet")
+    """The fleet bench's package: its parts are modules of `lora_bench.fleet` (objects, rounds,
+    simulated, ...), each an attribute of the package once imported."""
+    bench_module("lora_bench.fleet.cli")  # imports every part
+    return bench_module("lora_bench.fleet")
 
 
 @pytest.fixture
@@ -36,8 +39,9 @@ def namespace(
     devcluster: Harness, bench: ModuleType, monkeypatch: pytest.MonkeyPatch
 ) -> Iterator[str]:
     ns = f"fleet-sim-{uuid.uuid4().hex[:6]}"
-    # The bench's functions name the namespace through its global NS; put back after the test.
-    monkeypatch.setattr(bench, "NS", ns)
+    # The bench's functions name the namespace through one global, objects.NS; put back after
+    # the test.
+    monkeypatch.setattr(bench.objects, "NS", ns)
     try:
         yield ns
     finally:
@@ -70,12 +74,12 @@ def test_a_small_simulated_fleet_runs_every_route(
         loops=["closed", "open"],
         load_fraction=0.5,
     )
-    pods = bench.set_up(h, args, tmp_path)
+    pods = bench.rounds.set_up(h, args, tmp_path)
     for pod in pods:  # simulated pods say so
         models: Any = release.call(h, namespace, release.pod_target(pod), "/v1/models")
         assert models["data"][0]["simulated"] == "h200-sdxl-4step"
         assert len(models["data"]) == ADAPTERS + 1
-    cells = bench.measure_sim(h, pods, args)
+    cells = bench.simulated.measure_sim(h, pods, args)
     assert [(c.stream, c.loop) for c in cells] == [("zipf", "closed"), ("zipf", "open")]
     for cell in cells:
         assert set(cell.tallies) == {"round-robin", "least-queued", "router"}
@@ -93,7 +97,7 @@ def test_a_small_simulated_fleet_runs_every_route(
         assert set(cell.tallies["router"].routes) <= {r.value for r in Reason}
         assert set(cell.tallies["round-robin"].routes) == {"none"}
         assert set(cell.tallies["least-queued"].routes) == {"none"}
-    line = bench.sim_summary(cells)
+    line = bench.simulated.sim_summary(cells)
     assert line.startswith("fleet-sim: throughput router/round-robin 4step = ")
     # The no-miss bound is the profile's: 3 pods, one image per 0.345 s x 1.01.
     assert cells[0].bound == pytest.approx(PODS / (0.345 * 1.01), rel=1e-3)

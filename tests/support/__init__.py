@@ -27,7 +27,9 @@ ROOT = Path(__file__).resolve().parents[2]  # the checkout
 
 
 def bench_module(name: str) -> ModuleType:
-    """`bench/<name>.py` as a module (the scripts import each other by their bare names)."""
+    """`bench/<name>.py`, or a module of bench/'s packages (`lora_bench.fleet.tally`), imported
+    with bench/ on the path as when the scripts run (they import each other by their bare
+    names)."""
     sys.path.insert(0, str(ROOT / "bench"))
     try:
         return importlib.import_module(name)

@@ -1,5 +1,5 @@
-"""The fleet bench's own arithmetic (bench/bench_fleet.py): what it counts as a round's steady
-state, and the machine's CPU share over a round."""
+"""The fleet bench's own arithmetic (bench/bench_fleet.py; lora_bench.fleet.figures): what it counts
+as a round's steady state, and the machine's CPU share over a round."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from tests.support import bench_module
 
 @pytest.fixture(scope="module")
 def bench() -> ModuleType:
-    return bench_module("bench_fleet")
+    return bench_module("lora_bench.fleet.figures")
 
 
 def closed_loop_round(pods: int, in_flight: int, requests: int, call_s: float) -> dict[str, Any]:
