@@ -1,10 +1,14 @@
 """Reading an adapter file (any thread: touches no pipeline state): hashed, checked and converted
 into what the CPU tier caches (`backend.ParsedAdapter`), before the pipeline ever sees it.
 
-Low-rank modules become per-layer pairs with the setup diffusers and peft would give them
-(`formats`, `lycoris`), packed into one slot row; a merged-only file's whole-matrix modules become
-per-layer deltas (`merge_only`). NaN, Inf, shapes, ranks and names are checked here, so a file
-the pipeline would fail on is a 422 before any state changes.
+The file is read once, hashed as it arrives on a thread beside this one, and its tensors are
+views of the bytes read (`weightsfile`). Low-rank modules become per-layer pairs with the setup
+diffusers and peft would give them (`formats`, `lycoris`), packed straight into one slot row in
+the model's dtype (`slots.Slots.pack`); a plain LoRA file in the model's dtype is never copied
+before that, nor widened to float64 (LyCORIS factors are multiplied out in float64, exactly). A
+merged-only file's whole-matrix modules become per-layer deltas (`merge_only`). NaN, Inf, shapes,
+ranks and names are checked here, so a file the pipeline would fail on is a 422 before any state
+changes.
 
 Of the pipeline it reads only what `Model` declares (`pipeline.DiffusionBackend` is one), so it
 never imports the pipeline module, which calls it.
@@ -12,17 +16,15 @@ never imports the pipeline module, which calls it.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
-import safetensors.torch
 import torch
 from lora_volume import files
 from lora_volume.formats import Format
 
-from lora_inference import errors, formats, merge_only, merging
+from lora_inference import errors, formats, merge_only, merging, weightsfile
 from lora_inference.adapters import validation
 from lora_inference.backend import LayerKey, ParsedAdapter
 from lora_inference.slots import LayerWeights, Slots
@@ -47,18 +49,12 @@ class Model(Protocol):
 def parse_adapter(model: Model, path: Path, *, name: str, max_rank: int) -> ParsedAdapter:
     """`DiffusionBackend.parse_adapter`: read, hash, check and convert the adapter at `path`."""
     weights = files.find_weights_file(path)
-    data = weights.read_bytes()
-    header = files.parse_safetensors_header(data, len(data), name=weights.name)
-    try:
-        tensors = safetensors.torch.load(data)
-    except Exception as e:  # safetensors raises its own error types
-        raise errors.IncompatibleAdapter(
-            f"{weights.name} cannot be read as safetensors: {e}", param="lora_path"
-        ) from e
-    # safetensors returns the tensors in no fixed order, and diffusers breaks ties between
-    # equally common ranks and alphas by the order it meets them: sorted, a file always
-    # gets the same setup.
-    tensors = dict(sorted(tensors.items()))
+    # One pass over the bytes: hashed as they are read, on a thread of its own (`weightsfile`).
+    read = weightsfile.read(weights)
+    header = files.parse_safetensors_header(read.data, read.size, name=weights.name)
+    # Views of the bytes read, sorted by name: diffusers breaks ties between equally common
+    # ranks and alphas by the order it meets them, so a file always gets the same setup.
+    tensors = read.tensors(header)
     fmt = files.check_lora_keys(list(tensors), name=name)
     _check_finite(tensors, name=name, why="holds NaN or Inf values")
     full: dict[LayerKey, merging.FullLayer] = {}
@@ -76,8 +72,8 @@ def parse_adapter(model: Model, path: Path, *, name: str, max_rank: int) -> Pars
             param="lora_path",
         )
     return ParsedAdapter(
-        sha256=hashlib.sha256(data).hexdigest(),
-        size_bytes=len(data),
+        sha256=read.sha256(),
+        size_bytes=read.size,
         rank=rank,
         weights_file=weights,
         layers=layers,
@@ -136,17 +132,17 @@ def _pairs(
 def _check_finite(tensors: Mapping[str, torch.Tensor], *, name: str, why: str) -> None:
     """Refuse weights that would turn every image using them into NaN (pure).
 
-    A float64 sum is NaN or infinite exactly when some element is: no sum of float32 values can
-    overflow float64. One reduction per tensor instead of a boolean copy of it.
+    A tensor's smallest and largest elements are both finite exactly when all of its elements
+    are (NaN wins both): one reduction per tensor in its own dtype, with no boolean copy of it
+    and no conversion to float64.
     """
     for key, tensor in tensors.items():
-        if not tensor.is_floating_point():
+        if not tensor.is_floating_point() or tensor.numel() == 0:
             continue
-        if tensor.dtype == torch.float64:
-            finite = bool(torch.isfinite(tensor).all())
-        else:
-            finite = bool(torch.isfinite(tensor.sum(dtype=torch.float64)))
-        if not finite:
+        if tensor.element_size() == 1:  # float8: no reductions of its own
+            tensor = tensor.float()
+        low, high = torch.aminmax(tensor)
+        if not (bool(torch.isfinite(low)) and bool(torch.isfinite(high))):
             raise errors.IncompatibleAdapter(
                 f"adapter {name!r}: tensor {key!r} {why}; such weights would ruin every image "
                 "that uses the adapter. Re-export it from a healthy checkpoint",

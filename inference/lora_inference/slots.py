@@ -4,12 +4,14 @@ At start every Linear and Conv2d of the adaptable components gets room in one bu
 slots, in the model's dtype on its device: per layer `A [slots+1, r_max, fan_in]` and
 `B [slots+1, fan_out, r_max]`, where row 0 is a slot of zeros for base-model images. The buffer
 is laid out slot-major, then rank-major (`SlotLayout`): a slot's row is `r_max` planes, plane `i`
-holding row `i` of every layer's A and column `i` of every layer's B. So everything an adapter of
-rank r needs is the first r planes of a row, one contiguous range: it is packed once on the CPU
-into those planes (`pack`: each layer's scaling alpha / r folded into B, zeros where a layer's
-rank is lower), the CPU tier keeps only that, and putting it in a slot is one copy of it (and
-zeroing what a previous, larger occupant left beyond it), never a loop over layers. On a GPU the
-packed planes are pinned and the copy runs on a side stream, ordered before the call that uses
+holding row `i` of every layer's A and column `i` of every layer's B, the layers adapters target
+most first (attention projections). So everything an adapter of rank r needs is the first r
+planes of a row, each cut to the prefix its layers' rooms lie in (its extent): it is packed once
+on the CPU into those (`pack`: each layer's scaling alpha / r folded into B, zeros where a layer's
+rank is lower or a layer in the prefix is not its), the CPU tier keeps only that, and putting it
+in a slot is one copy of it (strided where the extent is not the whole plane), and zeroing what a
+previous occupant left outside it, never a loop over layers. On a GPU the planes are packed
+straight into pinned memory and the copy runs on a side stream, ordered before the call that uses
 them.
 
 A call sets which slot each image uses (`call`): forward hooks on the base layers add each
@@ -35,6 +37,7 @@ from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -144,7 +147,8 @@ class Slots:
             self._b[key] = self._rows.as_strided(
                 (count + 1, room.fan_out, max_rank), (row, 1, plane), room.b_offset
             )
-        self._planes = [0] * (count + 1)  # per row: the planes its occupant filled
+        # Per row: the planes its occupant filled, and the prefix of each (`pack`).
+        self._filled = [(0, 0)] * (count + 1)
         self._index: dict[str, int] = {}  # slot name -> row
         self._free = list(range(count, 0, -1))
         self._held: dict[str, dict[LayerKey, int]] = {}  # slot name -> rank per targeted layer
@@ -165,17 +169,17 @@ class Slots:
     # -- packing (any thread) -------------------------------------------------------------------
 
     def pack(self, layers: Mapping[LayerKey, LayerWeights]) -> torch.Tensor:
-        """The first r planes of a slot row holding `layers` (r: their largest rank), on the
-        CPU, pinned for a GPU.
+        """`layers` as the first r planes of a slot row, each cut to the prefix their rooms
+        lie in: (r, extent) on the CPU (r: their largest rank), pinned for a GPU.
 
         Raises ValueError for a layer this pipeline lacks, a rank above the slots' maximum, or
         matrices whose shapes do not fit the layer; the caller refuses such an adapter.
         """
-        r_max, plane = self.layout.max_rank, self.layout.plane_elements
+        r_max = self.layout.max_rank
         rank = max((w.rank for w in layers.values()), default=0)
         if rank > r_max:
             raise ValueError(f"rank {rank} is above the slots' --max-lora-rank {r_max}")
-        planes = torch.zeros(rank, plane, dtype=self.dtype)
+        pairs = []
         for key, weights in layers.items():
             room = self.layout.rooms.get(key)
             if room is None:
@@ -192,18 +196,37 @@ class Slots:
                     f"{room.fan_out} out"
                 )
             self._terms.check(key, weights)
-            a = planes[: weights.rank, room.a_offset : room.a_offset + room.fan_in]
-            b = planes[: weights.rank, room.b_offset : room.b_offset + room.fan_out]
-            a.copy_(down)
-            b.copy_((up.to(torch.float64) * weights.scaling).T)
-        flat = planes.reshape(-1)
-        return flat.pin_memory() if self.pinned else flat
+            pairs.append((room, down, up, weights.scaling))
+        extent = self.layout.extent(layers)
+        planes = self._zeroed(rank * extent).view(rank, extent)
+        for room, down, up, scaling in pairs:
+            r = down.shape[0]
+            # Straight into the planes in the slots' dtype: B x scaling in one rounding, as
+            # peft scales its branch in the model's dtype.
+            planes[:r, room.a_offset : room.a_offset + room.fan_in].copy_(down)
+            torch.mul(up.T, scaling, out=planes[:r, room.b_offset : room.b_offset + room.fan_out])
+        return planes
+
+    def _zeroed(self, elements: int) -> torch.Tensor:
+        """Zeros for `elements` in the slots' dtype on the CPU, written into by `pack`.
+
+        Pinned for a GPU (the copy into a slot reads them asynchronously). Elsewhere from numpy,
+        whose large blocks are the kernel's untouched zero pages, in huge pages where it may:
+        the parts of a row an adapter leaves at zero cost no write, and the rest a fault per
+        2 MiB instead of one per 4 KiB (torch.zeros writes every byte of fresh pages).
+        """
+        if self.pinned:
+            return torch.zeros(elements, dtype=self.dtype, pin_memory=True)
+        if elements == 0:  # a merged-only adapter of whole matrices alone
+            return torch.zeros(0, dtype=self.dtype)
+        raw = np.zeros(elements * self.dtype.itemsize, dtype=np.uint8)
+        return torch.from_numpy(raw).view(self.dtype)
 
     def unpack(
         self, packed: torch.Tensor, ranks: Mapping[LayerKey, int]
     ) -> dict[LayerKey, tuple[torch.Tensor, torch.Tensor]]:
         """Per layer of `ranks`, (A, B x scaling) as `pack` laid them out: for tests."""
-        planes = packed.view(-1, self.layout.plane_elements)
+        planes = packed
         out = {}
         for key, rank in ranks.items():
             room = self.layout.rooms[key]
@@ -222,8 +245,10 @@ class Slots:
     ) -> None:
         """Put an adapter (`layers`, packed by `pack`) into `slot`, replacing what it held.
 
-        One copy of the packed row. On any failure the slot is left empty; other slots and the
-        base layers are untouched either way.
+        One copy of the packed planes into the first planes of the slot's row (each plane cut
+        to their extent: a strided copy when that is not all of it), and zeros over what a
+        previous occupant left outside them. On any failure the slot is left empty; other slots
+        and the base layers are untouched either way.
         """
         index = self._index.get(slot)
         if index is None:
@@ -234,20 +259,22 @@ class Slots:
         self._held.pop(slot, None)
         try:
             planes = self.pack(layers) if packed is None else packed
-            filled = planes.numel()
-            left = self._planes[index] * self.layout.plane_elements
-            row = self._rows[index]
+            rank, extent = planes.shape
+            old_rank, old_extent = self._filled[index]
+            # Until the copy is done, what may be nonzero is the larger of the two (`clear`).
+            self._filled[index] = (max(rank, old_rank), max(extent, old_extent))
+            row = self._rows[index].view(self.layout.max_rank, self.layout.plane_elements)
             if self._stream is not None:
                 # A side stream, so the copy overlaps work already queued; the call waits for it.
                 self._stream.wait_stream(torch.cuda.current_stream(self.device))
                 with torch.cuda.stream(self._stream):
-                    row[:filled].copy_(planes, non_blocking=True)
-                    row[filled:left].zero_()  # what a larger occupant left beyond these planes
+                    row[:rank, :extent].copy_(planes, non_blocking=True)
+                    _zero_outside(row, (rank, extent), (old_rank, old_extent))
                 torch.cuda.current_stream(self.device).wait_stream(self._stream)
             else:
-                row[:filled].copy_(planes)
-                row[filled:left].zero_()
-            self._planes[index] = filled // self.layout.plane_elements
+                row[:rank, :extent].copy_(planes)
+                _zero_outside(row, (rank, extent), (old_rank, old_extent))
+            self._filled[index] = (rank, extent)
             with_terms = self._terms.place(index, layers)
         except BaseException:
             self.clear(slot)
@@ -263,9 +290,11 @@ class Slots:
         self._with_terms.pop(slot, None)
         index = self._index.pop(slot, None)
         if index is not None:
-            self._rows[index].zero_()
+            rank, extent = self._filled[index]
+            row = self._rows[index].view(self.layout.max_rank, self.layout.plane_elements)
+            row[:rank, :extent].zero_()
             self._terms.clear(index)
-            self._planes[index] = 0
+            self._filled[index] = (0, 0)
             self._free.append(index)
 
     def held(self) -> set[str]:
@@ -422,6 +451,16 @@ def _conv_branch(
     weights_b = b[index].reshape(-1, rank, 1, 1)
     out = F.conv2d(inner.reshape(1, rows * rank, *inner.shape[2:]), weights_b, groups=rows)
     return out.view(rows, -1, *out.shape[2:])
+
+
+def _zero_outside(row: torch.Tensor, new: tuple[int, int], old: tuple[int, int]) -> None:
+    """Zero what the previous occupant of `row` (viewed as planes) filled, `old` planes of an
+    `old` prefix each, outside the `new` occupant's."""
+    (rank, extent), (old_rank, old_extent) = new, old
+    if old_extent > extent:
+        row[: min(rank, old_rank), extent:old_extent].zero_()
+    if old_rank > rank:
+        row[rank:old_rank, :old_extent].zero_()
 
 
 def _plain_conv(module: torch.nn.Conv2d) -> bool:

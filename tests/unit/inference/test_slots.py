@@ -124,8 +124,9 @@ def test_the_packed_layout_round_trips_every_layer_and_a_refill_touches_no_other
         for key, weights in adapter.layers.items():
             down, up = rows[key]
             assert torch.equal(down, weights.down.reshape(weights.rank, -1).to(slots.dtype))
-            scaled = weights.up.reshape(weights.up.shape[0], -1).double() * weights.scaling
-            assert torch.equal(up, scaled.to(slots.dtype))
+            # B x scaling in the slots' dtype, one rounding, as peft scales its branch.
+            scaled = weights.up.reshape(weights.up.shape[0], -1).to(slots.dtype) * weights.scaling
+            assert torch.equal(up, scaled)
         # Everything else in the row is zero: a copy overwrites the previous occupant entirely.
         assert adapter.packed.count_nonzero() == sum(
             w.down.count_nonzero() + w.up.count_nonzero() for w in adapter.layers.values()
@@ -183,6 +184,51 @@ def test_an_adapter_packs_into_as_many_planes_as_its_rank_and_a_refill_clears_th
     with slots.call(["s", None], {"s": 1.0}):  # mixed: the gathered pass runs at rank R_MAX
         got = layers["linear"](x)
     torch.testing.assert_close(got[:1], want[:1], rtol=0, atol=1e-10)
+
+
+def test_attention_layers_come_first_so_an_attention_adapter_packs_into_a_prefix() -> None:
+    """`to_q` (attention) leads each plane whatever the model's order, then Linear layers, then
+    the 3x3 Conv2d: an adapter of `to_q` alone packs into the prefix of each plane that holds
+    it. Copied into a slot a wider and deeper adapter held, and gathered in a call beside an
+    adapter of the conv, it leaves nothing of the old occupant behind, in any layer."""
+    torch.manual_seed(0)
+    layers = torch.nn.ModuleDict(
+        {
+            "conv": torch.nn.Conv2d(6, 5, 3, stride=2, padding=1, dtype=torch.float64),
+            "linear": torch.nn.Linear(16, 12, dtype=torch.float64),
+            "to_q": torch.nn.Linear(16, 12, dtype=torch.float64),
+        }
+    )
+    slots = Slots({"probe": layers}, count=3, max_rank=R_MAX)
+    rooms = slots.layout.rooms
+    assert rooms[("probe", "to_q")].a_offset == 0
+    assert rooms[("probe", "to_q")].b_offset < rooms[("probe", "linear")].a_offset
+    assert rooms[("probe", "linear")].b_offset < rooms[("probe", "conv")].a_offset
+    keys = {n: ("probe", n) for n in layers}
+    wide = {keys[n]: random_weights(layers[n], R_MAX, alpha=4) for n in layers}
+    narrow = {keys["to_q"]: random_weights(layers["to_q"], 2, alpha=1)}
+    other = {keys[n]: random_weights(layers[n], 3, alpha=3) for n in ("conv", "linear")}
+    packed = slots.pack(narrow)
+    assert tuple(packed.shape) == (2, 16 + 12)  # to_q's room only
+    slots.place("s", wide)
+    slots.place("s", narrow, packed)
+    slots.place("o", other)
+    x = {"conv": torch.randn(2, 6, 9, 9, dtype=torch.float64)}
+    x["linear"] = x["to_q"] = torch.randn(2, 16, dtype=torch.float64)
+    with slots.call(["s", "o"], {"s": 1.0, "o": 1.0}):  # every layer runs the gathered pass
+        got = {n: layers[n](x[n]) for n in layers}
+    for name in layers:
+        owned = narrow.get(keys[name])
+        want = layers[name](x[name][:1])
+        if owned is not None:
+            want = by_definition(layers[name], x[name][:1], owned, 1.0)
+        torch.testing.assert_close(got[name][:1], want, rtol=0, atol=1e-10)
+    slots.place("s", wide)
+    slots.clear("s")
+    slots.place("t", narrow)  # takes the row "s" left: all zeros again
+    base = layers["conv"](x["conv"][:1])
+    with slots.call(["t", "o"], {"t": 1.0, "o": 1.0}):
+        assert torch.equal(layers["conv"](x["conv"])[:1], base)
 
 
 def test_slots_are_a_fixed_number_and_a_cleared_one_is_reused() -> None:
