@@ -16,8 +16,8 @@ the second of two concurrent loads of a name sees the first one's record; other 
 wait for it.
 
 It must not touch the pipeline, the tiers or the queue: a new version goes to residency, which
-keeps its parse and makes a pinned one resident, and the worker learns of admissions in progress
-only through `arriving`, `arrived` and `mean_s`.
+keeps its parse and makes a pinned one resident. The worker knows nothing of admissions in
+progress: a request reaches the queue once its adapter is read, and no batch waits for it.
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ import contextlib
 import dataclasses
 import hashlib
 import logging
-import time
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
@@ -66,11 +65,6 @@ class Admission:
         self._stacks: dict[tuple[tuple[str, int, float, stacks.Blocks], ...], AdapterRecord] = {}
         self._name_locks: dict[str, asyncio.Lock] = {}
         self._name_users: collections.Counter[str] = collections.Counter()
-        # Requests between arriving and reaching the queue because their adapter is being
-        # registered (read and checked); a batch that is not full waits a little for them.
-        self.arriving = 0
-        self.arrived = asyncio.Event()
-        self.mean_s = 0.05  # a running mean of admissions, seeded with a typical small parse
 
     # -- the admin API and --lora ---------------------------------------------------------------
 
@@ -204,8 +198,7 @@ class Admission:
                 param=param,
             )
         try:
-            async with self._arriving():
-                return await self.register(name, found, origin="resolver")
+            return await self.register(name, found, origin="resolver")
         except errors.AdapterConflict:
             # Another request resolved the same name first.
             record = self._registry.get(name)
@@ -228,8 +221,7 @@ class Admission:
         existing = self._registry.get(name)
         if plan_register(existing, "request", resolved) == "reuse" and existing is not None:
             return existing
-        async with self._arriving():
-            return await self.register(name, resolved, origin="request")
+        return await self.register(name, resolved, origin="request")
 
     async def resolve_stack(self, members: Sequence[StackMember]) -> AdapterRecord:
         """One record for adapters a request stacks (`lora` as a list), built on first use.
@@ -255,11 +247,10 @@ class Admission:
             found = self._stacks.get(key)
             if found is not None:
                 return found
-            async with self._arriving():
-                parts = [await self._residency.parse(record) for record, _ in weighed]
-                parsed = await self._reader.compose(
-                    weighed, parts, blocks=[blocks for _, _, blocks in resolved]
-                )
+            parts = [await self._residency.parse(record) for record, _ in weighed]
+            parsed = await self._reader.compose(
+                weighed, parts, blocks=[blocks for _, _, blocks in resolved]
+            )
             stack = new_record(name, weighed[0][0].path, parsed, origin="stack", members=weighed)
             self._residency.add(stack, parsed)
             self._stacks[key] = stack
@@ -360,15 +351,3 @@ class Admission:
             if self._name_users[name] <= 0:
                 del self._name_users[name]
                 del self._name_locks[name]
-
-    @contextlib.asynccontextmanager
-    async def _arriving(self) -> AsyncIterator[None]:
-        """Count a request whose adapter is being registered until it can be queued."""
-        self.arriving += 1
-        started = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.arriving -= 1
-            self.mean_s += 0.2 * (time.perf_counter() - started - self.mean_s)
-            self.arrived.set()

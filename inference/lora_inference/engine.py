@@ -209,6 +209,8 @@ class Engine:
             self.registry.record_hit(record.name)
         self._queue.append(pending)
         self.metrics.queue_depth.set(len(self._queue))
+        # Read now if it must be read: while a batch runs, the worker is not there to start it.
+        self.residency.prefetch(self._to_read())
         self._wake.set()
         return await pending.future
 
@@ -225,8 +227,6 @@ class Engine:
                 self._idle.set()
 
     async def _drain(self) -> None:
-        loop = asyncio.get_running_loop()
-        hold_until: float | None = None
         while True:
             await self.residency.collect()
             self._drop_gone()
@@ -243,24 +243,11 @@ class Engine:
                 max_adapters=max(1, self.config.max_loras - len(pinned)),
                 pinned=pinned,
             )
+            # Planned from what is ready now: a request whose adapter is still being read for
+            # its first use (in admission, or ahead of it here) joins a later batch; this one
+            # never waits for it.
             if plan is None:
                 return
-            hold = scheduling.fill_wait(
-                sum(ready[i].images for i in plan.members),
-                self.config.max_batch_size,
-                self.admission.arriving,
-                self.admission.mean_s,
-            )
-            if hold > 0:
-                hold_until = hold_until or loop.time() + hold
-                if loop.time() < hold_until:
-                    self.admission.arrived.clear()
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(
-                            self.admission.arrived.wait(), hold_until - loop.time()
-                        )
-                    continue
-            hold_until = None
             if plan.skipped_head:
                 ready[0].skipped += 1
             batch = [ready[i] for i in plan.members]

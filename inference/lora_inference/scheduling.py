@@ -10,7 +10,9 @@ A merged-only adapter (LoKr with a full w2, `.diff` files, kohya DoRA: `BatchKey
 merged whole into the base weights for its call, so its batches hold its own requests only: no
 other adapter and no base-model image ever shares one (`_may_join`).
 
-A batch that is not full waits briefly for requests still being admitted (`fill_wait`).
+A batch is planned from the requests queued now; one that is not full never waits for a request
+still being admitted (its adapter read for its first use): on a GPU a call costs about its images'
+time, so a place left free costs less than holding every image of the batch for a read.
 
 The oldest request normally anchors the next batch. To save adapter loads, a request whose adapter
 is already resident may anchor instead, but the oldest request can be passed over at most
@@ -133,17 +135,3 @@ def _costs_nothing(adapter: str | None, resident: Collection[str], batch: Collec
 def adapters_wanted(queue: Sequence[Queued]) -> set[str]:
     """Adapters that queued requests will need: evicted last."""
     return {item.key.adapter for item in queue if item.key.adapter is not None}
-
-
-def fill_wait(planned_images: int, max_images: int, admitting: int, admission_s: float) -> float:
-    """Seconds to hold a batch that is not full while requests are still being admitted.
-
-    A request for an adapter the server has not seen spends a parse (tens to hundreds of
-    milliseconds) before it reaches the queue; a batch that starts without it runs with a free
-    place while the request waits a whole call. A call costs little more with one more image, so
-    holding the batch for about one admission pays whenever an admission is short next to a
-    call. Held at most twice the typical admission, so no batch waits on a slow one.
-    """
-    if admitting <= 0 or planned_images >= max_images:
-        return 0.0
-    return 2.0 * admission_s

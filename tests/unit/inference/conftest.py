@@ -13,6 +13,7 @@ import contextlib
 import functools
 import io
 import shutil
+import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -175,6 +176,38 @@ def publish(root: Path, name: str, adapter: Path, target: Target | None = None) 
     if target is not None:
         (root / name / "target.json").write_text(target.to_json())
     (root / name / "current").symlink_to("revisions/" + "0" * 64)
+
+
+STALL_S = 10.0  # how long a stalled read waits at most if the test never lets it go
+
+
+class Stall:
+    """Wraps a function so that calls for one path block their thread until `release()`."""
+
+    def __init__(self, real: Callable[..., Any], stalled: Callable[[Any], bool]) -> None:
+        self._real = real
+        self._stalled = stalled
+        self.started = threading.Event()
+        self.finished = threading.Event()
+        self._released = threading.Event()
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not self._stalled(args):
+            return self._real(*args, **kwargs)
+        self.started.set()
+        self._released.wait(STALL_S)
+        try:
+            return self._real(*args, **kwargs)
+        finally:
+            self.finished.set()
+
+    def release(self) -> None:
+        self._released.set()
+
+    async def wait_started(self) -> None:
+        async with asyncio.timeout(2 * STALL_S):  # longer than a stall, so a blocked loop
+            while not self.started.is_set():  # fails on the assertions below, saying why
+                await asyncio.sleep(0.005)
 
 
 def decode(b64: str) -> np.ndarray:

@@ -8,46 +8,14 @@ engine once did, it would stall every answer until its timeout, and these tests 
 from __future__ import annotations
 
 import asyncio
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from lora_volume import files, layout
 
-from tests.unit.inference.conftest import Assets, Server, publish
-
-STALL_S = 10.0  # how long a stalled read waits at most if the test never lets it go
-
-
-class Stall:
-    """Wraps a function so that calls for one path block their thread until `release()`."""
-
-    def __init__(self, real: Callable[..., Any], stalled: Callable[[Any], bool]) -> None:
-        self._real = real
-        self._stalled = stalled
-        self.started = threading.Event()
-        self.finished = threading.Event()
-        self._released = threading.Event()
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if not self._stalled(args):
-            return self._real(*args, **kwargs)
-        self.started.set()
-        self._released.wait(STALL_S)
-        try:
-            return self._real(*args, **kwargs)
-        finally:
-            self.finished.set()
-
-    def release(self) -> None:
-        self._released.set()
-
-    async def wait_started(self) -> None:
-        async with asyncio.timeout(2 * STALL_S):  # longer than a stall, so a blocked loop
-            while not self.started.is_set():  # fails on the assertions below, saying why
-                await asyncio.sleep(0.005)
+from tests.unit.inference.conftest import Assets, Server, Stall, publish
 
 
 @pytest.fixture
@@ -136,31 +104,6 @@ async def test_a_stalled_read_of_one_name_does_not_hold_up_another(
         stalled_config_read.release()
     await slow
     assert {r.name for r in server.engine.registry.records()} == {"slow", "other"}
-
-
-async def test_a_first_use_is_read_while_batches_of_resident_adapters_run(
-    start_server: Any, assets: Assets, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """`a` was dropped from the CPU tier, so its next request reads the file again; while that
-    read is stalled, a request for `b`, resident in the GPU slot, is answered."""
-    server = await start_server(max_loras=1, max_cpu_loras=1, max_batch_size=1)
-    await server.load("a", assets.adapter_a)
-    await server.load("b", assets.adapter_b)  # the CPU tier holds one parse: a's goes
-    await server.image(model="b")  # b takes the GPU slot
-    backend = server.engine.backend
-    stall = Stall(
-        backend.parse_adapter, lambda args: Path(args[0]).resolve() == assets.adapter_a.resolve()
-    )
-    monkeypatch.setattr(backend, "parse_adapter", stall)
-    first_use = asyncio.create_task(server.image(model="a"))
-    try:
-        await stall.wait_started()
-        await server.image(model="b")
-        assert not stall.finished.is_set(), "b waited for a's file to be read"
-    finally:
-        stall.release()
-    await first_use
-    assert server.engine.residency.tier_of(server.engine.registry.get("a")) == "gpu"
 
 
 async def test_a_file_changed_since_its_load_is_reported_not_waited_for(

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from lora_inference.scheduling import BatchKey, adapters_wanted, fill_wait, plan_next_batch
+from lora_inference.scheduling import BatchKey, adapters_wanted, plan_next_batch
 
 
 @dataclass
@@ -125,20 +125,6 @@ def test_every_request_is_served_within_the_bound(
     for ident, batch_number in served.items():
         assert batch_number <= (positions[ident] + 1) * (max_skips + 1)
     assert len(served) == len(adapters)
-
-
-@pytest.mark.parametrize(
-    ("planned", "admitting", "expected"),
-    [
-        pytest.param(2, 1, 0.2, id="room-and-an-admission"),
-        pytest.param(4, 1, 0.0, id="full"),
-        pytest.param(2, 0, 0.0, id="nobody-coming"),
-    ],
-)
-def test_a_batch_with_room_waits_about_one_admission_for_requests_on_their_way(
-    planned: int, admitting: int, expected: float
-) -> None:
-    assert fill_wait(planned, 4, admitting, admission_s=0.1) == pytest.approx(expected)
 
 
 def alone(adapter: str, scale: float = 1.0) -> BatchKey:
