@@ -18,7 +18,8 @@ import torch
 from lora_inference import costs, formats
 from lora_inference.adapters import validation
 from lora_inference.backend import LayerKey
-from lora_inference.slots import LayerWeights, Slots
+from lora_inference.slot_packing import LayerWeights
+from lora_inference.slots import Slots
 
 
 def measure_rows(

@@ -44,7 +44,7 @@ from peft.utils.other import get_pattern_key
 from lora_inference import errors, lycoris
 from lora_inference.adapters import validation
 from lora_inference.backend import LayerKey
-from lora_inference.slots import LayerWeights
+from lora_inference.slot_packing import LayerWeights
 
 DENOISERS = ("unet", "transformer")
 # diffusers derives a text encoder's ranks from these modules only (_load_lora_into_text_encoder).

@@ -27,7 +27,7 @@ from lora_inference.backend import LayerKey
 
 
 class Weights(Protocol):
-    """The parts of `slots.LayerWeights` used here."""
+    """The parts of `slot_packing.LayerWeights` used here."""
 
     @property
     def bias(self) -> torch.Tensor | None: ...

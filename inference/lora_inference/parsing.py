@@ -27,7 +27,8 @@ from lora_volume.formats import Format
 from lora_inference import errors, formats, merge_only, merging, weightsfile
 from lora_inference.adapters import validation
 from lora_inference.backend import LayerKey, ParsedAdapter
-from lora_inference.slots import LayerWeights, Slots
+from lora_inference.slot_packing import LayerWeights
+from lora_inference.slots import Slots
 
 
 class Model(Protocol):

@@ -39,7 +39,8 @@ from lora_inference.adapters import validation
 from lora_inference.backend import BatchOutcome, ImageJob, LayerKey, ParsedAdapter, StackMember
 from lora_inference.config import ServerConfig
 from lora_inference.costs import MergePolicy
-from lora_inference.slots import LayerWeights, Slots
+from lora_inference.slot_packing import LayerWeights
+from lora_inference.slots import Slots
 
 __all__ = ["Calibration", "DiffusionBackend", "default_device", "load_backend", "resolve_dtype"]
 

@@ -7,12 +7,12 @@ is laid out slot-major, then rank-major (`SlotLayout`): a slot's row is `r_max` 
 holding row `i` of every layer's A and column `i` of every layer's B, the layers adapters target
 most first (attention projections). So everything an adapter of rank r needs is the first r
 planes of a row, each cut to the prefix its layers' rooms lie in (its extent): it is packed once
-on the CPU into those (`pack`: each layer's scaling alpha / r folded into B, zeros where a layer's
-rank is lower or a layer in the prefix is not its), the CPU tier keeps only that, and putting it
-in a slot is one copy of it (strided where the extent is not the whole plane), and zeroing what a
-previous occupant left outside it, never a loop over layers. On a GPU the planes are packed
-straight into pinned memory and the copy runs on a side stream, ordered before the call that uses
-them.
+on the CPU into those (`slot_packing.pack`: each layer's scaling alpha / r folded into B, zeros
+where a layer's rank is lower or a layer in the prefix is not its), the CPU tier keeps only that,
+and putting it in a slot is one copy of it (strided where the extent is not the whole plane), and
+zeroing what a previous occupant left outside it, never a loop over layers. On a GPU the planes
+are packed straight into pinned memory and the copy runs on a side stream, ordered before the
+call that uses them.
 
 A call sets which slot each image uses (`call`): forward hooks on the base layers add each
 image's branch, `scale x B @ A @ x`, in one pass per layer whatever the number of adapters: the
@@ -32,43 +32,19 @@ is thread-safe. Imports torch, never diffusers or peft.
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
-from lora_inference import merging, output_terms
+from lora_inference import merging, output_terms, slot_packing
 from lora_inference.backend import LayerKey
 from lora_inference.slot_layout import SlotLayout
+from lora_inference.slot_packing import LayerWeights
 
-__all__ = ["LayerKey", "LayerWeights", "SlotLayout", "Slots"]
-
-
-@dataclass(frozen=True)
-class LayerWeights:
-    """One layer of an adapter: its two matrices and the setup peft would give them."""
-
-    down: torch.Tensor  # lora_A weight: (rank, fan_in) or, for a Conv2d, (rank, in, kh, kw)
-    up: torch.Tensor  # lora_B weight: (fan_out, rank) or (fan_out, rank, 1, 1)
-    alpha: float
-    rslora: bool
-    # lora_B's bias (fan_out,), when the adapter trained one (peft's lora_bias): scaled like B.
-    bias: torch.Tensor | None = None
-    # DoRA's magnitude per output row (peft's lora_magnitude_vector), when it is one.
-    magnitude: torch.Tensor | None = None
-
-    @property
-    def rank(self) -> int:
-        return int(self.down.shape[0])
-
-    @property
-    def scaling(self) -> float:
-        """alpha / r (alpha / sqrt(r) with rsLoRA): peft's factor on the branch at scale 1."""
-        return self.alpha / (math.sqrt(self.rank) if self.rslora else self.rank)
+__all__ = ["LayerKey", "SlotLayout", "Slots"]
 
 
 @dataclass
@@ -169,71 +145,10 @@ class Slots:
     # -- packing (any thread) -------------------------------------------------------------------
 
     def pack(self, layers: Mapping[LayerKey, LayerWeights]) -> torch.Tensor:
-        """`layers` as the first r planes of a slot row, each cut to the prefix their rooms
-        lie in: (r, extent) on the CPU (r: their largest rank), pinned for a GPU.
-
-        Raises ValueError for a layer this pipeline lacks, a rank above the slots' maximum, or
-        matrices whose shapes do not fit the layer; the caller refuses such an adapter.
-        """
-        r_max = self.layout.max_rank
-        rank = max((w.rank for w in layers.values()), default=0)
-        if rank > r_max:
-            raise ValueError(f"rank {rank} is above the slots' --max-lora-rank {r_max}")
-        pairs = []
-        for key, weights in layers.items():
-            room = self.layout.rooms.get(key)
-            if room is None:
-                raise ValueError(f"{key[0]}.{key[1]} is not a Linear or Conv2d of this model")
-            down = weights.down.reshape(weights.rank, -1)
-            up = weights.up.reshape(weights.up.shape[0], -1)
-            if tuple(down.shape) != (weights.rank, room.fan_in) or tuple(up.shape) != (
-                room.fan_out,
-                weights.rank,
-            ):
-                raise ValueError(
-                    f"{key[0]}.{key[1]}: A {tuple(weights.down.shape)} and B "
-                    f"{tuple(weights.up.shape)} do not fit a layer of {room.fan_in} in and "
-                    f"{room.fan_out} out"
-                )
-            self._terms.check(key, weights)
-            pairs.append((room, down, up, weights.scaling))
-        extent = self.layout.extent(layers)
-        planes = self._zeroed(rank * extent).view(rank, extent)
-        for room, down, up, scaling in pairs:
-            r = down.shape[0]
-            # Straight into the planes in the slots' dtype: B x scaling in one rounding, as
-            # peft scales its branch in the model's dtype.
-            planes[:r, room.a_offset : room.a_offset + room.fan_in].copy_(down)
-            torch.mul(up.T, scaling, out=planes[:r, room.b_offset : room.b_offset + room.fan_out])
-        return planes
-
-    def _zeroed(self, elements: int) -> torch.Tensor:
-        """Zeros for `elements` in the slots' dtype on the CPU, written into by `pack`.
-
-        Pinned for a GPU (the copy into a slot reads them asynchronously). Elsewhere from numpy,
-        whose large blocks are the kernel's untouched zero pages, in huge pages where it may:
-        the parts of a row an adapter leaves at zero cost no write, and the rest a fault per
-        2 MiB instead of one per 4 KiB (torch.zeros writes every byte of fresh pages).
-        """
-        if self.pinned:
-            return torch.zeros(elements, dtype=self.dtype, pin_memory=True)
-        if elements == 0:  # a merged-only adapter of whole matrices alone
-            return torch.zeros(0, dtype=self.dtype)
-        raw = np.zeros(elements * self.dtype.itemsize, dtype=np.uint8)
-        return torch.from_numpy(raw).view(self.dtype)
-
-    def unpack(
-        self, packed: torch.Tensor, ranks: Mapping[LayerKey, int]
-    ) -> dict[LayerKey, tuple[torch.Tensor, torch.Tensor]]:
-        """Per layer of `ranks`, (A, B x scaling) as `pack` laid them out: for tests."""
-        planes = packed
-        out = {}
-        for key, rank in ranks.items():
-            room = self.layout.rooms[key]
-            a = planes[:rank, room.a_offset : room.a_offset + room.fan_in]
-            b = planes[:rank, room.b_offset : room.b_offset + room.fan_out].T
-            out[key] = (a, b)
-        return out
+        """`layers` packed into this buffer's layout (`slot_packing.pack`)."""
+        return slot_packing.pack(
+            self.layout, layers, dtype=self.dtype, pinned=self.pinned, check=self._terms.check
+        )
 
     # -- placing (pipeline thread) --------------------------------------------------------------
 

@@ -24,7 +24,7 @@ from lora_volume.stacks import Blocks
 
 from lora_inference import errors
 from lora_inference.backend import LayerKey
-from lora_inference.slots import LayerWeights
+from lora_inference.slot_packing import LayerWeights
 from lora_inference.stackkeys import multiplier
 
 # At most this many conflicting layers are named in an error; the rest are counted.

@@ -13,9 +13,11 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from lora_inference import slot_packing
 from lora_inference.backend import ImageJob, ParsedAdapter
 from lora_inference.pipeline import DiffusionBackend
-from lora_inference.slots import LayerWeights, Slots
+from lora_inference.slot_packing import LayerWeights
+from lora_inference.slots import Slots
 
 from tests.unit.inference.conftest import Assets, BatchShape
 
@@ -120,7 +122,8 @@ def test_the_packed_layout_round_trips_every_layer_and_a_refill_touches_no_other
     slots = backend.slots
     a, b, k = parsed
     for adapter in parsed:
-        rows = slots.unpack(adapter.packed, {key: w.rank for key, w in adapter.layers.items()})
+        ranks = {key: w.rank for key, w in adapter.layers.items()}
+        rows = slot_packing.unpack(slots.layout, adapter.packed, ranks)
         for key, weights in adapter.layers.items():
             down, up = rows[key]
             assert torch.equal(down, weights.down.reshape(weights.rank, -1).to(slots.dtype))

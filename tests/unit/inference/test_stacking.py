@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 from lora_inference import errors, stacking
-from lora_inference.slots import LayerWeights
+from lora_inference.slot_packing import LayerWeights
 from lora_inference.stackkeys import stack_name, stack_sha256
 from lora_volume import errors as volume_errors
 from lora_volume import files, stacks
