@@ -104,10 +104,24 @@ def _flag_value(words: list[str], *names: str) -> str | None:
     return None
 
 
-def _helm_values_args(words: list[str]) -> list[str]:
+def _written_by(doc: Path) -> set[str]:
+    """The files the doc's own commands write (`> helm-values.yaml`), which a later block may
+    read: the checkout has none of them."""
+    return {
+        words[words.index(">") + 1]
+        for block in parse_blocks(doc, doc.read_text())
+        if block.lang == "sh"
+        for words in commands(block.text)
+        if ">" in words[:-1]
+    }
+
+
+def _helm_values_args(words: list[str], written: set[str]) -> list[str]:
     out, i = [], 0
     while i < len(words):
-        if words[i] in ("-f", "--values", "--set", "--set-string"):
+        if words[i] in ("-f", "--values") and i + 1 < len(words) and words[i + 1] in written:
+            i += 2  # values a backup wrote: the release's own, which a dry run has none of
+        elif words[i] in ("-f", "--values", "--set", "--set-string"):
             out += words[i : i + 2]
             i += 2
         else:
@@ -138,12 +152,14 @@ def _dry_run_command(h: Harness, page: Page, words: list[str], block: Block) -> 
                 # working tree's.
                 chart = "charts/lora-operator"
             assert _flag_value(words, "-n", "--namespace") == "lora", (block.id, words)
-            rendered = _render_chart(h, release, chart, _helm_values_args(words), ns)
+            values = _helm_values_args(words, _written_by(block.doc))
+            rendered = _render_chart(h, release, chart, values, ns)
             server_dry_run(h, ns, rendered)
             page.objects += _docs(rendered)
             page.releases.add(release)
-        else:  # test, uninstall: the release the block installed
-            assert words[2] in page.releases or not page.releases, (block.id, words)
+        else:  # test, uninstall, get values: the release the block installed
+            named = words[3] if verb == "get" else words[2]
+            assert named in page.releases or not page.releases, (block.id, words)
         return
     if words[0] != "kubectl":
         return  # curl, python3, buildah, make: they need the running release
