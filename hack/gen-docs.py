@@ -263,6 +263,9 @@ def rendered_rule() -> Obj:
             "metrics.serviceMonitor.enabled=true",
             "--set",
             "metrics.prometheusRule.enabled=true",
+            # The chart refuses to render without a registry; the rule names no image.
+            "--set",
+            "image.registry=registry.example.com",
         ],
         capture_output=True,
         text=True,

@@ -19,6 +19,7 @@ import shlex
 from pathlib import PurePosixPath
 from typing import Any
 
+from lora_devcluster.images import catalog
 from lora_volume import layout
 
 Obj = dict[str, Any]
@@ -35,6 +36,14 @@ VOLUME_ROOT = PurePosixPath("/var/lib/lora/adapters")  # the chart's default vol
 INFERENCE_LABELS = "app.kubernetes.io/component=inference"
 PROMPT = "a lighthouse on a cliff at dusk"
 DEMO_PROMPTS = ("a red circle", "a blue square", "a yellow triangle")  # what the demo model knows
+# The chart's images as `lora-devcluster up` imported them into the node, under the names
+# `make images` built them with (containerd spells Docker Hub's default out): never pulled, so
+# a node without them fails the pod instead of fetching a stranger's image of that name. The
+# chart has no default registry (`image.registry`), so every local install names them.
+LOCAL_IMAGES: dict[str, Obj] = {
+    role: {"repository": f"docker.io/{repository}", "pullPolicy": "Never"}
+    for role, (_, repository) in catalog.DOCKERFILE_IMAGES.items()
+}
 NON_ROOT = {
     "runAsNonRoot": True,
     "runAsUser": 65532,
@@ -168,16 +177,22 @@ def prepare_job(
 
 
 def local_values(namespace: str, *, replicas: int, model: str = MODEL_NAME) -> Obj:
-    """Chart values for a CPU cluster: `model` from its claim, small caches, fast probes,
-    the operator watching only `namespace`. The adapter volume is the chart's own claim from
-    the default StorageClass. The CRD is applied with kubectl (it belongs to no release)."""
+    """Chart values for a CPU cluster: the images imported into its node (LOCAL_IMAGES),
+    `model` from its claim, small caches, fast probes, the operator watching only `namespace`.
+    The adapter volume is the chart's own claim from the default StorageClass. The CRD is
+    applied with kubectl (it belongs to no release)."""
     return {
         "crds": {"enabled": False},
         # One node: ReadWriteOnce serves every pod, and every provisioner offers it (kind's
         # local-path offers nothing else).
         "adapterVolume": {"accessModes": ["ReadWriteOnce"]},
-        "operator": {"watchNamespaces": [namespace], "resyncSeconds": 5},
+        "operator": {
+            "image": dict(LOCAL_IMAGES["operator"]),
+            "watchNamespaces": [namespace],
+            "resyncSeconds": 5,
+        },
         "inference": {
+            "image": dict(LOCAL_IMAGES["inference"]),
             "replicas": replicas,
             "servedModelName": model,
             "model": {"existingClaim": MODEL_CLAIM, "path": str(MODELS_MOUNT / model)},

@@ -16,6 +16,7 @@ from tests.support.chart import (
     EXAMPLE_ADAPTERS,
     EXAMPLE_VALUES,
     FULLNAME,
+    REGISTRY_FLAGS,
     RELEASE,
     container,
     one,
@@ -57,7 +58,7 @@ def test_notes_show_the_next_commands(devcluster: Harness, devcluster_namespace:
     # The session's CRD was applied by kubectl, not helm: helm would refuse to adopt it.
     ns = devcluster_namespace
     argv = ["helm", "install", RELEASE, str(CHART), "-n", ns, "--dry-run=client"]
-    out = devcluster.run([*argv, "--set", "crds.enabled=false"])
+    out = devcluster.run([*argv, "--set", "crds.enabled=false", *REGISTRY_FLAGS])
     notes = out.split("NOTES:", 1)[1]
     assert f"kubectl -n {ns} apply -f -" in notes
     assert f"kubectl -n {ns} get lora" in notes

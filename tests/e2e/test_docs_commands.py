@@ -34,7 +34,14 @@ from lora_operator.rules import model
 
 from tests.support import ROOT
 from tests.support.chart import MONITORING_CRDS, in_cluster, server_dry_run
-from tests.support.docs import Block, commands, parse_blocks
+from tests.support.docs import (
+    MY_REGISTRY_VALUES,
+    Block,
+    commands,
+    helm_values_args,
+    parse_blocks,
+    written_by,
+)
 
 DOCS = [
     ROOT / "README.md",
@@ -104,31 +111,6 @@ def _flag_value(words: list[str], *names: str) -> str | None:
     return None
 
 
-def _written_by(doc: Path) -> set[str]:
-    """The files the doc's own commands write (`> helm-values.yaml`), which a later block may
-    read: the checkout has none of them."""
-    return {
-        words[words.index(">") + 1]
-        for block in parse_blocks(doc, doc.read_text())
-        if block.lang == "sh"
-        for words in commands(block.text)
-        if ">" in words[:-1]
-    }
-
-
-def _helm_values_args(words: list[str], written: set[str]) -> list[str]:
-    out, i = [], 0
-    while i < len(words):
-        if words[i] in ("-f", "--values") and i + 1 < len(words) and words[i + 1] in written:
-            i += 2  # values a backup wrote: the release's own, which a dry run has none of
-        elif words[i] in ("-f", "--values", "--set", "--set-string"):
-            out += words[i : i + 2]
-            i += 2
-        else:
-            i += 1
-    return out
-
-
 def _render_chart(h: Harness, release: str, chart: str, values: list[str], ns: str) -> str:
     argv = ["helm", "template", release, chart, "-n", ns, "--set", "crds.enabled=false"]
     proc = in_cluster(h, [*argv, *values])
@@ -152,7 +134,7 @@ def _dry_run_command(h: Harness, page: Page, words: list[str], block: Block) -> 
                 # working tree's.
                 chart = "charts/lora-operator"
             assert _flag_value(words, "-n", "--namespace") == "lora", (block.id, words)
-            values = _helm_values_args(words, _written_by(block.doc))
+            values = helm_values_args(words, written_by(block.doc))
             rendered = _render_chart(h, release, chart, values, ns)
             server_dry_run(h, ns, rendered)
             page.objects += _docs(rendered)
@@ -266,7 +248,7 @@ def test_dry_run_blocks(devcluster: Harness, lora_namespace: str, block: Block) 
                     devcluster,
                     "lora-operator",
                     "charts/lora-operator",
-                    ["-f", str(values)],
+                    ["-f", MY_REGISTRY_VALUES, "-f", str(values)],
                     lora_namespace,
                 )
             finally:

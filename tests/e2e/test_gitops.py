@@ -8,6 +8,7 @@ import base64
 from pathlib import Path
 
 import yaml
+from lora_demo import manifests
 from lora_devcluster.harness import Harness
 
 from tests.support.chart import CHART, FULLNAME, run_helm
@@ -26,7 +27,7 @@ def test_template_applied_twice_keeps_the_token(
     values = {
         "crds": {"enabled": False},  # the session's CRD (the crds fixture)
         "adapterVolume": {"accessModes": ["ReadWriteOnce"]},
-        "operator": {"watchNamespaces": [ns]},
+        "operator": {"watchNamespaces": [ns], "image": manifests.LOCAL_IMAGES["operator"]},
         "inference": {"enabled": False},
     }
     values_file = tmp_path / "values.yaml"

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from lora_demo import manifests
 from lora_devcluster import images
 from lora_devcluster import registry as registry_mod
 from lora_devcluster.harness import Harness
@@ -143,6 +144,7 @@ def test_make_push_and_chart_push_to_a_registry(
     assert yaml.safe_load(shown.stdout)["version"] == chart["version"]
     # Installing from the registry renders what the working tree renders.
     values = ["--set", f"operator.image.repository={dest}/operator"]
+    values += ["--set", f"inference.image.repository={dest}/inference"]
     from_registry = run_helm(
         helm, "template", "lora-operator", oci, "--version", chart["version"], "--plain-http",
         "-n", "lora", *values,
@@ -193,7 +195,8 @@ def test_the_chart_and_its_image_install_from_the_local_clusters_registry(
     # The kubelet keeps a record of what it pulled by image ID; a release naming the imported
     # image (same ID, as every other release of the suite does) must still start without a
     # registry behind that name: its hook Job and operator run.
-    del operator["image"]
+    local_image = manifests.LOCAL_IMAGES["operator"]["repository"]
+    operator["image"] = {"repository": local_image, "pullPolicy": "IfNotPresent"}
     (tmp_path / "values.yaml").write_text(yaml.safe_dump(values))
     local = ["helm", "install", "lora-operator", str(CHART), "-n", ns]
     local += ["-f", str(tmp_path / "values.yaml"), "--wait", "--timeout", "2m"]

@@ -410,6 +410,13 @@ def test_helm_upgrade_from_the_last_release_under_traffic(
     values = manifests.local_values(ns, replicas=N)
     values_file = work / "values.yaml"
     values_file.write_text(yaml.safe_dump(values))
+    # The previous chart tags the images with its own appVersion; the node has this tree's.
+    this_version = str(yaml.safe_load((release.CHART / "Chart.yaml").read_text())["appVersion"])
+    old_values = copy.deepcopy(values)
+    for role in ("operator", "inference"):
+        old_values[role]["image"]["tag"] = this_version
+    old_values_file = work / "values-previous.yaml"
+    old_values_file.write_text(yaml.safe_dump(old_values))
     folder = f"{ns}/sources"
     sources = (AdapterSource("a", seed=1, folder=folder), AdapterSource("b", seed=2, folder=folder))
     names = ["pixel-art", "palette-swap"]
@@ -417,7 +424,7 @@ def test_helm_upgrade_from_the_last_release_under_traffic(
     phase(f"install the chart of {tag}, two adapters Ready on {N} pods")
     release.prepare_model(h, ns)
     release.install_crd(h)
-    h.run(["helm", "install", RELEASE, str(old_chart), "-n", ns, "-f", str(values_file)])
+    h.run(["helm", "install", RELEASE, str(old_chart), "-n", ns, "-f", str(old_values_file)])
     release.prepare_adapters(h, ns, sources, "prepare-sources")
     release.ready_inference_pods(h, ns, N)
     for name, source in zip(names, sources, strict=True):

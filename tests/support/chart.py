@@ -30,6 +30,10 @@ EXAMPLES = ROOT / "examples"
 EXAMPLE_ADAPTERS = sorted(EXAMPLES.glob("adapter*.yaml"))
 EXAMPLE_VALUES = sorted(EXAMPLES.glob("values-*.yaml"))
 MONITORING_CRDS = ROOT / "tests" / "e2e" / "testdata" / "monitoring-crds.yaml"
+# The registry every render names unless a test says otherwise: the chart has no default and
+# refuses to render without one (`image.registry`).
+REGISTRY = "registry.example.com"
+REGISTRY_FLAGS = ("--set", f"image.registry={REGISTRY}")
 RELEASE = "demo"
 NAMESPACE = "lora-system"
 FULLNAME = f"{RELEASE}-lora-operator"
@@ -72,7 +76,8 @@ def _helm_env() -> dict[str, str]:
 
 
 def template_text(helm: str, *args: str, namespace: str = NAMESPACE) -> str:
-    proc = run_helm(helm, "template", RELEASE, str(CHART), "-n", namespace, *args)
+    """`helm template` of the chart with REGISTRY (which `args` may override)."""
+    proc = run_helm(helm, "template", RELEASE, str(CHART), "-n", namespace, *REGISTRY_FLAGS, *args)
     assert proc.returncode == 0, proc.stderr
     return proc.stdout
 
@@ -83,7 +88,7 @@ def render(helm: str, *args: str, namespace: str = NAMESPACE) -> list[Obj]:
 
 
 def refused(helm: str, *args: str) -> str:
-    proc = run_helm(helm, "template", RELEASE, str(CHART), "-n", NAMESPACE, *args)
+    proc = run_helm(helm, "template", RELEASE, str(CHART), "-n", NAMESPACE, *REGISTRY_FLAGS, *args)
     assert proc.returncode != 0, f"helm template {' '.join(args)} should fail"
     return proc.stderr
 

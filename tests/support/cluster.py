@@ -30,6 +30,7 @@ from lora_demo import release
 from lora_devcluster.harness import Harness
 from lora_inference.tools.random_adapters import write_random_adapter
 
+from tests.support.chart import REGISTRY_FLAGS
 from tests.support.http import free_port, http_json
 
 Obj = dict[str, Any]
@@ -393,6 +394,7 @@ def peering_crds(h: Harness) -> None:
     rendered = h.run(
         [
             *("helm", "template", "t", str(release.CHART), "--set", "operator.replicas=2"),
+            *REGISTRY_FLAGS,
             *("--show-only", "templates/crds.yaml"),
         ]
     )

@@ -1,5 +1,6 @@
-"""The docs' fenced code blocks with their `<!-- docs-test: ... -->` markers, and a shell block's
-commands as argument lists (pure): the docs test runs them, and end-to-end tests run a task's
+"""The docs' fenced code blocks with their `<!-- docs-test: ... -->` markers, a shell block's
+commands as argument lists, and the values a `helm install`/`upgrade` line renders with (pure):
+the docs test runs them, the chart's tests render them, and end-to-end tests run a task's
 blocks as written."""
 
 from __future__ import annotations
@@ -12,6 +13,9 @@ from pathlib import Path
 
 from tests.support import ROOT
 
+# The registry values every install in the docs passes first: what a release installed by the
+# docs holds, so `--reuse-values` and a backup's `helm get values` hold it too.
+MY_REGISTRY_VALUES = "examples/values-my-registry.yaml"
 _FENCE = re.compile(r"^(\s*)```(\w*)\s*$")
 _MARKER = re.compile(r"^\s*<!-- docs-test: (run|dry-run|skip)(?: \((.+)\))? -->\s*$")
 
@@ -72,3 +76,36 @@ def commands(text: str) -> Iterator[list[str]]:
             words = words[:-1]
         if words:
             yield words
+
+
+def written_by(doc: Path) -> set[str]:
+    """The files the doc's own commands write (`> helm-values.yaml`), which a later block may
+    read: the checkout has none of them."""
+    return {
+        words[words.index(">") + 1]
+        for block in parse_blocks(doc, doc.read_text())
+        if block.lang == "sh"
+        for words in commands(block.text)
+        if ">" in words[:-1]
+    }
+
+
+def helm_values_args(words: list[str], written: set[str]) -> list[str]:
+    """The values flags of a `helm install`/`upgrade`/`template` line, as a render without the
+    release has them (pure): `-f`/`--values` and `--set*` as written, paths relative to the
+    checkout; a file in `written` (a backup's `helm get values`) and `--reuse-values` stand for
+    the release's own values, which a render without the release has not: the docs install
+    with MY_REGISTRY_VALUES, so they become that file."""
+    out, i = [], 0
+    if "--reuse-values" in words:
+        out += ["-f", MY_REGISTRY_VALUES]
+    while i < len(words):
+        if words[i] in ("-f", "--values") and i + 1 < len(words) and words[i + 1] in written:
+            out += ["-f", MY_REGISTRY_VALUES]
+            i += 2
+        elif words[i] in ("-f", "--values", "--set", "--set-string", "--set-json"):
+            out += words[i : i + 2]
+            i += 2
+        else:
+            i += 1
+    return out

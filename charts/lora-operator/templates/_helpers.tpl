@@ -125,8 +125,21 @@ Where the admin token Secret is mounted, in the operator and in inference pods.
 /var/run/lora/client-token
 {{- end }}
 
+{{/*
+An image reference: (dict "root" $ "image" <a component's image values> "component" "operator"|"inference").
+The repository is the component's own, else `<image.registry>/lora-operator/<component>`; the
+tag is the component's, else the chart's appVersion. The chart names no registry of its own: a
+default such as `lora-operator/operator` would be Docker Hub's, where anyone may publish under
+that name, and every install would run that image with the operator's rights. So an install
+that names neither fails here, saying what to set.
+*/}}
 {{- define "lora-operator.image" -}}
-{{- printf "%s:%s" .image.repository (default .chart.AppVersion .image.tag) }}
+{{- $repository := .image.repository }}
+{{- if not $repository }}
+{{- $registry := required (printf "image.registry is required: set it to the registry you pushed the lora-operator images to with `make push REGISTRY=<registry>/lora-operator` (e.g. -f examples/values-my-registry.yaml, or --set image.registry=registry.example.com), or name the %s image in %s.image.repository. The chart has no default registry, so that no install or upgrade pulls an image someone else published under these names" .component .component) .root.Values.image.registry }}
+{{- $repository = printf "%s/lora-operator/%s" (trimSuffix "/" $registry) .component }}
+{{- end }}
+{{- printf "%s:%s" $repository (default .root.Chart.AppVersion .image.tag) }}
 {{- end }}
 
 {{/*

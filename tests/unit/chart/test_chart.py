@@ -26,6 +26,8 @@ from tests.support.chart import (
     EXAMPLES,
     FULLNAME,
     NAMESPACE,
+    REGISTRY,
+    REGISTRY_FLAGS,
     RELEASE,
     Obj,
     container,
@@ -85,7 +87,7 @@ def test_crds_disabled_renders_no_crd(helm: str) -> None:
 
 @pytest.mark.parametrize("values", CI_VALUES + EXAMPLE_VALUES, ids=lambda p: p.name)
 def test_helm_lint(helm: str, values: Path) -> None:
-    proc = run_helm(helm, "lint", "--strict", str(CHART), "-f", str(values))
+    proc = run_helm(helm, "lint", "--strict", str(CHART), *REGISTRY_FLAGS, "-f", str(values))
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
@@ -180,7 +182,7 @@ def test_operator_defaults(helm: str) -> None:
     docs = render(helm)
     deployment = one(docs, "Deployment", f"{FULLNAME}-operator")
     c = container(deployment)
-    assert c["image"] == "lora-operator/operator:0.1.0"
+    assert c["image"] == f"{REGISTRY}/lora-operator/operator:0.1.0"
     assert "command" not in c, "the image's entrypoint runs the operator"
     assert c["args"] == [
         "--standalone",
@@ -246,7 +248,7 @@ def test_operator_options_reach_its_arguments(helm: str) -> None:
     assert "--volume-root=/data/lora" in args
     assert args.count("--namespace=team-a") == 1 and "--namespace=team-b" in args
     image = container(one(docs, "Deployment", f"{FULLNAME}-operator"))["image"]
-    assert image == "lora-operator/operator:dev"
+    assert image == f"{REGISTRY}/lora-operator/operator:dev"
 
 
 @pytest.mark.parametrize(
@@ -557,7 +559,7 @@ def test_inference_pod_contract(helm: str) -> None:
     assert template["metadata"]["annotations"]["lora.dev/port"] == "8000"
     assert template["metadata"]["annotations"]["lora.dev/adapter-root"] == "/var/lib/lora/adapters"
     c = container(deployment)
-    assert c["image"] == "lora-operator/inference:0.1.0"
+    assert c["image"] == f"{REGISTRY}/lora-operator/inference:0.1.0"
     assert "command" not in c, "the image's entrypoint is lora-inference"
     env = {e["name"]: e for e in c["env"]}
     assert env["POD_NAMESPACE"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.namespace"
@@ -622,7 +624,7 @@ def test_helm_test_pod_checks_ready_and_operator_health(helm: str) -> None:
     assert pod["metadata"]["annotations"]["helm.sh/hook"] == "test"
     c = pod["spec"]["containers"][0]
     # The operator image (python's urllib): no image the project does not build.
-    assert c["image"] == "lora-operator/operator:0.1.0"
+    assert c["image"] == f"{REGISTRY}/lora-operator/operator:0.1.0"
     assert c["command"][:2] == ["python", "-c"]
     script = c["command"][2]
     compile(script, "test-health", "exec")

@@ -13,6 +13,8 @@ from tests.support.chart import (
     CI_VALUES,
     EXAMPLE_VALUES,
     FULLNAME,
+    REGISTRY,
+    REGISTRY_FLAGS,
     Obj,
     of_kind,
     one,
@@ -39,7 +41,9 @@ def admin_token_objects(docs: list[Obj]) -> list[Obj]:
 @pytest.mark.parametrize("values", [*CI_VALUES, *EXAMPLE_VALUES], ids=lambda p: p.name)
 def test_every_render_is_the_same(helm: str, values: Path) -> None:
     renders = [
-        run_helm(helm, "template", "demo", str(CHART), "-n", "lora", "-f", str(values))
+        run_helm(
+            helm, "template", "demo", str(CHART), "-n", "lora", *REGISTRY_FLAGS, "-f", str(values)
+        )
         for _ in range(2)
     ]
     assert renders[0].returncode == 0, renders[0].stderr
@@ -74,7 +78,7 @@ def test_the_token_is_never_rendered_a_hook_job_creates_it(helm: str) -> None:
     pod = job["spec"]["template"]["spec"]
     assert pod["serviceAccountName"] == JOB and pod["restartPolicy"] == "Never"
     (c,) = pod["containers"]
-    assert c["image"] == "lora-operator/operator:0.1.0"
+    assert c["image"] == f"{REGISTRY}/lora-operator/operator:0.1.0"
     assert c["command"][:3] == ["python", "-m", "lora_operator.admintoken"]
     assert f"--name={SECRET}" in c["command"] and "--namespace=lora-system" in c["command"]
     # The Secret gets no app.kubernetes.io/instance label: Argo CD's label tracking would take

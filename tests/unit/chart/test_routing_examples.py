@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from tests.support import ROOT
-from tests.support.chart import CHART, container, of_kind, run_helm
+from tests.support.chart import CHART, REGISTRY_FLAGS, container, of_kind, run_helm
 
 EXAMPLES = ROOT / "examples" / "routing"
 DOC = ROOT / "docs" / "routing.md"
@@ -50,7 +50,9 @@ def _only(kind: str) -> Obj:
 
 @pytest.fixture(scope="module")
 def rendered(helm: str) -> list[Obj]:
-    proc = run_helm(helm, "template", RELEASE, str(CHART), "-n", NAMESPACE, "-f", str(VALUES))
+    proc = run_helm(
+        helm, "template", RELEASE, str(CHART), "-n", NAMESPACE, *REGISTRY_FLAGS, "-f", str(VALUES)
+    )
     assert proc.returncode == 0, proc.stderr
     return [d for d in yaml.safe_load_all(proc.stdout) if d]
 
