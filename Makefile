@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install prepare packages binaries test lint typecheck unit demo demo-inference images push chart-push e2e-kind bench bench-operator docs clean
+.PHONY: install prepare packages binaries test lint typecheck unit demo demo-inference images push chart-push release e2e-kind bench bench-operator docs clean
 
 install: $(STAMP) packages binaries
 
@@ -84,6 +84,12 @@ chart-push:
 	@test -n "$(REGISTRY)" || { echo "usage: make chart-push REGISTRY=host[:port]/path [PLAIN_HTTP=1]" >&2; exit 2; }
 	$(HELM_PATH) helm package charts/lora-operator -d dist
 	$(HELM_PATH) helm push dist/lora-operator-$(CHART_VERSION).tgz oci://$(REGISTRY) $(if $(PLAIN_HTTP),--plain-http)
+
+# `make release`: the annotated tag v<version> on HEAD, for Chart.yaml's version (hack/release.py).
+# Refused when the CRD, values.yaml or the pod API changed since the last v* tag while the
+# version did not move, or when CHANGELOG.md has no section for it. It never pushes.
+release:
+	python3 hack/release.py
 
 # The end-to-end suite against a kind cluster: needs Docker and kind (see docs/operations.md);
 # kind loads the archives `make images` built.

@@ -1,7 +1,7 @@
 # The inference image: `lora-inference` with the [inference] extra (torch 2.13.0 with CUDA,
 # diffusers, peft, transformers), pinned in pyproject.toml.
 #
-#   docker build -f docker/inference.Dockerfile -t lora-operator/inference:0.1.0 .
+#   docker build -f docker/inference.Dockerfile -t lora-operator/inference:0.2.0 .
 #
 # torch's Linux wheels on PyPI are CUDA builds that carry the CUDA runtime libraries (the nvidia-*
 # wheels), so a slim Python base is enough: the node needs only the NVIDIA driver and the

@@ -6,7 +6,7 @@
 # The router (`python -m lora_router`, the chart's router Deployment) runs from this image too: it
 # needs nothing beyond the same extra, so no third image is built, pulled or patched.
 #
-#   docker build -f docker/operator.Dockerfile -t lora-operator/operator:0.1.0 .
+#   docker build -f docker/operator.Dockerfile -t lora-operator/operator:0.2.0 .
 #
 # The chart runs it as uid 65532 with a read-only root filesystem and a /tmp emptyDir.
 # `make images` builds it without Docker (buildah) from a local Debian base: BASE_IMAGE.

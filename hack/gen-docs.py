@@ -266,6 +266,9 @@ def rendered_rule() -> Obj:
             # The chart refuses to render without a registry; the rule names no image.
             "--set",
             "image.registry=registry.example.com",
+            # helm's default (1.20) is older than Chart.yaml's kubeVersion.
+            "--kube-version",
+            "v1.37.2",
         ],
         capture_output=True,
         text=True,

@@ -33,7 +33,7 @@ from lora_inference import cli as inference_cli
 from lora_operator.rules import model
 
 from tests.support import ROOT
-from tests.support.chart import MONITORING_CRDS, in_cluster, server_dry_run
+from tests.support.chart import KUBE_VERSION, MONITORING_CRDS, in_cluster, server_dry_run
 from tests.support.docs import (
     MY_REGISTRY_VALUES,
     Block,
@@ -113,6 +113,7 @@ def _flag_value(words: list[str], *names: str) -> str | None:
 
 def _render_chart(h: Harness, release: str, chart: str, values: list[str], ns: str) -> str:
     argv = ["helm", "template", release, chart, "-n", ns, "--set", "crds.enabled=false"]
+    argv += ["--kube-version", KUBE_VERSION]
     proc = in_cluster(h, [*argv, *values])
     assert proc.returncode == 0, proc.stderr
     return proc.stdout

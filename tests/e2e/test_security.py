@@ -14,6 +14,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import re
 import shlex
 import subprocess
 import time
@@ -989,7 +990,7 @@ def test_the_backup_task_restores_adapters_without_downloading(
     # this cluster's image and, on one node, a ReadWriteOnce claim (all its provisioner offers).
     (tmp_path / "charts").symlink_to(ROOT / "charts")
     example = (ROOT / "examples" / "volume-restore.yaml").read_text()
-    example = example.replace("lora-operator/operator:0.1.0", h.image("operator"))
+    example = re.sub(r"\S+/lora-operator/operator:\S+", h.image("operator"), example)
     (tmp_path / "examples").mkdir()
     (tmp_path / "examples" / "volume-restore.yaml").write_text(
         example.replace("[ReadWriteMany]", "[ReadWriteOnce]")

@@ -62,7 +62,15 @@ def helm() -> str:
     return str(candidate)
 
 
+# The Kubernetes version a render without a cluster assumes: the local cluster's
+# (hack/build-binaries.sh). helm's own default, 1.20, is older than Chart.yaml's kubeVersion.
+KUBE_VERSION = "v1.37.2"
+
+
 def run_helm(helm: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """helm `args`; `template` and `lint` render for KUBE_VERSION unless `args` name one."""
+    if args[:1] in (("template",), ("lint",)) and "--kube-version" not in args:
+        args = (*args, "--kube-version", KUBE_VERSION)
     return subprocess.run(
         [helm, *args], capture_output=True, text=True, timeout=60, check=False, env=_helm_env()
     )

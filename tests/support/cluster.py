@@ -30,7 +30,7 @@ from lora_demo import release
 from lora_devcluster.harness import Harness
 from lora_inference.tools.random_adapters import write_random_adapter
 
-from tests.support.chart import REGISTRY_FLAGS
+from tests.support.chart import KUBE_VERSION, REGISTRY_FLAGS
 from tests.support.http import free_port, http_json
 
 Obj = dict[str, Any]
@@ -395,6 +395,7 @@ def peering_crds(h: Harness) -> None:
         [
             *("helm", "template", "t", str(release.CHART), "--set", "operator.replicas=2"),
             *REGISTRY_FLAGS,
+            *("--kube-version", KUBE_VERSION),
             *("--show-only", "templates/crds.yaml"),
         ]
     )

@@ -336,7 +336,7 @@ def test_commands_that_run_our_programs_pass_flags_they_define(doc: Path) -> Non
 # cluster's components (kube-router, tini, kubectl) and the image builds (buildah, pip).
 _OTHER_PROGRAMS_PAGES = {"benchmarks.md", "devcluster.md", "images.md"}
 # Flags of other tools that the other pages name bare, each with its tool.
-_OTHER_TOOLS_FLAGS = {"--set": "helm", "--reuse-values": "helm"}
+_OTHER_TOOLS_FLAGS = {"--set": "helm", "--reuse-values": "helm", "--kube-version": "helm"}
 
 
 def bare_flags(span: str) -> list[str]:

@@ -128,7 +128,7 @@ class ImageSpec:
 @dataclasses.dataclass(frozen=True)
 class Image:
     """What a node needs to import an image. `ref`: the name inside the archive (containerd
-    normalises `lora-operator/operator:0.1.0` to `docker.io/lora-operator/operator:0.1.0`, the
+    normalises `lora-operator/operator:0.2.0` to `docker.io/lora-operator/operator:0.2.0`, the
     name the kubelet resolves a pod's image to); `key`: changes iff the image's inputs do, so
     an import can be skipped when the node already holds that key; `role`: one of NODE_IMAGES."""
 

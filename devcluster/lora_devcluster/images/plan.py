@@ -185,7 +185,7 @@ def compute_key(inputs: Mapping[str, object]) -> str:
 
 def push_destination(ref: str, registry: str) -> str:
     """Where `push` copies an image: `REGISTRY/<the reference's last path part>:<tag>`, so
-    `lora-operator/operator:0.1.0` goes to `registry.example.com/lora-operator/operator:0.1.0`
+    `lora-operator/operator:0.2.0` goes to `registry.example.com/lora-operator/operator:0.2.0`
     for REGISTRY=registry.example.com/lora-operator (pure)."""
     dest = registry.strip().removeprefix("docker://").rstrip("/")
     if not dest or "://" in dest or any(c.isspace() for c in dest) or dest.startswith("/"):

@@ -182,7 +182,7 @@ def test_operator_defaults(helm: str) -> None:
     docs = render(helm)
     deployment = one(docs, "Deployment", f"{FULLNAME}-operator")
     c = container(deployment)
-    assert c["image"] == f"{REGISTRY}/lora-operator/operator:0.1.0"
+    assert c["image"] == f"{REGISTRY}/lora-operator/operator:0.2.0"
     assert "command" not in c, "the image's entrypoint runs the operator"
     assert c["args"] == [
         "--standalone",
@@ -559,7 +559,7 @@ def test_inference_pod_contract(helm: str) -> None:
     assert template["metadata"]["annotations"]["lora.dev/port"] == "8000"
     assert template["metadata"]["annotations"]["lora.dev/adapter-root"] == "/var/lib/lora/adapters"
     c = container(deployment)
-    assert c["image"] == f"{REGISTRY}/lora-operator/inference:0.1.0"
+    assert c["image"] == f"{REGISTRY}/lora-operator/inference:0.2.0"
     assert "command" not in c, "the image's entrypoint is lora-inference"
     env = {e["name"]: e for e in c["env"]}
     assert env["POD_NAMESPACE"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.namespace"
@@ -624,7 +624,7 @@ def test_helm_test_pod_checks_ready_and_operator_health(helm: str) -> None:
     assert pod["metadata"]["annotations"]["helm.sh/hook"] == "test"
     c = pod["spec"]["containers"][0]
     # The operator image (python's urllib): no image the project does not build.
-    assert c["image"] == f"{REGISTRY}/lora-operator/operator:0.1.0"
+    assert c["image"] == f"{REGISTRY}/lora-operator/operator:0.2.0"
     assert c["command"][:2] == ["python", "-c"]
     script = c["command"][2]
     compile(script, "test-health", "exec")
@@ -638,7 +638,7 @@ def test_helm_test_pod_checks_ready_and_operator_health(helm: str) -> None:
     ("flags", "image"),
     [
         (["--set", "operator.image.repository=r/op", "--set", "operator.image.tag=t"], "r/op:t"),
-        (["--set", "test.image.repository=r/py"], "r/py:0.1.0"),
+        (["--set", "test.image.repository=r/py"], "r/py:0.2.0"),
         (["--set", "test.image.repository=r/py", "--set", "test.image.tag=v3"], "r/py:v3"),
     ],
     ids=["follows-the-operator-image", "own-repository", "own-repository-and-tag"],

@@ -78,7 +78,7 @@ def test_the_token_is_never_rendered_a_hook_job_creates_it(helm: str) -> None:
     pod = job["spec"]["template"]["spec"]
     assert pod["serviceAccountName"] == JOB and pod["restartPolicy"] == "Never"
     (c,) = pod["containers"]
-    assert c["image"] == f"{REGISTRY}/lora-operator/operator:0.1.0"
+    assert c["image"] == f"{REGISTRY}/lora-operator/operator:0.2.0"
     assert c["command"][:3] == ["python", "-m", "lora_operator.admintoken"]
     assert f"--name={SECRET}" in c["command"] and "--namespace=lora-system" in c["command"]
     # The Secret gets no app.kubernetes.io/instance label: Argo CD's label tracking would take
