@@ -18,6 +18,10 @@ Modes:
     .venv/bin/python bench/bench_inference.py --full-size --device cuda \\
         --size 1024 --rank 64 --steps 20 --requests 60        # the three
 
+The representative mode ends with the CPU part of a rank-64 adapter's first use (read, hash,
+check, convert and pack: `parse_adapter`) against reading and hashing the same file once as the
+server's reader does (`weightsfile.read`), medians of samples that take turns:
+    first-use: cpu ms = X, read+hash ms = Y, ratio = Z.ZZ
 The line
     serving: a/c tiny = X.XX, a/c representative = Y.YY, a/b representative = Z.ZZ
 ends a run of the CPU modes; with --full-size the full-size mode also measures a call of four
@@ -48,12 +52,14 @@ from aiohttp import ClientSession, web
 from aiohttp.test_utils import TestServer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from lora_inference import weightsfile
 from lora_inference.app import METRICS, create_app
 from lora_inference.config import ServerConfig
 from lora_inference.pipeline import DiffusionBackend, ImageJob, resolve_dtype
 from lora_inference.tools.full_size import build_full_size_sd15, build_full_size_sdxl
 from lora_inference.tools.random_adapters import write_random_adapter
 from lora_inference.tools.tiny_models import write_tiny_model
+from lora_volume import files
 from naive_server import create_naive_app
 
 ADAPTERS = 20  # in the stream; the growth table writes more
@@ -110,7 +116,8 @@ class EngineFigures:
 
     base_s: float  # a call of four images, base model
     mixed_s: float  # the same call, four different adapters
-    copy_gb_s: float  # a slot fill: bytes of a slot row per second
+    copy_gb_s: float  # a slot fill: bytes of the packed planes copied per second
+    copy_mb: float  # what a fill copies (an adapter's packed planes), the median
     launches_base: int  # kernels per denoising step (CUDA only; 0 elsewhere)
     launches_mixed: int
 
@@ -154,14 +161,16 @@ def engine_figures(
 
     base = call_seconds([None] * 4, mode.steps)
     mixed = call_seconds(list(slots), mode.steps)
-    copies = []
+    rates, moved = [], []
     for i in range(samples * 3):
+        adapter = parsed[i % len(parsed)]
         synchronize(backend)
         started = time.perf_counter()
-        backend.place(slots[0], parsed[i % len(parsed)])
+        backend.place(slots[0], adapter)
         synchronize(backend)
-        copies.append(time.perf_counter() - started)
-    copy_gb_s = backend.slots.row_bytes / statistics.median(copies) / 1e9
+        # A fill copies the adapter's planes, each cut to the prefix its layers lie in.
+        moved.append(adapter.packed.numel() * adapter.packed.element_size())
+        rates.append(moved[-1] / (time.perf_counter() - started))
 
     def launches(per_job: list[str | None]) -> int:
         if not backend.device.startswith("cuda"):
@@ -175,13 +184,36 @@ def engine_figures(
     figures = EngineFigures(
         base_s=base,
         mixed_s=mixed,
-        copy_gb_s=copy_gb_s,
+        copy_gb_s=statistics.median(rates) / 1e9,
+        copy_mb=statistics.median(moved) / 1e6,
         launches_base=launches([None] * 4),
         launches_mixed=launches(list(slots)),
     )
     for slot in slots:
         backend.clear(slot)
     return figures
+
+
+def first_use_figures(
+    backend: DiffusionBackend, adapters: list[Path], samples: int
+) -> tuple[float, float, float]:
+    """Seconds of the CPU part of a first use (`parse_adapter`: read, hash, check, convert and
+    pack) and of reading and hashing the same file once as it does (`weightsfile.read`), the
+    median of `samples` each over `adapters`, taking turns so the machine's load hits both, and
+    the median of their ratio per turn."""
+    for adapter in adapters:  # the first parse of a process warms up what it imports
+        backend.parse_adapter(adapter, name="probe", max_rank=64)
+    cpu, read_hash = [], []
+    for i in range(samples):
+        adapter = adapters[i % len(adapters)]
+        started = time.perf_counter()
+        weightsfile.read(files.find_weights_file(adapter)).sha256()
+        read_hash.append(time.perf_counter() - started)
+        started = time.perf_counter()
+        backend.parse_adapter(adapter, name="probe", max_rank=64)
+        cpu.append(time.perf_counter() - started)
+    ratio = statistics.median(c / r for c, r in zip(cpu, read_hash, strict=True))
+    return statistics.median(cpu), statistics.median(read_hash), ratio
 
 
 def zipf_stream(count: int, n_adapters: int, s: float, seed: int) -> list[str]:
@@ -513,11 +545,19 @@ async def run_mode(mode: Mode, args: argparse.Namespace) -> ModeResult:
             print(
                 f"a call of 4 images: base model {engine.base_s:.3f} s, four different adapters "
                 f"{engine.mixed_s:.3f} s (mixed-4/base {engine.mixed_over_base:.2f}); a slot fill "
-                f"moves {backend.slots.row_bytes / 1e6:.0f} MB at {engine.copy_gb_s:.1f} GB/s; "
+                f"moves {engine.copy_mb:.0f} MB at {engine.copy_gb_s:.1f} GB/s; "
                 f"kernels in one step of 4 images: base {engine.launches_base}, "
                 f"mixed {engine.launches_mixed}"
             )
             result = replace(result, engine=engine)
+        if mode.name == "representative":
+            ranks = mode.ranks
+            rank_64 = [p for i, p in enumerate(paths) if ranks[i % len(ranks)] == 64]
+            cpu, read_hash, ratio = first_use_figures(backend, rank_64, args.growth_samples * 4)
+            print(
+                f"first-use: cpu ms = {cpu * 1000:.0f}, read+hash ms = {read_hash * 1000:.0f}, "
+                f"ratio = {ratio:.2f}"
+            )
         return result
 
 
