@@ -143,6 +143,26 @@ that names neither fails here, saying what to set.
 {{- end }}
 
 {{/*
+A component's topologySpreadConstraints: (dict "root" $ "constraints" <the values' list>
+"component" "operator"|"inference"|"router"). A constraint without labelSelector selects that
+component's pods of the release, which is what spreading them means; one with its own is kept
+as written.
+*/}}
+{{- define "lora-operator.topologySpread" -}}
+{{- $selector := fromYaml (include "lora-operator.selectorLabels" .root) }}
+{{- $_ := set $selector "app.kubernetes.io/component" .component }}
+{{- $out := list }}
+{{- range .constraints }}
+{{- $c := deepCopy . }}
+{{- if not (hasKey $c "labelSelector") }}
+{{- $_ := set $c "labelSelector" (dict "matchLabels" $selector) }}
+{{- end }}
+{{- $out = append $out $c }}
+{{- end }}
+{{- toYaml $out }}
+{{- end }}
+
+{{/*
 The `job` label the chart's monitors give a component's series and its alerts select:
 (dict "root" $ "component" "operator"|"inference").
 */}}
@@ -187,6 +207,14 @@ includes it, and helm renders every template, so any install or template reports
 {{- end }}
 {{- if and .Values.networkPolicy.enabled (not .Values.networkPolicy.allowFrom) (or .Values.inference.enabled (include "lora-operator.router.enabled" .)) }}
 {{- fail "networkPolicy.allowFrom is empty: with networkPolicy.enabled only its peers reach the router and the inference pods, so no client could generate; name your gateway, clients and Prometheus there" }}
+{{- end }}
+{{- $reserved := list "adapters" "admin-token" "client-token" "model" "podinfo" "tmp" }}
+{{- range $component := list "operator" "inference" "router" }}
+{{- range (index $.Values $component).extraVolumes }}
+{{- if has .name $reserved }}
+{{- fail (printf "%s.extraVolumes: %q is the name of one of the chart's own volumes (%s); name yours differently" $component .name (join ", " $reserved)) }}
+{{- end }}
+{{- end }}
 {{- end }}
 {{- if not (hasPrefix "/" .Values.volumeRoot) }}
 {{- fail (printf "volumeRoot must be an absolute path; got %q" .Values.volumeRoot) }}
