@@ -13,6 +13,8 @@ import ast
 import importlib.util
 import re
 import shlex
+import subprocess
+import sys
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -93,6 +95,27 @@ def test_generated_references_match_their_sources(helm: str) -> None:
         if not path.exists() or path.read_text() != text
     ]
     assert stale == [], f"{stale} differ from their sources: run `make docs` and commit them"
+
+
+def test_the_sizing_table_is_what_hack_sizing_computes() -> None:
+    """chart.md's GPU memory table is hack/sizing.py's output (the architectures on torch's
+    meta device, the server's own slot layout), run in a process of its own."""
+    if importlib.util.find_spec("diffusers") is None:
+        pytest.skip("hack/sizing.py needs the inference extra (torch, diffusers)")
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "hack" / "sizing.py")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    table = proc.stdout.strip()
+    assert table.count("\n") >= 4, table
+    assert table in (ROOT / "docs" / "chart.md").read_text(), (
+        f"docs/chart.md's sizing table differs from hack/sizing.py's:\n{table}"
+    )
 
 
 _LINK = re.compile(r"\]\(([^)\s#]+)(#[^)\s]*)?\)")

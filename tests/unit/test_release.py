@@ -152,6 +152,19 @@ def test_other_changes_need_no_bump_but_the_tag_must_be_new(released: Path) -> N
     assert "v0.1.1" in _tags(released)
 
 
+def test_the_first_release_needs_only_its_changelog(tmp_path: Path) -> None:
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    _git(repo, "init", "-q", "-b", "main")
+    _commit(repo, {"charts/lora-operator/Chart.yaml": _chart("0.1.0"), "CHANGELOG.md": "# C\n"})
+    proc = _release(repo)
+    assert proc.returncode == 1
+    assert "no section `## [0.1.0]`" in proc.stderr
+    _commit(repo, {"CHANGELOG.md": CHANGELOG.format(v="0.1.0")})
+    assert _release(repo).returncode == 0
+    assert _tags(repo) == ["v0.1.0"]
+
+
 def test_version_and_app_version_must_agree(released: Path) -> None:
     _commit(
         released,
