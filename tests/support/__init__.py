@@ -4,8 +4,10 @@ safetensors bytes (`loras`), the `phase` fixture that names the phase of a long 
 failed (`phases`, a plugin tests/conftest.py loads), the suite's kinds and their markers
 (`kinds`), the operator with inference pods on the local cluster (`cluster`), the docs' fenced
 blocks and their commands (`docs`), stand-in pods for the router (`stand_ins`), live servers behind
-a live router (`fleet`), adapter files of every served format with their deltas (`formats`), and
-the benchmarks' scripts imported as modules (`bench_module`, here).
+a live router (`fleet`), adapter files of every served format with their deltas (`formats`), a
+Hugging Face Hub stand-in serving one model repository (`hubstandin`, also run as a script in a
+pod), examples/model-sdxl.yaml's download Job pointed at it (`modeljob`), and the benchmarks'
+scripts imported as modules (`bench_module`, here).
 
 Waiting for pods and adapters, and talking to a release through the API server, are the shipped
 demo's (`lora_demo.release`): the tests use those rather than keep their own.
