@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import logging
 import re
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -233,6 +234,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--port", type=int, default=8080)
     parser.add_argument("--token-file", type=Path, help="require this bearer token")
     args = parser.parse_args(argv)
+    # One access-log line per request on stderr: what reached the stand-in, for the tests.
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
     token = args.token_file.read_text().strip() if args.token_file else None
     repository = Repository.from_folder(args.repo_id, args.folder)
     listing = {"repo_id": repository.repo_id, "sha": repository.sha, "files": len(repository.files)}
