@@ -95,7 +95,12 @@ async def download(hub: Hub, target: Path, home: Path, env: dict[str, str] | Non
     the folder replaced, HF_ENDPOINT the stand-in's, `env` on top."""
     job = modeljob.of_kind(modeljob.example(), "Job")
     command = modeljob.command_for(job, REPO_ID, str(target))
-    base = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
+    # Nothing of this machine's Hub settings or caches: only what the Job sets.
+    base = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("HF_") and k not in ("XDG_CACHE_HOME", "HUGGINGFACE_HUB_CACHE")
+    }
     job_env = {**modeljob.literal_env(job), "HOME": str(home), "HF_ENDPOINT": hub.url}
     extra = {"HF_HUB_DISABLE_TELEMETRY": "1", "NO_COLOR": "1"}
     proc = await asyncio.create_subprocess_exec(
