@@ -11,11 +11,10 @@ before it is acted on, so it acts once; one lost to a crash in between is given 
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 import time
 
+from lora_operator.controller.dueset import DueSet
 from lora_operator.controller.placer import Placer
 from lora_operator.controller.records import AdapterRecord
 from lora_operator.controller.seams import Key
@@ -35,9 +34,7 @@ class Rollouts(Actor):
     def __init__(self, shared: Shared, placer: Placer) -> None:
         super().__init__(shared)
         self.placer = placer
-        self._dirty: set[Key] = set()
-        self._due: dict[Key, float] = {}  # when to look again (a pause's end, a retry)
-        self._wake = asyncio.Event()
+        self._due = DueSet()  # marked, or when to look again (a pause's end, a retry)
 
     def mark(self, key: Key) -> None:
         """The adapter may have changed: look at it, if it has a rollout or a command."""
@@ -46,20 +43,17 @@ class Rollouts(Actor):
             return
         rolling, command = rec.rolling, rec.info.command
         if rolling.rollout is not None or (command is not None and command != rolling.taken):
-            self._dirty.add(key)
-            self._wake.set()
+            self._due.mark(key)
 
     def mark_namespace(self, namespace: str) -> None:
         for rec in self.cache.adapters_in(namespace):
             self.mark(rec.key)
 
     def forget(self, key: Key) -> None:
-        self._dirty.discard(key)
-        self._due.pop(key, None)
+        self._due.forget(key)
 
     def _retry(self, key: Key, delay: float) -> None:
-        self._due[key] = time.monotonic() + delay
-        self._wake.set()
+        self._due.after(key, delay)
 
     def begin(self, key: Key, serving: str | None, staged: str) -> None:
         """`staged` became the adapter's newest revision: roll it out, or not (rollout.begin)."""
@@ -76,11 +70,7 @@ class Rollouts(Actor):
 
     async def run(self) -> None:
         while True:
-            now = time.monotonic()
-            timeout = max(0.0, min(self._due.values()) - now) if self._due else None
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), timeout)
-            self._wake.clear()
+            await self._due.wait()
             if not self.seams.active.is_set():
                 continue
             self._pass()
@@ -88,18 +78,17 @@ class Rollouts(Actor):
     def _pass(self) -> None:
         """Take each due adapter's command from its annotation, and move its rollout on."""
         now = time.monotonic()
-        keys = self._dirty | {k for k, t in self._due.items() if t <= now}
-        self._dirty = set()
+        keys = self._due.take(now)
         heard: dict[str, bool] = {}
         for key in keys:
-            self._due.pop(key, None)
+            self._due.unschedule(key)
             rec = self.cache.adapters.get(key)
             if rec is None or rec.info.deleting:
                 continue
             ns = key[0]
             if not heard.setdefault(ns, self.cache.heard(ns)):
                 # Until every Ready pod has reported, a canary's readiness says too little.
-                self._due[key] = now + UNHEARD_RETRY_S
+                self._due.at(key, now + UNHEARD_RETRY_S)
                 continue
             command, rolling = rec.info.command, rec.rolling
             if command is not None and command != rolling.taken and not rolling.taking:
@@ -124,7 +113,7 @@ class Rollouts(Actor):
             promoted_everywhere=promoted,
             command=command,
         )
-        self._due.pop(rec.key, None)
+        self._due.unschedule(rec.key)
         if progress.wake_at is not None:
             self._retry(rec.key, max(0.0, progress.wake_at - time.time()) + PAUSE_SLACK_S)
         if progress.rollout != r:

@@ -10,12 +10,12 @@ changes.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections import Counter
 from typing import Any
 
+from lora_operator.controller.dueset import DueSet
 from lora_operator.controller.placer import Placer
 from lora_operator.controller.records import AdapterRecord
 from lora_operator.controller.seams import Key
@@ -38,17 +38,14 @@ class StatusWriter(Actor):
         self.policy = statuswrite.WritePolicy(
             self.config.status_settle_s, self.config.status_progress_s
         )
-        self._dirty: set[Key] = set()
-        self._due: dict[Key, float] = {}
-        self._wake = asyncio.Event()
+        self._due = DueSet()
         self._phases: Counter[str] = Counter()
         # API writes in flight at once (the API server's client-side budget is small: a burst of
         # hundreds must queue here, not time out).
         self._slots = asyncio.Semaphore(8)
 
     def mark(self, key: Key) -> None:
-        self._dirty.add(key)
-        self._wake.set()
+        self._due.mark(key)
 
     def mark_namespace(self, namespace: str) -> None:
         for rec in self.cache.adapters_in(namespace):
@@ -56,23 +53,17 @@ class StatusWriter(Actor):
 
     def retry(self, key: Key, delay: float = 1.0) -> None:
         """Pass over the adapter again after `delay` even if nothing changes."""
-        self._due[key] = time.monotonic() + delay
-        self._wake.set()
+        self._due.after(key, delay)
 
     def forget(self, key: Key) -> None:
         rec = self.cache.adapters.get(key)
         if rec is not None:
             self._set_phase(rec, None)
-        self._dirty.discard(key)
-        self._due.pop(key, None)
+        self._due.forget(key)
 
     async def run(self) -> None:
         while True:
-            now = time.monotonic()
-            timeout = max(0.0, min(self._due.values()) - now) if self._due else None
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), timeout)
-            self._wake.clear()
+            await self._due.wait()
             await asyncio.sleep(COALESCE_S)
             if not self.seams.active.is_set():
                 continue
@@ -80,18 +71,17 @@ class StatusWriter(Actor):
 
     async def _pass(self) -> None:
         now = time.monotonic()
-        keys = self._dirty | {k for k, t in self._due.items() if t <= now}
-        self._dirty = set()
+        keys = self._due.take(now)
         heard: dict[str, bool] = {}
         writes = []
         for key in keys:
-            due = self._due.pop(key, None)
+            due = self._due.unschedule(key)
             rec = self.cache.adapters.get(key)
             if rec is None or rec.info.deleting:
                 continue  # a deleted adapter's status is no news to anyone
             ns = key[0]
             if not heard.setdefault(ns, self.cache.heard(ns)):
-                self._due[key] = now + 0.5
+                self._due.at(key, now + 0.5)
                 continue
             targeted = self.placer.targeted(rec)
             placed = self.placer.placed(rec)
@@ -114,7 +104,7 @@ class StatusWriter(Actor):
             elif due is not None and due > now and not reroutes:
                 # A write is planned for this phase and reason already: it will take what is
                 # new then (rendering every change of a Loading adapter costs CPU).
-                self._due[key] = due
+                self._due.at(key, due)
                 continue
             body = statuswrite.render(
                 rec.info,
@@ -140,7 +130,7 @@ class StatusWriter(Actor):
             if delay is None:
                 continue
             if delay > 0:
-                self._due[key] = now + delay
+                self._due.at(key, now + delay)
                 continue
             writes.append(self._write(rec, body, summary))
         await asyncio.gather(*writes)
