@@ -99,10 +99,13 @@ def test_dockerignore_keeps_the_context_small_and_the_sources_in() -> None:
     copied = copied_sources("operator") | copied_sources("inference")
     # devcluster/ is a development tool: left out, so changing it rebuilds no image. router/
     # goes into the operator image only (the router runs from it); playground/ (the page both
-    # serve) into both; the demo's trained model into the inference image.
+    # serve), runtime/ and podapi/ (what all three programs share) into both; the demo's trained
+    # model into the inference image.
     assert copied == {
         "pyproject.toml",
         "README.md",
+        "runtime",
+        "podapi",
         "volume",
         "playground",
         "inference",
@@ -116,8 +119,8 @@ def test_dockerignore_keeps_the_context_small_and_the_sources_in() -> None:
 @pytest.mark.parametrize(
     ("image", "packages"),
     [
-        ("operator", {"volume", "playground", "operator", "router"}),
-        ("inference", {"volume", "playground", "inference", "models/shapes"}),
+        ("operator", {"runtime", "podapi", "volume", "playground", "operator", "router"}),
+        ("inference", {"runtime", "podapi", "volume", "playground", "inference", "models/shapes"}),
     ],
 )
 def test_each_image_copies_only_the_packages_it_runs(image: str, packages: set[str]) -> None:
