@@ -187,7 +187,10 @@ async def restart_apiserver(
     started[index] = api
     await wait_healthy(api, f"https://127.0.0.1:{API_PORT}/readyz", admin_ssl_context(pki), 120)
     count = int(layout.apiserver_restarts.read_text()) if layout.apiserver_restarts.exists() else 0
-    layout.apiserver_restarts.write_text(str(count + 1))
+    # Written whole or not at all: a test polls it (a plain write is an empty file for a moment).
+    written = layout.apiserver_restarts.with_suffix(".tmp")
+    written.write_text(str(count + 1))
+    written.replace(layout.apiserver_restarts)
 
 
 def _insecure() -> ssl.SSLContext:
