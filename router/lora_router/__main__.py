@@ -49,7 +49,7 @@ async def serve(
         config.port,
         config.metrics_port,
         config.namespace,
-        config.service,
+        ", ".join(s.name for s in config.services),
         f"with the client token in {config.client_token_file}"
         if config.client_token_file
         else "without a token",

@@ -11,9 +11,29 @@ from lora_runtime import login, sizes, tokenfiles
 
 
 @dataclass(frozen=True)
+class PodService:
+    """A Service whose EndpointSlices list inference pods, and the base models its pods serve
+    (empty: not said; its pods take any request)."""
+
+    name: str
+    models: frozenset[str] = frozenset()
+
+    @classmethod
+    def parse(cls, text: str) -> PodService:
+        """`SERVICE`, or `MODEL[,MODEL...]=SERVICE` (the served model name and the names it
+        accepts); raise ValueError for anything else."""
+        models, sep, name = text.rpartition("=")
+        listed = frozenset(m.strip() for m in models.split(",")) if sep else frozenset()
+        if not name or (sep and (not listed or "" in listed)):
+            raise ValueError(f"expected SERVICE or MODEL[,MODEL...]=SERVICE, got {text!r}")
+        return cls(name=name, models=listed)
+
+
+@dataclass(frozen=True)
 class RouterConfig:
     namespace: str = "default"
-    service: str = "lora-operator-inference-pods"  # whose EndpointSlices list the pods
+    # whose EndpointSlices list the pods: one per base model in a release that serves several
+    services: tuple[PodService, ...] = (PodService("lora-operator-inference-pods"),)
     port_name: str = "http"
     port: int = 8000
     metrics_port: int = 9090
@@ -41,7 +61,11 @@ def parse_args(argv: Sequence[str] | None = None) -> RouterConfig:
         "--namespace", help="the inference pods' namespace (default: the router pod's own)"
     )
     p.add_argument(
-        "--service", default=d.service, help="the Service whose EndpointSlices list the pods"
+        "--service",
+        action="append",
+        metavar="[MODEL[,MODEL...]=]SERVICE",
+        help="a Service whose EndpointSlices list the pods, with the base models they serve "
+        f"(repeat it for each model; default: {d.services[0].name})",
     )
     p.add_argument("--port-name", default=d.port_name, help="the pods' port, by its name")
     p.add_argument("--port", type=int, default=d.port, help="where the router listens")
@@ -93,12 +117,20 @@ def parse_args(argv: Sequence[str] | None = None) -> RouterConfig:
             tokenfiles.read_token(a.client_token_file, "client")
         except tokenfiles.TokenError as e:
             p.error(f"--client-token-file: {e}")
+    try:
+        services = tuple(PodService.parse(t) for t in a.service) if a.service else d.services
+    except ValueError as e:
+        p.error(f"--service: {e}")
+    if len({s.name for s in services}) < len(services):
+        p.error("--service: each Service once")
+    if len(services) > 1 and not all(s.models for s in services):
+        p.error("--service: with several Services, name the models each serves (MODEL=SERVICE)")
     namespace = a.namespace or login.pod_namespace()
     if not namespace:
         p.error("--namespace is required outside a pod")
     return RouterConfig(
         namespace=namespace,
-        service=a.service,
+        services=services,
         port_name=a.port_name,
         port=a.port,
         metrics_port=a.metrics_port,

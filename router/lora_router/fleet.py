@@ -1,12 +1,15 @@
 """What the router knows about the fleet, read from API objects and pod reports (pure parsing),
 and the one mutable record that holds it (`Fleet`).
 
-- Pods come from the EndpointSlices of the inference pods' Service: an endpoint whose
+- Pods come from the EndpointSlices of the inference pods' Services: an endpoint whose
   `conditions.ready` is true, with a `targetRef` to a Pod, is a pod requests may go to. Nothing
-  else makes a pod routable, so a pod that is not Ready never gets a request.
+  else makes a pod routable, so a pod that is not Ready never gets a request. Where a release
+  serves several base models, each model's pods are behind a Service of their own, and a pod
+  serves the models its Service is listed with: a request for an adapter (or a base model) goes
+  only to pods of its model.
 - Placement comes from the LoRAAdapters of the namespace: `status.placedPods` lists the pods an
   adapter with `spec.replicas` (or `spec.autoscale`) is placed on; an adapter without either is on
-  every pod.
+  every pod (of its base model, `spec.baseModel`).
 - Residency comes from each pod's `GET /v1/adapters` (`lora_podapi.adapters`, either form, any
   version): every adapter's tier (`gpu`, `cpu`, `disk`), and, where the server says so, its GPU
   slots (`max_loras`) and queue (`num_requests_waiting`, `num_requests_running`). The queue is
@@ -34,10 +37,17 @@ class Endpoint:
     pod: str
     address: str  # host:port
     ready: bool
+    models: frozenset[str] = frozenset()  # the base models it serves (empty: not said, any)
+
+    def serves(self, model: str | None) -> bool:
+        return model is None or not self.models or model in self.models
 
 
-def parse_endpoint_slice(obj: Mapping[str, Any], port_name: str) -> list[Endpoint]:
-    """The pod endpoints of one EndpointSlice, at the port named `port_name` (or its only port)."""
+def parse_endpoint_slice(
+    obj: Mapping[str, Any], port_name: str, models: frozenset[str] = frozenset()
+) -> list[Endpoint]:
+    """The pod endpoints of one EndpointSlice, at the port named `port_name` (or its only port);
+    its pods serve `models` (its Service's)."""
     ports = [p for p in obj.get("ports") or () if isinstance(p, Mapping)]
     port = next((p.get("port") for p in ports if p.get("name") == port_name), None)
     if port is None and len(ports) == 1:
@@ -55,7 +65,9 @@ def parse_endpoint_slice(obj: Mapping[str, Any], port_name: str) -> list[Endpoin
         ready = conditions.get("ready") is not False and conditions.get("terminating") is not True
         host = str(addresses[0])
         host = f"[{host}]" if ":" in host else host
-        out.append(Endpoint(pod=str(ref["name"]), address=f"{host}:{port}", ready=ready))
+        out.append(
+            Endpoint(pod=str(ref["name"]), address=f"{host}:{port}", ready=ready, models=models)
+        )
     return out
 
 
@@ -75,6 +87,7 @@ class AdapterPlacement:
     name: str
     pods: frozenset[str] | None  # None: on every pod
     split: Split | None = None
+    base_model: str | None = None  # spec.baseModel
 
 
 def parse_adapter(obj: Mapping[str, Any]) -> AdapterPlacement:
@@ -86,8 +99,12 @@ def parse_adapter(obj: Mapping[str, Any]) -> AdapterPlacement:
     pods: frozenset[str] | None = None
     if limited:
         pods = frozenset(str(p) for p in placed) if isinstance(placed, list) else frozenset()
+    base_model = spec.get("baseModel")
     return AdapterPlacement(
-        name=str(meta.get("name", "")), pods=pods, split=parse_split(status.get("rollout"))
+        name=str(meta.get("name", "")),
+        pods=pods,
+        split=parse_split(status.get("rollout")),
+        base_model=base_model if isinstance(base_model, str) and base_model else None,
     )
 
 
@@ -227,9 +244,13 @@ class Fleet:
             mine = max(0, self.inflight.get(pod, 0) - 1)
             self.reports[pod] = dataclasses.replace(report, queue=queue, mine=mine)
 
-    def backends(self, now: float) -> list[Backend]:
+    def backends(self, now: float, model: str | None = None) -> list[Backend]:
+        """The Ready pods as routing sees them; only those that serve `model`, when given."""
         out = []
-        for pod in sorted(self.ready()):
+        ready = self.ready()
+        for pod in sorted(ready):
+            if not ready[pod].serves(model):
+                continue
             report = self.reports.get(pod)
             own = self.inflight.get(pod, 0)
             if report is None or now - report.at > self.stale_after_s:
@@ -259,7 +280,9 @@ class Fleet:
         )
 
     def base_models(self) -> set[str]:
-        return {r.base_model for r in self.reports.values() if r.base_model}
+        """The base models the pods serve: as their Services say, and as the pods report."""
+        listed = {m for eps in self.slices.values() for ep in eps for m in ep.models}
+        return listed | {r.base_model for r in self.reports.values() if r.base_model}
 
     def forget_reports(self, keep: Iterable[str]) -> None:
         keep = set(keep)

@@ -126,13 +126,15 @@ class _Refused(Exception):
         self.status, self.error_type, self.message = status, error_type, message
 
 
-def _adapter_for(fleet: Fleet, method: str, path: str, body: bytes) -> str | None:
+def _named(fleet: Fleet, method: str, path: str, body: bytes) -> tuple[str | None, str | None]:
+    """The adapter a request names (None: none, or a base model) and the base model it names
+    instead (None: none, or an adapter)."""
     if method != "POST" or path not in bodies.ADAPTER_PATHS:
-        return None
-    adapter = bodies.adapter_of(body)
-    if adapter is not None and adapter in fleet.base_models():
-        return None
-    return adapter
+        return None, None
+    name = bodies.adapter_of(body)
+    if name is not None and name in fleet.base_models():
+        return None, name
+    return name, None
 
 
 async def proxy(request: web.Request) -> web.StreamResponse:
@@ -141,7 +143,11 @@ async def proxy(request: web.Request) -> web.StreamResponse:
     if not paths.forwarded(request.method, request.path):
         # An allowlist: a pod's /metrics, /v1/adapters, load and unload never go through.
         return json_error(
-            paths.refusal(request.method, request.path, config.service), "NotFoundError", 404
+            paths.refusal(
+                request.method, request.path, " or ".join(s.name for s in config.services)
+            ),
+            "NotFoundError",
+            404,
         )
     try:
         body = await _read_body(request)
@@ -180,7 +186,7 @@ async def forward(
     """Route one request the router forwards (`paths.forwarded`, its body read whole) and
     answer it through `reply`: the pod's answer, or the router's 503."""
     config, fleet, metrics = state.config, state.fleet, state.metrics
-    adapter = _adapter_for(fleet, method, path, body)
+    adapter, model = _named(fleet, method, path, body)
     placement = fleet.adapters.get(adapter) if adapter is not None else None
     placed = placement.pods if placement is not None else None
     revision = None
@@ -192,18 +198,21 @@ async def forward(
         if placement is not None and placement.split is not None:
             placed = fleet.canary_holders(placement, placement.split, time.monotonic())
             revision = placement.split.canary[:12]
+    if placement is not None:
+        # Only the pods of its base model (in a release that serves several) ever get it.
+        model = placement.base_model
     sent = http1.forwarded_headers(headers)
     tried: list[str] = []
     failures: list[str] = []
     now = time.monotonic()
-    backends = fleet.backends(now)
+    backends = fleet.backends(now, model)
     if adapter is not None:
         fleet.note_request(adapter)
     affinity = routing.affinity_pays(fleet.working_set(), fleet.fewest_slots(now))
     for attempt in range(2):
         decision = routing.route(
             adapter,
-            fleet.backends(time.monotonic()) if attempt else backends,
+            fleet.backends(time.monotonic(), model) if attempt else backends,
             placed,
             known=placement is not None,
             load_factor=config.load_factor,
@@ -227,6 +236,8 @@ async def forward(
             metrics.rollout_requests.labels(placement.name, revision, str(status)).inc()
         return
     status, what = 503, "no inference pod is Ready"
+    if model is not None and not failures and fleet.ready() and not backends:
+        what = f"no inference pod of base model {model} is Ready"
     if failures:
         what = "the pods failed before answering (" + "; ".join(failures) + ")"
     metrics.answered("none", status)

@@ -1,4 +1,5 @@
-"""The router's view of the API: the EndpointSlices of the inference pods' Service and the
+"""The router's view of the API: the EndpointSlices of the inference pods' Services (one per base
+model in a release that serves several: each slice's pods serve its Service's models) and the
 LoRAAdapters of the namespace, mirrored into the `Fleet` by list-then-watch (kube.mirror)."""
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from lora_router.fleet import Fleet
 from lora_router.state import ProxyState, Source
 
 GROUP_VERSION = "lora.dev/v1alpha1"
+SERVICE_NAME_LABEL = "kubernetes.io/service-name"  # an EndpointSlice's Service
 
 
 def kube_sources(
@@ -21,12 +23,16 @@ def kube_sources(
 ) -> list[Source]:
     ns = config.namespace
     slices_path = f"/apis/discovery.k8s.io/v1/namespaces/{ns}/endpointslices"
-    slices_params = {"labelSelector": f"kubernetes.io/service-name={config.service}"}
+    models = {s.name: s.models for s in config.services}
+    names = ",".join(sorted(models))
+    slices_params = {"labelSelector": f"kubernetes.io/service-name in ({names})"}
     adapters_path = f"/apis/{GROUP_VERSION}/namespaces/{ns}/loraadapters"
 
     async def endpoints(fleet: Fleet, state: ProxyState) -> None:
         def parse(obj: kube.Obj) -> list[fleet_mod.Endpoint]:
-            return fleet_mod.parse_endpoint_slice(obj, config.port_name)
+            labels = (obj.get("metadata") or {}).get("labels") or {}
+            served = models.get(str(labels.get(SERVICE_NAME_LABEL, "")), frozenset())
+            return fleet_mod.parse_endpoint_slice(obj, config.port_name, served)
 
         def replace(items: list[kube.Obj]) -> None:
             fleet.slices = {_name(o): parse(o) for o in items}

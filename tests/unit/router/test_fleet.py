@@ -227,3 +227,24 @@ def test_a_rollout_in_the_status_the_operator_writes_is_a_split() -> None:
         alias=rollout.alias("x", canary), weight=20, canary=canary, stable=stable
     )
     assert parse_split({"canary": {"weight": "lots"}, "stable": {}}) is None
+
+
+def test_each_slice_s_pods_serve_its_service_s_models() -> None:
+    obj = {
+        "ports": [{"name": "http", "port": 8000}],
+        "endpoints": [{"addresses": ["10.0.0.1"], "targetRef": {"kind": "Pod", "name": "a"}}],
+    }
+    (listed,) = parse_endpoint_slice(obj, "http", frozenset({"sdxl-base", "sdxl"}))
+    assert listed.serves("sdxl") and listed.serves(None) and not listed.serves("sd15")
+    (unsaid,) = parse_endpoint_slice(obj, "http")
+    assert unsaid.serves("sd15"), "a Service listed without models: its pods take any request"
+    fleet = Fleet(slices={"s": [listed], "t": [Endpoint("b", "10.0.0.2:8000", True)]})
+    assert [b.name for b in fleet.backends(0.0, "sd15")] == ["b"]
+    assert [b.name for b in fleet.backends(0.0, "sdxl-base")] == ["a", "b"]
+    assert fleet.base_models() == {"sdxl-base", "sdxl"}
+
+
+def test_an_adapter_s_base_model_is_its_spec_s() -> None:
+    placed = parse_adapter({"metadata": {"name": "x"}, "spec": {"baseModel": "sd15"}})
+    assert placed.base_model == "sd15"
+    assert parse_adapter({"metadata": {"name": "x"}, "spec": {}}).base_model is None

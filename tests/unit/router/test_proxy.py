@@ -613,3 +613,38 @@ async def test_a_compressed_body_is_sent_decoded_without_its_coding_or_untouched
         assert echoed == {"encoding": None, "body": body.hex()} and pod == "b"
     else:
         assert echoed == {"encoding": coding, "body": sent.hex()}
+
+
+async def test_in_a_release_of_two_base_models_a_request_reaches_only_pods_of_its_model(
+    start_router: StartRouter, start_backend: StartBackend
+) -> None:
+    """Each model's pods behind a Service of their own: an adapter's requests, and a request for
+    a base model by name, go only to pods of that model, even when the other model's pods are
+    idle, hold a same-named adapter, or are all that is Ready."""
+    router = await start_router()
+    sdxl, sd15 = Pod("sdxl-0", gpu=("pixel",)), Pod("sd15-0", gpu=("pixel", "ink"))
+    addresses = {p.name: await start_backend(p.app()) for p in (sdxl, sd15)}
+    router.fleet.slices = {
+        "sdxl-abc": [Endpoint("sdxl-0", addresses["sdxl-0"], True, frozenset({"sdxl-base"}))],
+        "sd15-abc": [Endpoint("sd15-0", addresses["sd15-0"], True, frozenset({"sd15"}))],
+    }
+    router.app[STATE].endpoints_changed()
+    router.fleet.adapters["pixel"] = AdapterPlacement("pixel", None, base_model="sdxl-base")
+    router.fleet.adapters["ink"] = AdapterPlacement("ink", None, base_model="sd15")
+    await router.wait_reports({"sdxl-0", "sd15-0"})
+    url = router.url("/v1/images/generations")
+    for _ in range(8):  # the least-queued pod would otherwise alternate
+        for name, expected in (("pixel", "sdxl-0"), ("ink", "sd15-0"), ("sd15", "sd15-0")):
+            async with router.session.post(url, json=generation(name)) as r:
+                assert r.status == 200 and r.headers["x-lora-pod"] == expected, name
+    assert sdxl.calls["/v1/images/generations"] == 8 and sd15.calls["/v1/images/generations"] == 16
+    # The SDXL pod leaves: its adapter is refused with the reason, never sent to the SD 1.5 pod.
+    router.fleet.slices["sdxl-abc"] = []
+    router.app[STATE].endpoints_changed()
+    async with router.session.post(url, json=generation("pixel")) as r:
+        assert r.status == 503
+        assert (
+            "no inference pod of base model sdxl-base is Ready"
+            in (await r.json())["error"]["message"]
+        )
+    assert sd15.calls["/v1/images/generations"] == 16
