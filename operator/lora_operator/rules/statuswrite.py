@@ -143,6 +143,13 @@ class WritePolicy:
     progress_s: float = 10.0
 
 
+def stored(obj: Mapping[str, Any]) -> dict[str, Any]:
+    """`obj` as the API server keeps it once written as a merge patch: a key whose value is
+    None is no key at all (so a status read back from the object after a restart compares equal
+    to the same status rendered again, and is not written for nothing)."""
+    return {k: stored(v) if isinstance(v, Mapping) else v for k, v in obj.items() if v is not None}
+
+
 def write_delay(
     written: Mapping[str, Any] | None,
     written_headline: Headline | None,
@@ -159,7 +166,7 @@ def write_delay(
     `since_headline`: how long the adapter has been in `summary`'s (phase, reason);
     `since_write`: since the status was last written (or first seen).
     """
-    if written is not None and dict(body) == dict(written):
+    if written is not None and stored(body) == stored(written):
         return None
     if same_headline(written_headline, summary):
         return max(0.0, policy.progress_s - since_write)
