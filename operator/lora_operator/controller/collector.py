@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 from lora_operator.controller.seams import Key
 from lora_operator.controller.signals import Actor, Shared
@@ -16,10 +17,18 @@ from lora_operator.rules import gc
 log = logging.getLogger("lora_operator")
 
 
+# A collection scans the whole volume (10,000 adapters: a good part of a second on a small
+# machine, holding the store's publish lock): after one that took t seconds the next waits at
+# least PACE x t, so collecting takes at most about 1/PACE of the time however many adapters
+# there are, while a burst of changes keeps asking for one every second.
+PACE = 10.0
+
+
 class Collector(Actor):
     def __init__(self, shared: Shared) -> None:
         super().__init__(shared)
         self.wake = asyncio.Event()
+        self._took = 0.0  # how long the last collection took
 
     def collect(self) -> None:
         """A revision may no longer be in use: collect a second from now."""
@@ -31,7 +40,7 @@ class Collector(Actor):
     async def run(self) -> None:
         while True:
             await self.wake.wait()
-            await asyncio.sleep(1.0)
+            await asyncio.sleep(max(1.0, PACE * self._took))
             self.wake.clear()
             if not self.seams.active.is_set():
                 continue
@@ -50,7 +59,9 @@ class Collector(Actor):
                     if rec.rolling.rollout is not None
                 ),
             )
+            started = time.monotonic()
             plan, freed = await self.seams.volume.collect(in_use)
+            self._took = time.monotonic() - started
             if plan:
                 self.metrics.collected_bytes.inc(freed)
                 log.info(

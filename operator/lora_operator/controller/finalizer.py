@@ -23,10 +23,16 @@ log = logging.getLogger("lora_operator")
 class Finalizer(Actor):
     def __init__(self, shared: Shared) -> None:
         super().__init__(shared)
-        self._unloading: set[Key] = set()  # unpublished, waiting for no pod to hold them
+        # Unpublished, waiting for no pod to hold them, by namespace (a pod's report checks its
+        # own namespace's, not every deletion under way).
+        self._unloading: dict[str, set[Key]] = {}
 
     def forget(self, key: Key) -> None:
-        self._unloading.discard(key)
+        waiting = self._unloading.get(key[0])
+        if waiting is not None:
+            waiting.discard(key)
+            if not waiting:
+                del self._unloading[key[0]]
         rec = self.cache.adapters.get(key)
         if rec is not None:
             rec.deletion.unloaded.set()
@@ -37,10 +43,10 @@ class Finalizer(Actor):
         await self.signals.stop_staging(info.key)  # a publish in progress ends first
         await self.seams.volume.unpublish(info.namespace, info.name)
         rec.deletion.unpublished = True
-        self._unloading.add(info.key)
+        self._unloading.setdefault(info.namespace, set()).add(info.key)
         log.info("action=unpublish adapter=%s/%s", *info.key)
         self.signals.wake_namespace(info.namespace)
-        self.check_unloaded(info.namespace)
+        self._check_one(rec.key)
         try:
             await asyncio.wait_for(rec.deletion.unloaded.wait(), self.config.unload_grace_s)
         except TimeoutError:
@@ -62,9 +68,17 @@ class Finalizer(Actor):
         forget(info.key)
         self.signals.collect()
 
+    def _check_one(self, key: Key) -> None:
+        """Release this deletion now if no pod holds the adapter (one adapter's check, not the
+        namespace's: ten thousand deletions at once each check their own)."""
+        if not any(
+            p.report is not None and p.report.holds(key[1]) for p in self.cache.pods_in(key[0])
+        ):
+            self.cache.adapters[key].deletion.unloaded.set()
+
     def check_unloaded(self, namespace: str) -> None:
         """Release the deletions of the namespace's adapters that no pod holds any more."""
-        waiting = [self.cache.adapters[k] for k in self._unloading if k[0] == namespace]
+        waiting = [self.cache.adapters[k] for k in self._unloading.get(namespace, ())]
         if not waiting:
             return
         held = self.cache.held(namespace)

@@ -56,6 +56,9 @@ class Series:
     def __init__(self, window_s: float = 600.0) -> None:
         self.window_s = window_s
         self._posted: dict[SeriesKey, _Posted] = {}
+        # The keys of each adapter's Events: deleting ten thousand adapters forgets each one's
+        # own keys, not a scan of every Event posted (K x K).
+        self._by_uid: dict[str, set[SeriesKey]] = {}
         self._expired_at = 0.0
 
     def record(self, key: SeriesKey, now: float, name: str) -> tuple[str, int]:
@@ -65,6 +68,7 @@ class Series:
         if posted is None or now - posted.last > self.window_s:
             self._expire(now)
             self._posted[key] = _Posted(name, 1, now)
+            self._by_uid.setdefault(key[0], set()).add(key)
             return name, 1
         posted.count += 1
         posted.last = now
@@ -72,8 +76,8 @@ class Series:
 
     def forget(self, uid: str) -> None:
         """Drop what is remembered about one adapter (deleted)."""
-        for key in [k for k in self._posted if k[0] == uid]:
-            del self._posted[key]
+        for key in self._by_uid.pop(uid, ()):
+            self._posted.pop(key, None)
 
     def __len__(self) -> int:
         return len(self._posted)
@@ -84,3 +88,8 @@ class Series:
         self._expired_at = now
         for key in [k for k, p in self._posted.items() if now - p.last > self.window_s]:
             del self._posted[key]
+            keys = self._by_uid.get(key[0])
+            if keys is not None:
+                keys.discard(key)
+                if not keys:
+                    del self._by_uid[key[0]]

@@ -65,11 +65,16 @@ class PodReport:
     max_loras: int | None = None
     max_cpu_loras: int | None = None
     _managed: Mapping[str, str] = field(init=False, repr=False, compare=False)
+    _adapters: frozenset[str] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         # Computed once: deletion and collection ask for it for every pod, often.
         managed = {n: c.revision for n, c in self.cards.items() if c.revision is not None}
         object.__setattr__(self, "_managed", managed)
+        adapters = frozenset(
+            c.adapter for c in self.cards.values() if c.adapter and c.revision is not None
+        )
+        object.__setattr__(self, "_adapters", adapters)
 
     def managed(self) -> Mapping[str, str]:
         """Served name -> revision, for the adapters the operator put on this pod."""
@@ -81,7 +86,7 @@ class PodReport:
 
     def holds(self, adapter: str) -> bool:
         """Whether the pod holds a revision of `adapter` that the operator loaded."""
-        return any(c.adapter == adapter for c in self.cards.values() if c.revision is not None)
+        return adapter in self._adapters
 
 
 def parse_models(payload: Any) -> PodReport:
