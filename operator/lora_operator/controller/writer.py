@@ -74,7 +74,9 @@ class StatusWriter(Actor):
         keys = self._due.take(now)
         heard: dict[str, bool] = {}
         writes = []
-        for key in keys:
+        # Round-robin over namespaces: the writes are queued on the slots in this order, so
+        # every namespace gets an equal share of them (statuswrite.fair_order).
+        for key in statuswrite.fair_order(keys):
             due = self._due.unschedule(key)
             rec = self.cache.adapters.get(key)
             if rec is None or rec.info.deleting:

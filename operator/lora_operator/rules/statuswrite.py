@@ -13,7 +13,7 @@ at most `status.MAX_NAMED_PODS` pods.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -173,3 +173,25 @@ def write_delay(
     if summary.phase in SETTLED_PHASES or summary.warning or summary.reason == "NoPods":
         return 0.0
     return max(0.0, policy.settle_s - since_headline)
+
+
+# -- in which order -----------------------------------------------------------------------------
+
+
+def fair_order(keys: Iterable[tuple[str, str]]) -> list[tuple[str, str]]:
+    """(namespace, name) keys in the order their writes are queued: one of each namespace in
+    turn (namespaces by name, each one's keys by name), so that every namespace with writes
+    waiting gets the same share of the writer's slots. A namespace that applied 5,000 adapters
+    delays another's 5 by 5 turns, not by 5,000 writes; no namespace is ever more than one
+    write ahead of another that still has writes waiting."""
+    by_namespace: dict[str, list[tuple[str, str]]] = {}
+    for key in sorted(keys):
+        by_namespace.setdefault(key[0], []).append(key)
+    queues = list(by_namespace.values())
+    out: list[tuple[str, str]] = []
+    turn = 0
+    while queues:
+        queues = [q for q in queues if len(q) > turn]
+        out.extend(q[turn] for q in queues)
+        turn += 1
+    return out

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections import Counter
 
 import pytest
 from hypothesis import given
@@ -10,7 +11,13 @@ from hypothesis import strategies as st
 from lora_operator.rules import model, resume
 from lora_operator.rules.podstate import PodEntry, PodState
 from lora_operator.rules.status import StagingState, Summary, summarise
-from lora_operator.rules.statuswrite import MAX_LISTED_PODS, WritePolicy, render, write_delay
+from lora_operator.rules.statuswrite import (
+    MAX_LISTED_PODS,
+    WritePolicy,
+    fair_order,
+    render,
+    write_delay,
+)
 from lora_volume import description, formats
 
 SHA = "a" * 64
@@ -307,3 +314,28 @@ def test_what_the_staged_file_declares_is_rendered_and_resumed_as_written() -> N
 def test_a_status_that_does_not_say_what_the_file_declares_is_read_again(raw: object) -> None:
     """None: the stager reads the staged revision's headers instead."""
     assert resume.restore_adapter(raw) is None
+
+
+# -- in which order the writes queue ----------------------------------------------------------
+
+
+def test_writes_queue_one_namespace_at_a_time_in_turn() -> None:
+    keys = [("big", f"a{i:04d}") for i in range(5000)] + [("small", f"b{i}") for i in range(5)]
+    order = fair_order(keys)
+    assert sorted(order) == sorted(keys)
+    # The small namespace's five are among the first ten writes, not after 5,000.
+    assert [k for k in order[:10] if k[0] == "small"] == [("small", f"b{i}") for i in range(5)]
+
+
+@given(st.lists(st.tuples(st.sampled_from("abcde"), st.text("xyz", max_size=4)), unique=True))
+def test_no_namespace_is_more_than_one_write_ahead_of_one_still_waiting(
+    keys: list[tuple[str, str]],
+) -> None:
+    order = fair_order(keys)
+    assert sorted(order) == sorted(keys)
+    total = Counter(ns for ns, _ in keys)
+    done: Counter[str] = Counter()
+    for ns, _ in order:
+        done[ns] += 1
+        waiting = [other for other in total if done[other] < total[other]]
+        assert all(done[ns] <= done[other] + 1 for other in waiting)
