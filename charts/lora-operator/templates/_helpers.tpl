@@ -144,13 +144,16 @@ that names neither fails here, saying what to set.
 
 {{/*
 A component's topologySpreadConstraints: (dict "root" $ "constraints" <the values' list>
-"component" "operator"|"inference"|"router"). A constraint without labelSelector selects that
+"component" "operator"|"inference"|"router", and for one model's pods "selector" its labels). A constraint without labelSelector selects that
 component's pods of the release, which is what spreading them means; one with its own is kept
 as written.
 */}}
 {{- define "lora-operator.topologySpread" -}}
 {{- $selector := fromYaml (include "lora-operator.selectorLabels" .root) }}
 {{- $_ := set $selector "app.kubernetes.io/component" .component }}
+{{- range $k, $v := .selector }}
+{{- $_ := set $selector $k $v }}
+{{- end }}
 {{- $out := list }}
 {{- range .constraints }}
 {{- $c := deepCopy . }}
@@ -187,14 +190,22 @@ includes it, and helm renders every template, so any install or template reports
 {{- if and (not .Values.adapterVolume.create) (not .Values.adapterVolume.existingClaim) }}
 {{- fail "adapterVolume: set adapterVolume.create=true or name adapterVolume.existingClaim; the operator and inference pods need the shared adapter volume" }}
 {{- end }}
-{{- if and .Values.inference.enabled .Values.inference.model.existingClaim (not (hasPrefix "/models/" .Values.inference.model.path)) }}
-{{- fail (printf "inference.model.path must be under /models/ when inference.model.existingClaim is set (the claim is mounted at /models); got %q" .Values.inference.model.path) }}
+{{- if .Values.inference.enabled }}
+{{- range $m := include "lora-operator.models" . | fromJsonArray }}
+{{- $where := ternary "inference" (printf "inference.models[%s]" $m.servedModelName) (empty $m.selector) }}
+{{- if and $m.model.existingClaim (not (hasPrefix "/models/" $m.model.path)) }}
+{{- fail (printf "%s.model.path must be under /models/ when %s.model.existingClaim is set (the claim is mounted at /models); got %q" $where $where $m.model.path) }}
 {{- end }}
-{{- if and .Values.inference.enabled .Values.inference.gpu.enabled (eq .Values.inference.device "cpu") }}
-{{- fail "inference.device is cpu but inference.gpu.enabled is true: the GPU would sit idle; set inference.gpu.enabled=false or inference.device=cuda" }}
+{{- if and $m.gpu.enabled (eq $m.device "cpu") }}
+{{- fail (printf "%s.device is cpu but %s.gpu.enabled is true: the GPU would sit idle; set %s.gpu.enabled=false or %s.device=cuda" $where $where $where $where) }}
 {{- end }}
-{{- if and .Values.inference.enabled (lt (int .Values.inference.maxCpuLoras) (int .Values.inference.maxLoras)) }}
-{{- fail (printf "inference.maxCpuLoras (%d) must be at least inference.maxLoras (%d)" (int .Values.inference.maxCpuLoras) (int .Values.inference.maxLoras)) }}
+{{- if lt (int $m.maxCpuLoras) (int $m.maxLoras) }}
+{{- fail (printf "%s.maxCpuLoras (%d) must be at least %s.maxLoras (%d)" $where (int $m.maxCpuLoras) $where (int $m.maxLoras)) }}
+{{- end }}
+{{- if and $m.autoscaling.enabled (gt (int $m.autoscaling.minReplicas) (int $m.autoscaling.maxReplicas)) }}
+{{- fail (printf "%s.autoscaling.minReplicas (%d) is above %s.autoscaling.maxReplicas (%d)" $where (int $m.autoscaling.minReplicas) $where (int $m.autoscaling.maxReplicas)) }}
+{{- end }}
+{{- end }}
 {{- end }}
 {{- if and .Values.metrics.serviceMonitor.enabled .Values.metrics.podMonitor.enabled }}
 {{- fail "metrics: enable metrics.serviceMonitor or metrics.podMonitor, not both: every series would be scraped twice" }}
@@ -264,4 +275,60 @@ namespace (templates/rbac.yaml). Each comment says why the operator needs the ru
 - apiGroups: [events.k8s.io]
   resources: [events]
   verbs: [create, patch]
+{{- end }}
+
+{{/*
+The base models the release serves (inference.models, or the list of one made of inference's
+own servedModelName and model), as a JSON list: each entry is inference's values with the
+model's own over them (a map key by key), plus
+- objectName: its Deployment's, PodDisruptionBudget's, NetworkPolicy's and HPA's name (and, in
+  a release of several models, its Service's): `<fullname>-inference`, or
+  `<fullname>-inference-<name>` for each listed model;
+- selector: the labels that select its pods besides the release's and the component's (none
+  for the list of one, so a single-model release keeps the selector it always had);
+- servedModelName: what its pods report and its adapters name in spec.baseModel.
+Templates range over it: `range $m := include "lora-operator.models" . | fromJsonArray`.
+*/}}
+{{- define "lora-operator.models" -}}
+{{- $inf := .Values.inference }}
+{{- $base := omit $inf "enabled" "models" "service" "clientToken" }}
+{{- $out := list }}
+{{- if not $inf.models }}
+{{- $m := deepCopy $base }}
+{{- $_ := set $m "objectName" (include "lora-operator.inference.name" .) }}
+{{- $_ := set $m "selector" dict }}
+{{- $out = append $out $m }}
+{{- else }}
+{{- $names := list }}
+{{- range $i, $entry := $inf.models }}
+{{- /* values.schema.json holds each entry to a name of lower-case letters, digits and '-',
+and to the keys a model may set (not the release's enabled, service, clientToken). */}}
+{{- $name := $entry.name | toString }}
+{{- if has $name $names }}
+{{- fail (printf "inference.models: %q is listed twice; each model once" $name) }}
+{{- end }}
+{{- $names = append $names $name }}
+{{- $m := deepCopy $base }}
+{{- range $key, $value := omit $entry "name" }}
+{{- if and (kindIs "map" $value) (kindIs "map" (index $m $key)) }}
+{{- $merged := deepCopy (index $m $key) }}
+{{- range $k, $v := $value }}
+{{- $_ := set $merged $k $v }}
+{{- end }}
+{{- $_ := set $m $key $merged }}
+{{- else }}
+{{- $_ := set $m $key $value }}
+{{- end }}
+{{- end }}
+{{- $objectName := printf "%s-%s" (include "lora-operator.inference.name" $) $name }}
+{{- if gt (len $objectName) 63 }}
+{{- fail (printf "inference.models[%d].name %q: %s is longer than the 63 characters a Service name may have; shorten the model's name or fullnameOverride" $i $name $objectName) }}
+{{- end }}
+{{- $_ := set $m "servedModelName" $name }}
+{{- $_ := set $m "objectName" $objectName }}
+{{- $_ := set $m "selector" (dict "lora.dev/model" $name) }}
+{{- $out = append $out $m }}
+{{- end }}
+{{- end }}
+{{- toJson $out }}
 {{- end }}
