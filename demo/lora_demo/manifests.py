@@ -29,6 +29,7 @@ SERVICE = f"{RELEASE}-inference"
 ADAPTER_CLAIM = f"{RELEASE}-adapters"  # the claim the chart creates for the adapter volume
 MODEL_CLAIM = "models"
 MODEL_NAME = "tiny-sd15"  # the tests' model: random weights, built by the Job
+TINY_MODELS = {MODEL_NAME: "sd15", "tiny-sdxl": "sdxl"}  # tiny models by name -> their family
 DEMO_MODEL = "shapes-sd15"  # the demo's model: trained, copied from the inference image
 SHAPES_IN_IMAGE = PurePosixPath("/opt/lora/shapes")  # where docker/inference.Dockerfile puts it
 MODELS_MOUNT = PurePosixPath("/models")
@@ -68,6 +69,7 @@ class AdapterSource:
     rank: int = 8
     strength: float = 0.3
     trained: bool = False
+    base: str = MODEL_NAME  # the tiny model a random adapter is made for (TINY_MODELS)
 
     @property
     def uri(self) -> str:
@@ -77,7 +79,7 @@ class AdapterSource:
     @property
     def model(self) -> str:
         """The base model the adapter was made for."""
-        return DEMO_MODEL if self.trained else MODEL_NAME
+        return DEMO_MODEL if self.trained else self.base
 
 
 # A palette, a texture and a shape: each visibly changes what the demo model draws.
@@ -110,11 +112,13 @@ def _prepare_model(model: str) -> str:
     """The command that puts `model` into its folder on the model claim."""
     if model == DEMO_MODEL:
         return _copy(SHAPES_IN_IMAGE / DEMO_MODEL, str(MODELS_MOUNT / DEMO_MODEL))
-    if model == MODEL_NAME:
+    if model in TINY_MODELS:
+        arch = TINY_MODELS[model]
         return shlex.join(
-            ["lora-inference", "tiny-model", str(MODELS_MOUNT / model), "--arch", "sd15"]
+            ["lora-inference", "tiny-model", str(MODELS_MOUNT / model), "--arch", arch]
         )
-    raise ValueError(f"no way to prepare model {model!r}; choose {MODEL_NAME} or {DEMO_MODEL}")
+    choices = ", ".join([*TINY_MODELS, DEMO_MODEL])
+    raise ValueError(f"no way to prepare model {model!r}; choose one of {choices}")
 
 
 def _prepare_adapter(a: AdapterSource) -> str:
