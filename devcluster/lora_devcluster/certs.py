@@ -4,8 +4,11 @@ Owns: one self-signed CA, the API server's serving certificate, the admin client
 (CN=admin, O=system:masters), the node's client certificate (system:node:NAME, so the Node
 authorizer and NodeRestriction apply to the kubelet as on a real cluster), the kubelet's serving
 certificate (logs, exec and port-forward go from the API server to it), the service-account
-signing key, and kubeconfigs with the data embedded (kopf's login reads
-client-certificate-data / client-key-data).
+signing key, a second CA for the aggregation layer's front proxy with the client certificate the
+API server presents to extension API servers (prometheus-adapter: they trust the identity headers
+of a request only with it), serving certificates of the cluster's CA for such servers, and
+kubeconfigs with the data embedded (kopf's login reads client-certificate-data /
+client-key-data).
 Must not: start processes or talk to the network.
 """
 
@@ -42,6 +45,14 @@ class PKI:
     kubelet_key: Path
     sa_key: Path
     sa_pub: Path
+    front_proxy_ca_cert: Path
+    proxy_client_cert: Path
+    proxy_client_key: Path
+
+
+# The name the API server's front-proxy client certificate carries; extension API servers accept
+# identity headers only from it (--requestheader-allowed-names).
+FRONT_PROXY_CLIENT = "front-proxy-client"
 
 
 def _pem_key(key: ec.EllipticCurvePrivateKey | rsa.RSAPrivateKey) -> bytes:
@@ -102,19 +113,10 @@ def _name(cn: str, org: str | None = None) -> x509.Name:
     return x509.Name(attrs)
 
 
-def write_pki(
-    directory: Path,
-    server_ips: list[str],
-    server_names: list[str],
-    node_name: str,
-    node_ip: str,
-) -> PKI:
-    """Generate a CA, the API server's serving cert for `server_ips`/`server_names`, the admin
-    and node client certs, the kubelet's serving cert for `node_ip`/`node_name`, and the
-    service-account key pair under `directory` (mode 0700)."""
-    directory.mkdir(parents=True, exist_ok=True)
-    directory.chmod(0o700)
-    pki = PKI(
+def pki_at(directory: Path) -> PKI:
+    """The paths `write_pki` writes under `directory` (pure: for its readers, such as the
+    metrics pipeline, which signs a serving certificate with the CA)."""
+    return PKI(
         ca_cert=directory / "ca.crt",
         ca_key=directory / "ca.key",
         server_cert=directory / "apiserver.crt",
@@ -127,7 +129,25 @@ def write_pki(
         kubelet_key=directory / "kubelet.key",
         sa_key=directory / "sa.key",
         sa_pub=directory / "sa.pub",
+        front_proxy_ca_cert=directory / "front-proxy-ca.crt",
+        proxy_client_cert=directory / "front-proxy-client.crt",
+        proxy_client_key=directory / "front-proxy-client.key",
     )
+
+
+def write_pki(
+    directory: Path,
+    server_ips: list[str],
+    server_names: list[str],
+    node_name: str,
+    node_ip: str,
+) -> PKI:
+    """Generate a CA, the API server's serving cert for `server_ips`/`server_names`, the admin
+    and node client certs, the kubelet's serving cert for `node_ip`/`node_name`, and the
+    service-account key pair under `directory` (mode 0700)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    directory.chmod(0o700)
+    pki = pki_at(directory)
     ca_key = ec.generate_private_key(ec.SECP256R1())
     ca_name = _name("lora-devcluster-ca")
     ca = _cert(ca_name, ca_key, ca_name, ca_key, ca=True, usages=[], sans=[])
@@ -175,6 +195,22 @@ def write_pki(
         sans=[x509.IPAddress(ipaddress.ip_address(node_ip)), x509.DNSName(node_name)],
     )
     sa_key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+    # A CA of its own, as kubeadm does: a certificate of the cluster's CA (any client's) must not
+    # be able to pass identity headers to an extension API server. Its key signs one certificate
+    # and is not kept.
+    front_key = ec.generate_private_key(ec.SECP256R1())
+    front_name = _name("lora-devcluster-front-proxy-ca")
+    front_ca = _cert(front_name, front_key, front_name, front_key, ca=True, usages=[], sans=[])
+    proxy_key = ec.generate_private_key(ec.SECP256R1())
+    proxy = _cert(
+        _name(FRONT_PROXY_CLIENT),
+        proxy_key,
+        front_name,
+        front_key,
+        ca=False,
+        usages=[ExtendedKeyUsageOID.CLIENT_AUTH],
+        sans=[],
+    )
 
     pem = serialization.Encoding.PEM
     pki.ca_cert.write_bytes(ca.public_bytes(pem))
@@ -191,6 +227,9 @@ def write_pki(
     pki.sa_pub.write_bytes(
         sa_key.public_key().public_bytes(pem, serialization.PublicFormat.SubjectPublicKeyInfo)
     )
+    pki.front_proxy_ca_cert.write_bytes(front_ca.public_bytes(pem))
+    pki.proxy_client_cert.write_bytes(proxy.public_bytes(pem))
+    pki.proxy_client_key.write_bytes(_pem_key(proxy_key))
     for path in (
         pki.ca_key,
         pki.server_key,
@@ -198,9 +237,36 @@ def write_pki(
         pki.node_key,
         pki.kubelet_key,
         pki.sa_key,
+        pki.proxy_client_key,
     ):
         path.chmod(0o600)
     return pki
+
+
+def write_serving_cert(
+    pki: PKI, cert: Path, key: Path, dns_names: list[str], ips: list[str]
+) -> None:
+    """A serving certificate of the cluster's CA for `dns_names` and `ips` (an extension API
+    server's: the API server checks it against the APIService's caBundle, the CA's certificate)."""
+    ca = x509.load_pem_x509_certificate(pki.ca_cert.read_bytes())
+    ca_key = serialization.load_pem_private_key(pki.ca_key.read_bytes(), password=None)
+    if not isinstance(ca_key, ec.EllipticCurvePrivateKey):
+        raise TypeError(f"{pki.ca_key} is not the EC key write_pki writes")
+    server_key = ec.generate_private_key(ec.SECP256R1())
+    sans: list[x509.GeneralName] = [x509.DNSName(n) for n in dns_names]
+    sans += [x509.IPAddress(ipaddress.ip_address(ip)) for ip in ips]
+    server = _cert(
+        _name(dns_names[0] if dns_names else ips[0]),
+        server_key,
+        ca.subject,
+        ca_key,
+        ca=False,
+        usages=[ExtendedKeyUsageOID.SERVER_AUTH],
+        sans=sans,
+    )
+    cert.write_bytes(server.public_bytes(serialization.Encoding.PEM))
+    key.write_bytes(_pem_key(server_key))
+    key.chmod(0o600)
 
 
 def build_kubeconfig(
