@@ -7,6 +7,10 @@ point, so every test suite of the project can use them).
   and stops everything after the last test that uses it (or at the end of the session, also
   after a failure or Ctrl-C), returning this process to its own network namespace.
 - `devcluster_namespace` (function): a fresh namespace per test, deleted after it.
+- `devcluster_metrics` (module): the metrics pipeline on that cluster (metricspipeline:
+  Prometheus scraping the annotated pods, prometheus-adapter serving custom.metrics.k8s.io for
+  HorizontalPodAutoscalers), for the tests of one module, stopped after its last test; only the
+  modules that ask for it pay its start and need its binaries.
 - When a test using a namespace fails, its containers' logs are added to the report.
 
 Without the binaries the fixtures skip, except under CI (CI set), where they fail: CI must
@@ -28,7 +32,7 @@ from pathlib import Path
 import pytest
 
 from lora_devcluster import cluster as cluster_mod
-from lora_devcluster import harness, images
+from lora_devcluster import harness, images, metricspipeline
 
 _NAMESPACE_KEY = pytest.StashKey[str]()
 _HARNESS_KEY = pytest.StashKey[harness.Harness]()
@@ -96,6 +100,17 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
         stack = item.config.stash.get(_STACK_KEY, None)
         if stack is not None:
             stack.close()
+
+
+@pytest.fixture(scope="module")
+def devcluster_metrics(
+    devcluster: harness.Harness, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[metricspipeline.Pipeline]:
+    problem = metricspipeline.missing(devcluster.cluster.bin_dir)
+    if problem:
+        _unavailable(problem)
+    with metricspipeline.running(devcluster, tmp_path_factory.mktemp("metrics")) as pipeline:
+        yield pipeline
 
 
 def _namespace_name(test_name: str) -> str:
