@@ -6,8 +6,9 @@ failed (`phases`, a plugin tests/conftest.py loads), the suite's kinds and their
 blocks and their commands (`docs`), stand-in pods for the router (`stand_ins`), live servers behind
 a live router (`fleet`), adapter files of every served format with their deltas (`formats`), a
 Hugging Face Hub stand-in serving one model repository (`hubstandin`, also run as a script in a
-pod), examples/model-sdxl.yaml's download Job pointed at it (`modeljob`), and the benchmarks'
-scripts imported as modules (`bench_module`, here).
+pod), examples/model-sdxl.yaml's download Job pointed at it (`modeljob`), a
+HorizontalPodAutoscaler on a custom metric and a closed-loop load recording every answer
+(`autoscaling`), and the benchmarks' scripts imported as modules (`bench_module`, here).
 
 Waiting for pods and adapters, and talking to a release through the API server, are the shipped
 demo's (`lora_demo.release`): the tests use those rather than keep their own.
