@@ -254,7 +254,7 @@ class Fleet:
             report = self.reports.get(pod)
             own = self.inflight.get(pod, 0)
             if report is None or now - report.at > self.stale_after_s:
-                out.append(Backend(name=pod, load=own, residency=None))
+                out.append(Backend(name=pod, load=own, residency=None, heard=report is not None))
                 continue
             load = estimated_load(own, report.queue, report.mine)
             out.append(Backend(name=pod, load=load, residency=report.residency))

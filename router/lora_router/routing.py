@@ -2,7 +2,9 @@
 
 For a request that names an adapter, the candidates are the Ready pods the adapter is placed on;
 for one without `spec.replicas` (on every pod its selector matches), the Ready pods that report
-holding it (any tier) and those that report nothing, or every Ready pod when none reports it.
+holding it (any tier) and those whose report went stale, or every Ready pod when none reports it.
+A pod that has never reported (new: the operator is still loading its adapters) is not one of
+them while another pod holds the adapter; it takes such requests only as overflow.
 Among the candidates whose load stays within the bound, the router prefers, in this order:
 
 1. a pod where the adapter is GPU-resident (no load at all),
@@ -79,6 +81,9 @@ class Backend:
     name: str  # the pod's name
     load: int  # requests queued or running there, as far as the router knows
     residency: Residency | None  # None: no fresh report
+    # Whether it has ever reported: a pod that has not is new (Ready a moment ago), and the
+    # operator has not loaded its adapters yet.
+    heard: bool = True
 
 
 @dataclass(frozen=True)
@@ -158,8 +163,12 @@ def route(
     if placed is not None:
         candidates = [b for b in ready if b.name in placed]
     else:  # on every pod its selector matches: those that hold it, and the silent ones
+        # (a report gone stale: it may hold it), not a new pod, whose adapters the operator is
+        # still loading: while another pod holds the adapter, a new one takes its requests only
+        # when every holder is at the bound.
         holders = [b for b in ready if b.residency is not None and b.residency.holds(adapter)]
-        candidates = holders + [b for b in ready if b.residency is None] if holders else ready
+        silent = [b for b in ready if b.residency is None and b.heard]
+        candidates = holders + silent if holders else ready
     if not known or not candidates:
         return Decision(_least_queued(ready, adapter).name, Reason.UNPLACED)
     bound = load_bound(ready, load_factor)

@@ -55,6 +55,25 @@ def test_preferences(backends: list[Backend], expected: Decision) -> None:
     assert route("x", backends, ALL, known=True) == expected
 
 
+def test_a_new_pod_takes_an_adapter_another_holds_only_as_overflow() -> None:
+    """A pod that has never reported is new: the operator is still loading its adapters, so an
+    adapter held elsewhere goes to a holder, however idle the new pod; one gone stale may hold it
+    and is judged by its queue."""
+    new = Backend("new", 0, None, heard=False)
+    assert route("x", [new, pod("b", load=1, gpu=("x",))], ALL, known=True) == Decision(
+        "b", Reason.GPU
+    )
+    stale = Backend("stale", 0, None)  # b is at the bound: the stale pod is the only candidate
+    assert route("x", [stale, pod("b", load=2, gpu=("x",))], ALL, known=True) == Decision(
+        "stale", Reason.NO_RESIDENCY
+    )
+    # Every holder at the bound: the new pod takes the overflow.
+    busy = pod("b", load=5, gpu=("x",))
+    assert route("x", [new, busy], ALL, known=True) == Decision("new", Reason.OVERFLOW)
+    # Nobody holds it yet: every Ready pod is a candidate, the new one included.
+    assert route("x", [new, pod("b", load=1)], ALL, known=True).pod == "new"
+
+
 def test_inside_a_resident_rank_the_hash_not_the_queue_chooses() -> None:
     """Consistent hashing with bounded loads: while its pod is within the bound, an adapter
     resident on several pods keeps going to one of them, whatever the queues say (short of a
