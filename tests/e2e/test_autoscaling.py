@@ -5,9 +5,10 @@ the queue grows and the HPA adds pods, on which the operator loads the adapter a
 once the load drops to one client it removes them while that client's requests go on; no
 request fails, out, in or meanwhile.
 
-The HPA is the test's own (`tests.support.autoscaling.hpa_manifest`) until the chart renders
-one; the chart's `inference.replicas` does not fight it here, as nothing upgrades the release
-during the test.
+The HPA is the chart's (`inference.autoscaling`, with a test's quick behavior): the Deployment
+then has no replica count of its own, so a `helm upgrade` at three pods leaves three. A new pod
+takes requests for the adapter before the operator has loaded it there only as the router's
+overflow (every pod holding it at the load bound), and such a request is served from the volume.
 
 The inference pods are simulated (`lora-inference serve --simulate`: they sleep for a profile's
 costs), so three of them fit the machine. The test process is in the cluster's network
@@ -27,7 +28,7 @@ from lora_demo.manifests import INFERENCE_LABELS, RELEASE, SERVICE, AdapterSourc
 from lora_devcluster import metricspipeline
 from lora_devcluster.harness import Harness
 
-from tests.support.autoscaling import QUEUE_METRIC, Load, hpa_manifest
+from tests.support.autoscaling import QUEUE_METRIC, Load, autoscaling_values
 from tests.support.phases import Phase
 
 Obj = dict[str, Any]
@@ -83,7 +84,11 @@ def test_an_hpa_on_the_queue_scales_the_inference_pods_out_and_back_in(
         release.prepare_model(h, ns)
         release.install_crd(h)
         values = manifests.local_values(ns, replicas=1)
-        values["inference"].update(extraArgs=[f"--simulate={PROFILE}"], maxQueue=64)
+        values["inference"].update(
+            extraArgs=[f"--simulate={PROFILE}"],
+            maxQueue=64,
+            autoscaling=autoscaling_values(max_replicas=MAX_PODS),
+        )
         release.install_chart(h, ns, values, tmp_path)
         release.prepare_adapters(h, ns, sources, "prepare-sources")
         (first,) = release.ready_inference_pods(h, ns, 1)
@@ -104,8 +109,7 @@ def test_an_hpa_on_the_queue_scales_the_inference_pods_out_and_back_in(
         )
         assert waiting == {first_pod: 0.0}
 
-        phase("an HPA on the queue, at one pod while idle")
-        h.apply(hpa_manifest(deployment, max_replicas=MAX_PODS), ns)
+        phase("the chart's HPA on the queue, at one pod while idle")
 
         def hpa_reads_the_metric() -> bool:
             st = _hpa(h, ns, deployment).get("status") or {}
@@ -162,6 +166,17 @@ def test_an_hpa_on_the_queue_scales_the_inference_pods_out_and_back_in(
             interval=0.5,
         )
 
+        phase("helm upgrade at three pods leaves three: the chart renders no count")
+        h.run(
+            [
+                "helm", "upgrade", RELEASE, str(release.CHART), "-n", ns,
+                "-f", str(tmp_path / f"values-{ns}.yaml"),
+            ]
+        )  # fmt: skip
+        scale = h.get(f"/apis/apps/v1/namespaces/{ns}/deployments/{deployment}")["spec"]
+        assert scale["replicas"] == MAX_PODS, scale
+        assert len([p for p in _live_pods(h, ns) if release.is_ready(p)]) == MAX_PODS
+
         phase("the load drops to one client: the HPA removes the pods it added")
         trickle = Load(url, REQUEST, 1)
         loads.append(trickle)
@@ -189,6 +204,16 @@ def test_an_hpa_on_the_queue_scales_the_inference_pods_out_and_back_in(
         failed = [a for a in answers if a.status != 200]
         assert failed == [], failed[:5]
         assert len(trickle.snapshot()) >= 3, "the single client ran all through the scale-in"
+        # Before a new pod listed the adapter, it took its requests only as overflow (or, once
+        # it reported holding it, by residency): never as a candidate by its queue alone.
+        early = [
+            (a.pod, a.route)
+            for a in answers
+            if a.pod in first_seen
+            and a.started < first_seen[a.pod][0]
+            and a.route not in ("overflow", "gpu-resident", "cpu-resident", "balanced")
+        ]
+        assert early == [], early
         served = collections.Counter(a.pod for a in answers)
         timeline = {
             pod: {

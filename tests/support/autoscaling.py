@@ -1,11 +1,6 @@
-"""What the autoscaling tests put on a cluster and send to it: a HorizontalPodAutoscaler on a
-per-pod custom metric (`hpa_manifest`), and a closed-loop load of generation requests that
-records every answer (`Load`).
-
-`hpa_manifest` stands in for the chart's own HPA until it renders one
-(`inference.models[].autoscaling`): the chart must then leave the Deployment's `replicas` out,
-or every upgrade would set the count back under the HPA.
-"""
+"""What the autoscaling tests ask of the chart and send to the cluster: the chart's HPA on the
+pods' queue metric with a test's quick behavior (`autoscaling_values`), and a closed-loop load
+of generation requests that records every answer (`Load`)."""
 
 from __future__ import annotations
 
@@ -23,46 +18,25 @@ Obj = dict[str, Any]
 QUEUE_METRIC = "vllm_num_requests_waiting"  # the metrics pipeline's name for the server's gauge
 
 
-def hpa_manifest(
-    deployment: str,
-    *,
-    metric: str = QUEUE_METRIC,
-    average: str = "1",
-    min_replicas: int = 1,
-    max_replicas: int = 3,
-    scale_up_window: int = 0,
-    scale_down_window: int = 10,
-) -> Obj:
-    """An autoscaling/v2 HPA of `deployment` (named after it) on the per-pod `metric`, aiming
-    at `average` per pod, between `min_replicas` and `max_replicas`. The behavior is a test's:
-    add up to the maximum at once, and remove pods after `scale_down_window` seconds of a lower
-    recommendation (the default waits 5 minutes), all of them at once."""
+def autoscaling_values(*, max_replicas: int, scale_down_window: int = 10) -> Obj:
+    """The chart's `inference.autoscaling` for a test: an HPA on the pods' queue metric aiming
+    at one waiting request a pod, between 1 and `max_replicas`; its behavior adds up to the
+    maximum at once and removes pods after `scale_down_window` seconds of a lower
+    recommendation (Kubernetes' default waits 5 minutes), all of them at once."""
     return {
-        "apiVersion": "autoscaling/v2",
-        "kind": "HorizontalPodAutoscaler",
-        "metadata": {"name": deployment},
-        "spec": {
-            "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": deployment},
-            "minReplicas": min_replicas,
-            "maxReplicas": max_replicas,
-            "metrics": [
-                {
-                    "type": "Pods",
-                    "pods": {
-                        "metric": {"name": metric},
-                        "target": {"type": "AverageValue", "averageValue": average},
-                    },
-                }
-            ],
-            "behavior": {
-                "scaleUp": {
-                    "stabilizationWindowSeconds": scale_up_window,
-                    "policies": [{"type": "Pods", "value": max_replicas, "periodSeconds": 1}],
-                },
-                "scaleDown": {
-                    "stabilizationWindowSeconds": scale_down_window,
-                    "policies": [{"type": "Percent", "value": 100, "periodSeconds": 1}],
-                },
+        "enabled": True,
+        "minReplicas": 1,
+        "maxReplicas": max_replicas,
+        "metric": QUEUE_METRIC,
+        "targetAverageValue": "1",
+        "behavior": {
+            "scaleUp": {
+                "stabilizationWindowSeconds": 0,
+                "policies": [{"type": "Pods", "value": max_replicas, "periodSeconds": 1}],
+            },
+            "scaleDown": {
+                "stabilizationWindowSeconds": scale_down_window,
+                "policies": [{"type": "Percent", "value": 100, "periodSeconds": 1}],
             },
         },
     }
