@@ -55,6 +55,8 @@ class OperatorConfig:
     source_allow_cidrs: tuple[str, ...] = ()
     source_refuse_cidrs: tuple[str, ...] = ()
     ambient_namespaces: tuple[str, ...] = ("*",)
+    # OCI registries (host:port) oci:// sources may reach over plain HTTP (consent.Rules).
+    insecure_registries: tuple[str, ...] = ()
     namespaces: tuple[str, ...] = ()  # empty: every namespace
     standalone: bool = True
     peering: str | None = None
@@ -106,6 +108,7 @@ class OperatorConfig:
             ambient=self.ambient_namespaces,
             allow=consent.parse_networks(self.source_allow_cidrs),
             refuse=consent.parse_networks(self.source_refuse_cidrs),
+            insecure_registries=self.insecure_registries,
         )
 
 
@@ -195,8 +198,9 @@ def parse_args(argv: Sequence[str] | None = None) -> OperatorConfig:
         "--source-host",
         action="append",
         default=[],
-        help="a host https://, hf:// and s3:// sources and their redirects may name (repeatable; "
-        "*.example.com for its subdomains, * for any host); default: none, volume paths only",
+        help="a host https://, hf://, s3:// and oci:// sources and their redirects may name "
+        "(repeatable; *.example.com for its subdomains, * for any host); default: none, volume "
+        "paths only",
     )
     p.add_argument(
         "--source-allow-cidr",
@@ -215,6 +219,14 @@ def parse_args(argv: Sequence[str] | None = None) -> OperatorConfig:
         metavar="CIDR",
         help="an address range sources may never reach besides the default ones (the "
         "cluster's pod and Service ranges); repeatable",
+    )
+    p.add_argument(
+        "--insecure-registry",
+        action="append",
+        default=[],
+        metavar="HOST:PORT",
+        help="an OCI registry oci:// sources may reach over plain HTTP, and its token service "
+        "(a cluster's own registry); repeatable; default: none, https only",
     )
     ambient = p.add_mutually_exclusive_group()
     ambient.add_argument(
@@ -309,6 +321,7 @@ def parse_args(argv: Sequence[str] | None = None) -> OperatorConfig:
         source_hosts=tuple(h for h in a.source_host if h),
         source_allow_cidrs=tuple(a.source_allow_cidr),
         source_refuse_cidrs=tuple(a.source_refuse_cidr),
+        insecure_registries=tuple(r.strip() for r in a.insecure_registry if r.strip()),
         ambient_namespaces=()
         if a.no_ambient_credentials
         else tuple(a.ambient_credentials_namespace or ("*",)),

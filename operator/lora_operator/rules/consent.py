@@ -7,6 +7,8 @@ whether the operator's own cloud identity signs for it (pure: no I/O, no clock, 
 - `Rules.hosts`: the hosts sources (and every redirect they answer with) may name: an exact
   name, `*.example.com` for its subdomains, or `*` for any host. Empty: no remote host at all,
   only paths on the volume.
+- `Rules.insecure_registries`: the OCI registries (`host:port`) oci:// sources may reach over
+  plain HTTP (a cluster's own registry), and their token services; every other one is https.
 - `Rules.ambient`: the namespaces whose s3:// sources without keys may be signed with the
   operator's own cloud identity (`*`: every namespace); elsewhere such a request goes unsigned.
 - Addresses (`connect_refusal`): every address a source's host resolves to is checked before
@@ -34,6 +36,7 @@ ANY_HOST = "*"
 HOSTS_VALUE = "operator.sourceHosts (--source-host)"
 ALLOW_VALUE = "operator.sourceAllowCIDRs (--source-allow-cidr)"
 REFUSE_VALUE = "operator.sourceRefuseCIDRs (--source-refuse-cidr)"
+INSECURE_VALUE = "operator.insecureRegistries (--insecure-registry)"
 
 Address = ipaddress.IPv4Address | ipaddress.IPv6Address
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
@@ -93,9 +96,21 @@ class Rules:
     ambient: tuple[str, ...] = ("*",)  # namespaces whose s3:// may use the operator's identity
     allow: tuple[Network, ...] = ()  # ranges opened (an internal mirror, a test's 127.0.0.1)
     refuse: tuple[Network, ...] = ()  # ranges refused besides BLOCKED_RANGES (pods, Services)
+    insecure_registries: tuple[str, ...] = ()  # host:port reached over plain HTTP (oci://)
 
     def ambient_for(self, namespace: str) -> bool:
         return "*" in self.ambient or namespace in self.ambient
+
+
+def plain_http_allowed(host: str, port: int | None, rules: Rules) -> bool:
+    """Whether an OCI registry (or its token service) at `host:port` may be reached over plain
+    HTTP: only when `rules.insecure_registries` names it as `host:port` (or `host`, for port
+    80) (pure)."""
+    host = host.lower()
+    names = {f"{host}:{port}"} if port is not None else set()
+    if port in (None, 80):
+        names.add(host)
+    return any(entry.strip().lower() in names for entry in rules.insecure_registries)
 
 
 def parse_networks(values: Iterable[str]) -> tuple[Network, ...]:

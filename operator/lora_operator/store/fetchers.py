@@ -1,8 +1,9 @@
-"""Fetching a source's bytes into a `sinks.Sink`: https, hf://, s3:// and volume paths.
+"""Fetching a source's bytes into a `sinks.Sink`: https, hf://, s3://, oci:// and volume paths.
 
 Every remote request goes through `egress.get`, the one guarded HTTP client: the Hub through
 its plain HTTP endpoints (the file listing, `resolve/`), S3 through GETs that botocore signs
-(SigV4) and egress sends; no library opens a socket of its own. `Fetcher` binds
+(SigV4) and egress sends, OCI registries through the distribution API (`ocifetch`); no library
+opens a socket of its own. `Fetcher` binds
 the operator's rules (`egress.Guard`) to `fetch`; without a guard nothing remote is fetched.
 One download, retried, is `downloads.download`; s3:// is `s3fetch`.
 
@@ -26,7 +27,7 @@ from pathlib import Path
 from lora_volume import files, layout
 
 from lora_operator.rules import errors
-from lora_operator.store import downloads, egress, s3fetch, sinks, sources
+from lora_operator.store import downloads, egress, ocifetch, s3fetch, sinks, sources
 from lora_operator.store.downloads import Refusal, RetryPolicy, classify_status, status_error
 
 
@@ -78,6 +79,8 @@ async def fetch(
         await fetch_hf(source, credentials, sink, policy=policy, endpoint=hf_endpoint, guard=guard)
     elif isinstance(source, sources.S3Source):
         await s3fetch.fetch_s3(source, credentials, sink, policy=policy, guard=guard)
+    elif isinstance(source, sources.OciSource):
+        await ocifetch.fetch_oci(source, credentials, sink, policy=policy, guard=guard)
     else:
         if volume_root is None:
             raise errors.InvalidSource(

@@ -121,6 +121,11 @@ class Sink:
         self._hashing.stop()
         self._writing.stop()
 
+    @property
+    def limit(self) -> int:
+        """The most bytes this sink takes (the staging size limit)."""
+        return self._max
+
     def reset(self) -> None:
         """Start over (a retry after a failed attempt)."""
         self._pending, self._pending_bytes = [], 0
@@ -167,7 +172,8 @@ class Sink:
         self._pending, self._pending_bytes = [], 0
 
     def finish(self) -> str:
-        """Wait for the queued chunks, flush and fsync; the SHA-256 of everything written."""
+        """Wait for the queued chunks, flush and fsync; the SHA-256 of everything written. May
+        be called again (a fetcher that checks a digest itself calls it first)."""
         self._drain()
         try:
             self._file.flush()

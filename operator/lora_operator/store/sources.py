@@ -2,7 +2,8 @@
 
 Purely computational, no side effects: parsing, naming, and choosing a file from a listing; the
 one reading of an http(s) URL the operator connects to (`parse_url`), the Hub's URLs and its
-listing, S3's error codes. The I/O lives in `fetchers` and `egress`. The API server already
+listing, S3's error codes, an oci:// reference (the registry's answers are `oci`'s to read).
+The I/O lives in `fetchers`, `ocifetch` and `egress`. The API server already
 validates the URI (see crds/); the checks here repeat the ones staging depends on, so a bad
 value never reaches a fetcher.
 """
@@ -20,12 +21,20 @@ from lora_volume import boundedjson, files
 from lora_volume import errors as volume_errors
 
 from lora_operator.rules import errors
+from lora_operator.store import oci
 
 DEFAULT_HF_REVISION = "main"
 
 _HF = re.compile(r"^hf://([A-Za-z0-9][A-Za-z0-9._-]*)/([A-Za-z0-9][A-Za-z0-9._-]*)(?:/(.+))?$")
 _S3 = re.compile(r"^s3://([a-z0-9][a-z0-9.-]{1,61}[a-z0-9])/(.+)$")
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
+# The distribution spec's grammar: a repository's path components, a tag, a sha256 digest.
+_OCI = re.compile(r"^oci://([^/]+)/([^:@]+)(?::([^@]+))?(?:@(.+))?$")
+_OCI_REPOSITORY = re.compile(
+    r"^[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*(?:/[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*)*$"
+)
+_OCI_TAG = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")
+_OCI_DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
 
 
 @dataclass(frozen=True)
@@ -47,11 +56,29 @@ class S3Source:
 
 
 @dataclass(frozen=True)
+class OciSource:
+    """An artifact or image in an OCI registry: `oci://REGISTRY/REPOSITORY:TAG` or
+    `...@sha256:DIGEST` (the digest wins when both are given)."""
+
+    registry: str  # host[:port], as credentials and `insecureRegistries` name it
+    host: str
+    port: int | None
+    repository: str
+    tag: str | None
+    digest: str | None  # "sha256:<hex>"
+
+    @property
+    def reference(self) -> str:
+        """What the manifest is asked for by: the digest, else the tag."""
+        return self.digest or self.tag or ""
+
+
+@dataclass(frozen=True)
 class VolumeSource:
     path: Path
 
 
-Source = HfSource | HttpsSource | S3Source | VolumeSource
+Source = HfSource | HttpsSource | S3Source | OciSource | VolumeSource
 
 
 @dataclass(frozen=True)
@@ -64,6 +91,8 @@ class Credentials:
     aws_endpoint_url: str | None = None
     aws_region: str | None = None
     authorization: str | None = field(default=None, repr=False)
+    # oci://: (registry, username, password) from a `.dockerconfigjson`, as `oci` parsed it.
+    registry_auths: tuple[tuple[str, str, str], ...] = field(default=(), repr=False)
     # Whether an s3:// request without keys may be signed with the operator's own cloud
     # identity (consent.Rules.ambient decides per namespace); False: it goes unsigned.
     ambient: bool = True
@@ -102,6 +131,8 @@ def parse_source(uri: str, revision: str | None = None) -> Source:
                 f"{describe(HttpsSource(uri))}: the URI is refused: {e}; write it plainly"
             ) from e
         return HttpsSource(url=uri)
+    if uri.startswith("oci://"):
+        return parse_oci(uri)
     if uri.startswith("s3://"):
         m = _S3.fullmatch(uri)
         if not m:
@@ -112,8 +143,52 @@ def parse_source(uri: str, revision: str | None = None) -> Source:
             raise errors.InvalidSource(f"{uri!r}: a volume path must not contain '..' segments")
         return VolumeSource(path=Path(uri))
     raise errors.InvalidSource(
-        f"{uri[:100]!r}: source.uri must start with hf://, https://, s3:// or / (a path on the "
-        "shared adapter volume)"
+        f"{uri[:100]!r}: source.uri must start with hf://, https://, s3://, oci:// or / (a path "
+        "on the shared adapter volume)"
+    )
+
+
+def parse_oci(uri: str) -> OciSource:
+    """`oci://REGISTRY/REPOSITORY:TAG`, `...@sha256:DIGEST` or both (pure): the registry a
+    DNS name or an IPv4 address with an optional port, the repository and tag as the
+    distribution spec writes them. No default tag: a reference says what it means."""
+    shape = (
+        f"{uri[:100]!r}: an oci:// source must look like oci://REGISTRY/REPOSITORY:TAG or "
+        "oci://REGISTRY/REPOSITORY@sha256:DIGEST"
+    )
+    m = _OCI.fullmatch(uri)
+    if not m:
+        raise errors.InvalidSource(shape)
+    registry, repository, tag, digest = m.groups()
+    try:
+        target = parse_url(f"https://{registry}/")
+    except ValueError as e:
+        raise errors.InvalidSource(f"{shape}: the registry is refused: {e}") from e
+    if ":" in target.host:
+        raise errors.InvalidSource(f"{shape}: name the registry by a DNS name or IPv4 address")
+    if len(repository) > 255 or not _OCI_REPOSITORY.fullmatch(repository):
+        raise errors.InvalidSource(
+            f"{shape}: the repository must be lowercase letters, digits and separators "
+            "(., _, __, -) between '/'-separated parts"
+        )
+    if tag is not None and not _OCI_TAG.fullmatch(tag):
+        raise errors.InvalidSource(
+            f"{shape}: the tag must match [A-Za-z0-9_][A-Za-z0-9_.-]{{0,127}}"
+        )
+    if digest is not None and not _OCI_DIGEST.fullmatch(digest):
+        raise errors.InvalidSource(
+            f"{shape}: the digest must be sha256: and 64 lowercase hex digits"
+        )
+    if tag is None and digest is None:
+        raise errors.InvalidSource(f"{shape}: name a tag or a digest")
+    port = None if ":" not in registry else target.port
+    return OciSource(
+        registry=target.host if port is None else f"{target.host}:{port}",
+        host=target.host,
+        port=port,
+        repository=repository,
+        tag=tag,
+        digest=digest,
     )
 
 
@@ -127,6 +202,10 @@ def describe(source: Source) -> str:
         return f"https://{parts.netloc}{parts.path}"
     if isinstance(source, S3Source):
         return f"s3://{source.bucket}/{source.key}"
+    if isinstance(source, OciSource):
+        tag = f":{source.tag}" if source.tag else ""
+        digest = f"@{source.digest}" if source.digest else ""
+        return f"oci://{source.registry}/{source.repository}{tag}{digest}"
     return str(source.path)
 
 
@@ -138,6 +217,8 @@ def file_name(source: Source) -> str | None:
         return PurePosixPath(urlsplit(source.url).path).name or None
     if isinstance(source, S3Source):
         return PurePosixPath(source.key).name or None
+    if isinstance(source, OciSource):
+        return None  # the manifest's layers say (oci.choose_layer)
     return source.path.name
 
 
@@ -204,8 +285,13 @@ def credentials_from_secret(data: Mapping[str, str | bytes]) -> Credentials:
     """Credentials from a Secret's `data`, already base64-decoded by the caller (pure).
 
     Keys as docs/crd.md lists them; other keys are ignored, empty values count as absent.
-    Both AWS keys or neither: half a key pair is a mistake worth a clear message.
+    Both AWS keys or neither: half a key pair is a mistake worth a clear message. A
+    `kubernetes.io/dockerconfigjson` Secret's `.dockerconfigjson` gives oci:// its logins.
     """
+    registry_auths: tuple[tuple[str, str, str], ...] = ()
+    docker_config = data.get(oci.DOCKER_CONFIG_KEY)
+    if docker_config:
+        registry_auths = oci.parse_docker_config(docker_config)
     values: dict[str, str | None] = {}
     for key, attr in _SECRET_KEYS.items():
         raw = data.get(key)
@@ -226,6 +312,7 @@ def credentials_from_secret(data: Mapping[str, str | bytes]) -> Credentials:
         aws_endpoint_url=values["aws_endpoint_url"],
         aws_region=values["aws_region"],
         authorization=values["authorization"],
+        registry_auths=registry_auths,
     )
 
 
