@@ -140,17 +140,20 @@ class Pusher:
         self._pool = pool or urllib3.PoolManager(retries=False, timeout=urllib3.Timeout(30, 300))
 
     def push(self, config: Blob, layers: Sequence[Blob], manifest: bytes) -> str:
-        """Push the blobs, then the manifest under the reference's tag (or digest); returns the
-        manifest's digest."""
+        """Push the blobs, then the manifest; returns the manifest's digest."""
         for blob in (*layers, config):
             self.push_blob(blob)
+        return self.push_manifest(manifest)
+
+    def push_manifest(self, manifest: bytes, media_type: str = oci.OCI_MANIFEST) -> str:
+        """PUT a manifest (or an index) under the reference's tag, else its own digest; returns
+        its digest."""
         digest = "sha256:" + hashlib.sha256(manifest).hexdigest()
-        tag = self.ref.tag or digest
         resp = self._request(
             "PUT",
-            f"{self.base}/manifests/{tag}",
+            f"{self.base}/manifests/{self.ref.tag or digest}",
             body=manifest,
-            headers={"Content-Type": oci.OCI_MANIFEST},
+            headers={"Content-Type": media_type},
         )
         self._expect(resp, (201,), "the manifest")
         return digest
