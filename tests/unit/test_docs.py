@@ -240,12 +240,13 @@ _PARSERS = [
     "inference/lora_inference/tools/demo.py",
     "operator/lora_operator/edges/config.py",
     "operator/lora_operator/admintoken.py",
+    "operator/lora_operator/cli.py",
     "router/lora_router/config.py",
     "devcluster/lora_devcluster/cli.py",
     "devcluster/lora_devcluster/images/cli.py",
     "demo/lora_demo/demo.py",
 ]
-_PROGRAMS = {"lora-inference", "lora-router", "lora-devcluster"}
+_PROGRAMS = {"lora-inference", "lora-router", "lora-devcluster", "lora-operator"}
 _MODULES = {"lora_inference", "lora_operator", "lora_operator.admintoken", "lora_router"}
 _MODULES |= {"lora_devcluster", "lora_inference.tools.demo", "lora_demo"}
 

@@ -658,7 +658,7 @@ def test_examples_cover_every_source_kind() -> None:
         for doc in yaml.safe_load_all(path.read_text())
         if doc["kind"] == "LoRAAdapter"
     }
-    assert {"hf", "https", "s3"} <= uris
+    assert {"hf", "https", "s3", "oci"} <= uris
     assert (EXAMPLES / "adapter.yaml").exists(), "NOTES.txt and the README point at it"
 
 
