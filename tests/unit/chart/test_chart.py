@@ -259,8 +259,12 @@ def test_operator_options_reach_its_arguments(helm: str) -> None:
 def test_operator_arguments_parse_with_the_operator_parser(
     helm: str, flags: list[str], tmp_path: Path
 ) -> None:
-    args = operator_args(render(helm, "--set", "operator.hfEndpoint=https://hub", *flags))
+    registries = "operator.insecureRegistries={registry.local:5000,10.0.0.9}"
+    args = operator_args(
+        render(helm, "--set", "operator.hfEndpoint=https://hub", "--set", registries, *flags)
+    )
     parsed = config.parse_args(args)
+    assert parsed.source_rules.insecure_registries == ("registry.local:5000", "10.0.0.9")
     assert parsed.pod_token_service_account == (NAMESPACE, f"{FULLNAME}-operator")
     assert parsed.admin_token is None and parsed.namespace_quota == 20 * 1024**3
     assert parsed.source_rules.hosts == ("huggingface.co", "*.huggingface.co", "*.hf.co")

@@ -32,3 +32,9 @@ def test_the_namespace_quota_is_set_unless_a_value_lifts_it(
     with pytest.raises(SystemExit):
         config.parse_args(["--namespace-quota", "lots"])
     assert "argument --namespace-quota: invalid size 'lots'" in capsys.readouterr().err
+
+
+def test_insecure_registries_reach_the_rules() -> None:
+    assert config.parse_args([]).source_rules.insecure_registries == ()
+    parsed = config.parse_args(["--insecure-registry", "r.local:5000", "--insecure-registry= "])
+    assert parsed.source_rules.insecure_registries == ("r.local:5000",)
