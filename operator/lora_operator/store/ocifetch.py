@@ -243,7 +243,6 @@ class _Registry:
         self.base = f"{'http' if plain else 'https'}://{source.registry}/v2/{source.repository}"
         self.login = oci.login_for(credentials.registry_auths, source.registry)
         self.authorization: str | None = None
-        self._tried: set[str] = set()
 
     def manifest(self, reference: str, digest: str | None) -> tuple[str, oci.Manifest | oci.Index]:
         """The manifest `reference` names, its digest checked against `digest` when given."""
@@ -288,6 +287,7 @@ class _Registry:
         not_found: str,
         accept: str | None = None,
     ) -> None:
+        tried: set[str] = set()  # each scheme answered once per request (a token may expire)
         while True:
             headers = {"Accept": accept} if accept else {}
             if self.authorization:
@@ -303,7 +303,7 @@ class _Registry:
                 )
                 return
             except _Unauthorized as e:
-                if not self._authorize(e.challenge):
+                if not self._authorize(e.challenge, tried):
                     raise self._refused(401) from None
                 writer.reset()
 
@@ -331,16 +331,17 @@ class _Registry:
             f"{self.source.repository}; check {SECRET_HINT} ({self.source.registry})"
         )
 
-    def _authorize(self, header: str) -> bool:
-        """Answer a 401's challenges once each; whether there is something new to try."""
+    def _authorize(self, header: str, tried: set[str]) -> bool:
+        """Answer a 401's challenges, each scheme once per request (`tried`); whether there is
+        something new to try. The Authorization found is kept for the next requests."""
         challenges = {c.scheme: c for c in oci.parse_www_authenticate(header)}
         bearer, basic = challenges.get("bearer"), challenges.get("basic")
-        if bearer is not None and "bearer" not in self._tried:
-            self._tried.add("bearer")
+        if bearer is not None and "bearer" not in tried:
+            tried.add("bearer")
             self.authorization = f"Bearer {self._token(bearer)}"
             return True
-        if basic is not None and self.login is not None and "basic" not in self._tried:
-            self._tried.add("basic")
+        if basic is not None and self.login is not None and "basic" not in tried:
+            tried.add("basic")
             self.authorization = oci.basic_authorization(*self.login)
             return True
         return False
