@@ -13,6 +13,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from urllib3 import exceptions as u3
+
 from lora_operator import ocipush
 from lora_operator.rules import errors
 from lora_operator.store import oci, sources
@@ -52,6 +54,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     a = p.parse_args(args)
     try:
         return _push(a)
+    except u3.HTTPError as e:
+        hint = "; a registry without TLS needs --plain-http" if not a.plain_http else ""
+        print(
+            f"lora-operator: cannot reach the registry ({type(e).__name__}){hint}", file=sys.stderr
+        )
+        return 1
     except (ocipush.PushError, errors.StagingError, OSError, ValueError) as e:
         message = e.message if isinstance(e, errors.StagingError) else str(e)
         print(f"lora-operator: {message}", file=sys.stderr)

@@ -285,6 +285,19 @@ def test_push_without_a_login_says_so(htpasswd: reg.Registry, tmp_path: Path) ->
     assert "HTTP 401" in result.stderr and "log in" in result.stderr
 
 
+def test_push_over_https_to_a_plain_registry_says_so(
+    anonymous: reg.Registry, tmp_path: Path
+) -> None:
+    path = tmp_path / "a.safetensors"
+    path.write_bytes(lora_bytes())
+    cmd = [sys.executable, "-m", "lora_operator.cli", "adapter", "push", str(path)]
+    result = subprocess.run(
+        [*cmd, f"oci://{anonymous.address}/team/tls:v1"], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 1
+    assert "needs --plain-http" in result.stderr
+
+
 async def test_token_auth(token: reg.Registry, tmp_path: Path) -> None:
     assert token.tokens is not None
     private, public = lora_bytes(seed=8), lora_bytes(seed=9)
