@@ -79,6 +79,16 @@ INVALID = [
     pytest.param(with_source(uri="relative/path"), "must start with hf://", id="relative-path"),
     pytest.param(with_source(uri="hf://just-a-repo"), "hf://ORG/REPO", id="hf-without-org"),
     pytest.param(with_source(uri="s3://Bad_Bucket/key"), "s3://BUCKET/KEY", id="s3-bad-bucket"),
+    pytest.param(
+        with_source(uri="oci://registry.example/loras/pixel"),
+        "oci://REGISTRY/REPOSITORY:TAG",
+        id="oci-without-tag",
+    ),
+    pytest.param(
+        with_source(uri="oci://registry.example/Loras/pixel:v1"),
+        "oci://REGISTRY/REPOSITORY:TAG",
+        id="oci-uppercase-repository",
+    ),
     pytest.param(with_source(uri="/adapters/../etc/passwd"), "'..' segments", id="dotdot-path"),
     pytest.param(
         with_source(uri="https://example.com/a.safetensors", sha256="abc123"),
@@ -222,9 +232,11 @@ def test_the_api_server_refuses_mistakes_and_says_what_to_fix(
         {"uri": "hf://acme/styles/pixel/pytorch_lora_weights.safetensors"},
         {"uri": "https://example.com/pixel.safetensors", "sha256": "ab" * 32},
         {"uri": "s3://my-bucket/loras/pixel.safetensors", "secretRef": {"name": "s3"}},
+        {"uri": "oci://registry.example:5000/loras/pixel:v1", "secretRef": {"name": "pull"}},
+        {"uri": "oci://ghcr.io/acme/pixel@sha256:" + "ab" * 32, "sha256": "cd" * 32},
         {"uri": "/adapters/_shared/pixel"},
     ],
-    ids=["hf-revision", "hf-file", "https-pinned", "s3", "volume-path"],
+    ids=["hf-revision", "hf-file", "https-pinned", "s3", "oci-tag", "oci-digest", "volume-path"],
 )
 def test_every_kind_of_source_is_accepted(
     crd: Any, devcluster_namespace: str, source: dict[str, Any]
