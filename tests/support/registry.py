@@ -17,6 +17,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -28,6 +29,8 @@ from pathlib import Path
 import pytest
 import yaml
 from aiohttp import web
+from lora_operator import ocipush
+from lora_operator.store import oci, sources
 
 from tests.support.http import free_port
 from tests.support.origin import Origin
@@ -223,3 +226,49 @@ def docker_config(registry: str, username: str = USER, password: str = PASSWORD)
     return json.dumps(
         {"auths": {registry: {"username": username, "password": password, "auth": auth}}}
     )
+
+
+def push(
+    registry: Registry,
+    path: Path,
+    ref: str,
+    *args: str,
+    login: bool = False,
+    password: str = PASSWORD,
+) -> subprocess.CompletedProcess[str]:
+    """`lora-operator adapter push PATH oci://REGISTRY/REF --plain-http ARGS`."""
+    cmd = [sys.executable, "-m", "lora_operator.cli", "adapter", "push", str(path)]
+    cmd += [f"oci://{registry.address}/{ref}", "--plain-http", *args]
+    if login:
+        cmd += ["--username", USER, "--password-stdin"]
+    return subprocess.run(
+        cmd, capture_output=True, text=True, input=f"{password}\n" if login else None, timeout=60
+    )
+
+
+def push_image(
+    registry: Registry,
+    ref: str,
+    layers: list[tuple[str, bytes]],
+    *,
+    manifest_type: str = oci.DOCKER_MANIFEST,
+) -> str:
+    """An image as buildah or docker push it (KAITO's adapter images): a config and tar
+    layers."""
+    config_type = (
+        "application/vnd.docker.container.image.v1+json"
+        if manifest_type == oci.DOCKER_MANIFEST
+        else "application/vnd.oci.image.config.v1+json"
+    )
+    config = ocipush.Blob.of_bytes(config_type, b'{"architecture":"amd64","os":"linux"}')
+    blobs = [ocipush.Blob.of_bytes(media_type, data) for media_type, data in layers]
+    pusher = ocipush.Pusher(sources.parse_oci(f"oci://{registry.address}/{ref}"), plain_http=True)
+    for blob in (*blobs, config):
+        pusher.push_blob(blob)
+    doc = {
+        "schemaVersion": 2,
+        "mediaType": manifest_type,
+        "config": config.descriptor(),
+        "layers": [b.descriptor() for b in blobs],
+    }
+    return pusher.push_manifest(json.dumps(doc).encode(), manifest_type)

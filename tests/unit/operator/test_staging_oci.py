@@ -54,28 +54,10 @@ def rules_for(*registries: reg.Registry, extra: tuple[str, ...] = ()) -> consent
     return dataclasses.replace(LOCAL, insecure_registries=(*insecure, *extra))
 
 
-def push(
-    registry: reg.Registry,
-    path: Path,
-    ref: str,
-    *args: str,
-    login: bool = False,
-    password: str = reg.PASSWORD,
-) -> subprocess.CompletedProcess[str]:
-    """`lora-operator adapter push PATH oci://REGISTRY/REF --plain-http ARGS`."""
-    cmd = [sys.executable, "-m", "lora_operator.cli", "adapter", "push", str(path)]
-    cmd += [f"oci://{registry.address}/{ref}", "--plain-http", *args]
-    if login:
-        cmd += ["--username", reg.USER, "--password-stdin"]
-    return subprocess.run(
-        cmd, capture_output=True, text=True, input=f"{password}\n" if login else None, timeout=60
-    )
-
-
 def pushed(registry: reg.Registry, tmp: Path, ref: str, data: bytes, **kw: object) -> str:
     path = tmp / "adapter.safetensors"
     path.write_bytes(data)
-    result = push(registry, path, ref, **kw)  # type: ignore[arg-type]
+    result = reg.push(registry, path, ref, **kw)  # type: ignore[arg-type]
     assert result.returncode == 0, result.stderr
     return result.stdout.strip()
 
@@ -116,7 +98,7 @@ async def test_push_then_stage_anonymous(anonymous: reg.Registry, tmp_path: Path
     folder.mkdir()
     (folder / "pytorch_lora_weights.safetensors").write_bytes(data)
     (folder / "metadata.json").write_text(json.dumps({"baseModel": "sd15", "format": "lora"}))
-    result = push(anonymous, folder, "team/pixel:v1", "--trigger-word", "pixelart")
+    result = reg.push(anonymous, folder, "team/pixel:v1", "--trigger-word", "pixelart")
     assert result.returncode == 0, result.stderr
     pinned = result.stdout.strip()
     assert pinned.startswith(f"oci://{anonymous.address}/team/pixel@sha256:")
@@ -172,34 +154,6 @@ def _image_layer(files: dict[str, bytes], compress: bool = True) -> bytes:
     return gzip.compress(buf.getvalue()) if compress else buf.getvalue()
 
 
-def push_image(
-    registry: reg.Registry,
-    ref: str,
-    layers: list[tuple[str, bytes]],
-    *,
-    manifest_type: str = oci.DOCKER_MANIFEST,
-) -> str:
-    """An image as buildah or docker push it (KAITO's adapter images): a config and tar
-    layers."""
-    config_type = (
-        "application/vnd.docker.container.image.v1+json"
-        if manifest_type == oci.DOCKER_MANIFEST
-        else "application/vnd.oci.image.config.v1+json"
-    )
-    config = ocipush.Blob.of_bytes(config_type, b'{"architecture":"amd64","os":"linux"}')
-    blobs = [ocipush.Blob.of_bytes(media_type, data) for media_type, data in layers]
-    pusher = ocipush.Pusher(sources.parse_oci(f"oci://{registry.address}/{ref}"), plain_http=True)
-    for blob in (*blobs, config):
-        pusher.push_blob(blob)
-    doc = {
-        "schemaVersion": 2,
-        "mediaType": manifest_type,
-        "config": config.descriptor(),
-        "layers": [b.descriptor() for b in blobs],
-    }
-    return pusher.push_manifest(json.dumps(doc).encode(), manifest_type)
-
-
 @pytest.mark.parametrize(
     ("manifest_type", "layer_type", "compress"),
     [
@@ -215,7 +169,7 @@ async def test_an_image_with_the_adapter_under_data(
     data = lora_bytes(seed=5)
     adapter = {"data/adapter_model.safetensors": data, "data/adapter_config.json": b"{}"}
     ref = f"kaito/adapter-{layer_type.rsplit('.', 1)[-1].replace('+', '-')}:{manifest_type[-4:]}"
-    push_image(
+    reg.push_image(
         anonymous,
         ref,
         [
@@ -280,7 +234,7 @@ async def test_htpasswd_login_from_the_secret(htpasswd: reg.Registry, tmp_path: 
 def test_push_without_a_login_says_so(htpasswd: reg.Registry, tmp_path: Path) -> None:
     path = tmp_path / "a.safetensors"
     path.write_bytes(lora_bytes())
-    result = push(htpasswd, path, "private/x:v1")
+    result = reg.push(htpasswd, path, "private/x:v1")
     assert result.returncode == 1
     assert "HTTP 401" in result.stderr and "log in" in result.stderr
 
@@ -363,14 +317,14 @@ async def test_unknown_tag(anonymous: reg.Registry, tmp_path: Path) -> None:
 
 
 async def test_a_manifest_without_an_adapter_layer(anonymous: reg.Registry, tmp_path: Path) -> None:
-    push_image(anonymous, "team/model:v1", [("application/vnd.example.weights", b"w" * 10)])
+    reg.push_image(anonymous, "team/model:v1", [("application/vnd.example.weights", b"w" * 10)])
     uri = f"oci://{anonymous.address}/team/model:v1"
     e = await refused(tmp_path, uri, rules_for(anonymous), errors.InvalidSource)
     assert (e.reason, e.permanent) == ("InvalidSource", True)
     assert "no adapter layer" in e.message and oci.ADAPTER_LAYER in e.message
 
     layer = _image_layer({"data/README.md": b"no weights here"})
-    push_image(
+    reg.push_image(
         anonymous, "team/empty-image:v1", [("application/vnd.oci.image.layer.v1.tar+gzip", layer)]
     )
     uri = f"oci://{anonymous.address}/team/empty-image:v1"
@@ -388,7 +342,7 @@ async def test_a_layer_over_the_size_limit(anonymous: reg.Registry, tmp_path: Pa
 
     # An image's file over the limit is refused at its tar header.
     layer = _image_layer({"data/a.safetensors": data})
-    push_image(
+    reg.push_image(
         anonymous, "team/big-image:v1", [("application/vnd.oci.image.layer.v1.tar+gzip", layer)]
     )
     uri = f"oci://{anonymous.address}/team/big-image:v1"
