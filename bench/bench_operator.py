@@ -38,6 +38,24 @@ bare limit loads each adapter on its placed pods only, and a killed pod is back 
 the adapters placed on it. The pods advertise a CPU tier of `--cpu-loras` adapters (placement
 never gives a pod more).
 
+With `--simulate PROFILE` it measures the operator at scale instead, on simulated GPU pods
+(`lora-inference serve --simulate PROFILE`: no torch, so fifty fit on a small machine): K
+adapters spread over NS namespaces, each namespace with N / NS pods of its own (an adapter
+targets its own namespace's pods), each adapter on `spec.replicas: 2` pods or, for the Zipf head
+that asks for half the requests, `spec.autoscale` from 2 to 4. `--pods`, `--adapters` and
+`--namespaces` pair up, one (N, K, NS) after the other, each with an operator process of its
+own; for each, phase by phase (apply -> every adapter Ready; at rest `--rest` s; an operator
+restart -> the new process counts every adapter Ready; the API server frozen `--outage` s, then
+restarted -> every adapter Ready again; delete all): wall time, the operator's API writes and
+Events per adapter, its RSS and CPU, and its load and unload calls per pod; then the same placed
+load calls made directly (the bare limit), the growth table, and the last line
+`operator-scale: K=... N=... ready s = X, writes/adapter = Y.YY, rss MiB = Z, restart loads = W`.
+
+    .venv/bin/python bench/bench_operator.py --simulate h200-sdxl-4step --pods 10,50
+        --adapters 1000,10000 --namespaces 5,25                    # (one command line)
+    .venv/bin/python bench/bench_operator.py --simulate h200-sdxl-4step --pods 6
+        --adapters 200 --namespaces 3 --rest 20 --outage 15        # about 2 min
+
 Needs root and the devcluster binaries (`make binaries`), like the cluster tests. Results go in
 docs/benchmarks.md together with the command.
 """

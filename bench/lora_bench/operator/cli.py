@@ -18,7 +18,7 @@ from lora_inference.tools.random_adapters import write_random_adapter
 from lora_inference.tools.tiny_models import write_tiny_model
 
 from lora_bench import cluster as bench_cluster
-from lora_bench.operator import apiserver, configuration, pods, report, staging
+from lora_bench.operator import apiserver, configuration, pods, report, scale, staging
 from tests.support import ROOT, cluster
 from tests.support.cluster import MODEL_NAME
 
@@ -54,7 +54,37 @@ def main(description: str | None) -> None:
     parser.add_argument(
         "--cpu-loras", type=int, default=None, help="the pods' --max-cpu-loras (default: 32)"
     )
+    parser.add_argument(
+        "--simulate",
+        metavar="PROFILE",
+        help="the operator at scale on simulated GPU pods (lora-inference serve --simulate "
+        "PROFILE): --pods, --adapters and --namespaces pair up, one (N, K, NS) after the other",
+    )
+    parser.add_argument(
+        "--namespaces", type=parse_list, default=None, help="with --simulate: NS values"
+    )
+    parser.add_argument(
+        "--rest", type=float, default=300.0, help="with --simulate: the at-rest phase, seconds"
+    )
+    parser.add_argument(
+        "--outage",
+        type=float,
+        default=60.0,
+        help="with --simulate: seconds the API server is unavailable",
+    )
+    parser.add_argument(
+        "--after-outage",
+        type=float,
+        default=30.0,
+        help="with --simulate: seconds counted after every adapter is Ready again",
+    )
     args = parser.parse_args()
+    if args.simulate:
+        if not args.pods or not args.adapters:
+            parser.error("--simulate needs --pods and --adapters")
+        args.timeout = max(args.timeout, 1800.0)
+        scale.main(args)
+        return
 
     with tempfile.TemporaryDirectory(prefix="lora-bench-operator-") as scratch:
         work = Path(scratch)

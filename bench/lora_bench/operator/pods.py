@@ -7,6 +7,7 @@ import asyncio
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Mapping
 from typing import Any
 
 import psutil
@@ -48,18 +49,19 @@ def http_ok(url: str) -> bool:
 
 
 async def bare_calls(
-    names_by_ip: dict[str, list[str]], root: str
+    names_by_ip: dict[str, list[str]], root: str | Mapping[str, str]
 ) -> tuple[float, list[float], float]:
     """The limits: POST /v1/load_lora_adapter for each pod's adapters (every adapter, or its
     placed ones), one call at a time per pod, the pods in parallel (as the operator calls them),
-    then the same for /v1/unload_lora_adapter. Returns (load wall, per-pod load wall, unload
-    wall)."""
+    then the same for /v1/unload_lora_adapter. `root`: the folder of the copies as the pods see
+    it, or each pod's (by IP). Returns (load wall, per-pod load wall, unload wall)."""
     headers = {"Authorization": f"Bearer {TOKEN}"}
 
     async def one_pod(session: ClientSession, ip: str, verb: str) -> float:
         started = time.perf_counter()
+        folder = root if isinstance(root, str) else root[ip]
         for name in names_by_ip[ip]:
-            body = {"lora_name": f"bare-{name}", "lora_path": f"{root}/{name}"}
+            body = {"lora_name": f"bare-{name}", "lora_path": f"{folder}/{name}"}
             if verb == "unload":
                 body = {"lora_name": f"bare-{name}"}
             async with session.post(
