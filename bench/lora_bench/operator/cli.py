@@ -64,7 +64,10 @@ def main(description: str | None) -> None:
         "--namespaces", type=parse_list, default=None, help="with --simulate: NS values"
     )
     parser.add_argument(
-        "--rest", type=float, default=300.0, help="with --simulate: the at-rest phase, seconds"
+        "--rest",
+        type=lambda text: [float(x) for x in text.split(",") if x],
+        default=[300.0],
+        help="with --simulate: the at-rest phase, seconds (one, or one per (N, K, NS))",
     )
     parser.add_argument(
         "--outage",

@@ -239,6 +239,7 @@ def measure(
     layout: Layout,
     args: argparse.Namespace,
     started: float,
+    rest: float,
 ) -> Run:
     k = layout.k
     write_sources(volume, layout)
@@ -254,6 +255,9 @@ def measure(
     want = {(ns, name) for ns, name, _ in layout.adapters()}
     ips = pod_ips(h, layout)
     run = Run(layout=layout, phases=[])
+    # The observer shares the machine it measures: each poll of the pods reads every pod's
+    # /v1/models, each poll of the objects lists all K, so both are spaced with the scale.
+    every = max(2.0, layout.n / 10)
     say(started, f"K={k} N={layout.n} NS={layout.namespaces}: {hot} adapters autoscaled")
 
     # apply -> every adapter on its 2 pods, and every LoRAAdapter Ready 2/2.
@@ -261,22 +265,22 @@ def measure(
     h.run(["kubectl", "apply", "-f", str(manifest)])
     run.apply_s = time.perf_counter() - clock.t0
     say(started, f"kubectl apply {run.apply_s:.1f} s")
-    wait("every adapter held", lambda: all_held(ips, want), watched, args.timeout, 2.0)
+    wait("every adapter held", lambda: all_held(ips, want), watched, args.timeout, every)
     wait(
         "the operator's Ready count", lambda: watched.ready_count() == k, watched, args.timeout, 1.0
     )
-    wait("every LoRAAdapter Ready", lambda: all_ready(h, k), watched, args.timeout, 2.0)
+    wait("every LoRAAdapter Ready", lambda: all_ready(h, k), watched, args.timeout, every)
     ready_s = time.perf_counter() - clock.t0
     run.phases.append(clock.finish(Phase("apply"), h, watched, ready_s))
     say(started, f"all Ready {ready_s:.1f} s after apply began")
 
     # at rest.
     clock = Clock(h, watched)
-    end = time.monotonic() + args.rest
+    end = time.monotonic() + rest
     while time.monotonic() < end:
         watched.rss_mib()
         time.sleep(min(10.0, max(0.0, end - time.monotonic())))
-    run.phases.append(clock.finish(Phase("at rest"), h, watched, args.rest))
+    run.phases.append(clock.finish(Phase("at rest"), h, watched, rest))
     say(started, "at rest done")
 
     # operator restart -> resumed: the operator counts every adapter Ready again (it has heard
@@ -290,7 +294,7 @@ def measure(
         "resumed after the restart", lambda: watched.ready_count() == k, watched, args.timeout, 0.5
     )
     resumed_s = time.perf_counter() - clock.t0
-    wait("every adapter held", lambda: all_held(ips, want), watched, args.timeout, 2.0)
+    wait("every adapter held", lambda: all_held(ips, want), watched, args.timeout, every)
     time.sleep(SETTLE_S)
     phase = clock.finish(Phase("restart"), h, watched, resumed_s)
     phase.note = f"(counted until {SETTLE_S:.0f} s after every adapter was held again)"
@@ -322,9 +326,9 @@ def measure(
         lambda: all_ready(h, k),
         watched,
         args.timeout,
-        2.0,
+        every,
     )
-    wait("every adapter held", lambda: all_held(ips, want), watched, args.timeout, 2.0)
+    wait("every adapter held", lambda: all_held(ips, want), watched, args.timeout, every)
     ready_again_s = time.perf_counter() - clock.t0
     time.sleep(args.after_outage)
     phase = clock.finish(Phase("API outage"), h, watched, ready_again_s)
@@ -363,7 +367,7 @@ def measure(
         lambda: not h.get(ADAPTERS + "?limit=1")["items"] and not holdings(ips),
         watched,
         args.timeout,
-        2.0,
+        every,
     )
     run.phases.append(clock.finish(Phase("delete"), h, watched, time.perf_counter() - clock.t0))
     say(started, "deleted")
@@ -419,18 +423,20 @@ def main(args: argparse.Namespace) -> None:
                         started,
                         f"{layout.n} simulated pods Ready in {layout.namespaces} namespaces",
                     )
-                    runs.append(measure(h, watched, work, volume, layout, args, started))
+                    rest = args.rest[min(i, len(args.rest) - 1)]
+                    runs.append(measure(h, watched, work, volume, layout, args, started, rest))
                     # Printed as soon as measured: a run stopped later keeps these.
                     print("\n".join(scaleplan.phase_table(runs[-1])), flush=True)
             finally:
                 op.stop()
     memory = psutil.virtual_memory().total / 2**30
+    rests = "/".join(f"{r:.0f}" for r in args.rest)
     print(
         f"\nlora-operator at scale on lora-devcluster, simulated pods ({args.simulate}, "
         f"--max-cpu-loras {args.cpu_loras}); {platform.machine()}, {os.cpu_count()} cores, "
         f"{memory:.0f} GiB; {datetime.date.today().isoformat()}; operator --resync-seconds 30, "
         f"--max-concurrent-loads 16; each adapter spec.replicas {scaleplan.REPLICAS}, a Zipf head"
-        f" spec.autoscale {scaleplan.AUTOSCALE}; at rest {args.rest:.0f} s, API server"
+        f" spec.autoscale {scaleplan.AUTOSCALE}; at rest {rests} s, API server"
         f" unavailable {args.outage:.0f} s"
     )
     for run in runs:
@@ -451,4 +457,4 @@ def main(args: argparse.Namespace) -> None:
         " load calls made directly, one at a time per pod, the pods in parallel; CPU ms/load: the"
         " operator's CPU from apply to Ready per load call."
     )
-    print(scaleplan.last_line(runs[-1]))
+    print(scaleplan.last_line(max(runs, key=lambda r: (r.layout.k, r.layout.n))))
