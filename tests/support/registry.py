@@ -252,9 +252,10 @@ def push_image(
     layers: list[tuple[str, bytes]],
     *,
     manifest_type: str = oci.DOCKER_MANIFEST,
+    login: bool = False,
 ) -> str:
     """An image as buildah or docker push it (KAITO's adapter images): a config and tar
-    layers."""
+    layers; `login`: as USER."""
     config_type = (
         "application/vnd.docker.container.image.v1+json"
         if manifest_type == oci.DOCKER_MANIFEST
@@ -262,7 +263,11 @@ def push_image(
     )
     config = ocipush.Blob.of_bytes(config_type, b'{"architecture":"amd64","os":"linux"}')
     blobs = [ocipush.Blob.of_bytes(media_type, data) for media_type, data in layers]
-    pusher = ocipush.Pusher(sources.parse_oci(f"oci://{registry.address}/{ref}"), plain_http=True)
+    pusher = ocipush.Pusher(
+        sources.parse_oci(f"oci://{registry.address}/{ref}"),
+        plain_http=True,
+        login=(USER, PASSWORD) if login else None,
+    )
     for blob in (*blobs, config):
         pusher.push_blob(blob)
     doc = {
