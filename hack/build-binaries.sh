@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Builds the local cluster's binaries (etcd, kube-apiserver, kube-controller-manager,
 # kube-scheduler, kubelet, kube-proxy, kubectl, CoreDNS, local-path-provisioner, kube-router),
-# helm and prometheus-adapter from the Go module proxy, pinned by the wrapper modules beside this
-# script (hack/k8s, hack/etcd, hack/helm, hack/coredns, hack/local-path, hack/kube-router,
-# hack/prometheus-adapter: their go.mod/go.sum are the pins), into a cache directory keyed by version outside the repository. Idempotent: a binary already in the
-# cache is not rebuilt, so a warm machine returns in about a second; a binary whose wrapper
+# helm, prometheus-adapter and SeaweedFS from the Go module proxy, pinned by the wrapper
+# modules beside this script (hack/k8s, hack/etcd, hack/helm, hack/coredns, hack/local-path,
+# hack/kube-router, hack/prometheus-adapter, hack/seaweedfs: their go.mod/go.sum are the pins),
+# into a cache directory keyed by version outside the repository. Idempotent: a binary already
+# in the cache is not rebuilt, so a warm machine returns in about a second; a binary whose wrapper
 # module changed since it was built (a pin, or CoreDNS's plugin list) is rebuilt.
 #
 # helm, CoreDNS and local-path-provisioner are pinned to the Kubernetes build's versions of
@@ -19,6 +20,10 @@
 # aligned, so a cold build compiles its own client-go, apiserver and kube-aggregator: 132 s on 2
 # cores after the binaries above (the standard library already compiled), 60 MiB; with an empty
 # build cache add the standard library's few minutes.
+#
+# SeaweedFS (`weed`, whose S3 gateway the s3:// tests and the staging bench talk to:
+# tests/support/s3server.py) is not part of the cluster either; it keeps its own modules and is
+# the largest build here: about 10 minutes cold on 2 cores.
 #
 # kube-router (the node's NetworkPolicy enforcer: its firewall alone) is built against its own
 # release's client-go (v0.29), not aligned: a NetworkPolicy controller's API calls are all v1.
@@ -121,6 +126,8 @@ build kube-router "-X github.com/cloudnativelabs/kube-router/v2/pkg/version.Vers
     kube-router=github.com/cloudnativelabs/kube-router/v2/cmd/kube-router
 # v0.12.0 (hack/prometheus-adapter/go.mod); its main package sets no version variable.
 build prometheus-adapter "" prometheus-adapter=sigs.k8s.io/prometheus-adapter/cmd/adapter
+# SeaweedFS (hack/seaweedfs/go.mod): the tests' S3-compatible server, `weed server -s3`.
+build seaweedfs "" weed=github.com/seaweedfs/seaweedfs/weed
 
 if ((built > 0)); then
     log "built $built binaries in $((SECONDS - start)) s; $(du -sh "$out" | cut -f1) in $out"

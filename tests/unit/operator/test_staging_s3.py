@@ -1,14 +1,12 @@
-"""Staging from s3:// against a real S3-compatible server process (moto's server mode)."""
+"""Staging from s3:// against a real S3-compatible server: SeaweedFS's S3 gateway
+(tests/support/s3server.py), which checks SigV4 signatures, stores multipart objects and answers
+path-style and virtual-host requests with S3's error codes. A bucket in another region is
+AWS's alone: that test talks to a stand-in origin."""
 
 from __future__ import annotations
 
-import contextlib
-import json
+import io
 import os
-import subprocess
-import sys
-import time
-import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,8 +15,9 @@ from typing import Any
 import pytest
 from aiohttp import web
 from lora_operator.rules import consent, errors
-from lora_operator.store import downloads, s3fetch, sources
+from lora_operator.store import downloads, egress, s3fetch, sources
 
+from tests.support import s3server
 from tests.support.http import free_port
 from tests.support.loras import lora_bytes, sha
 from tests.support.origin import Origin
@@ -28,44 +27,10 @@ BUCKET = "lora-bucket"
 FAST = downloads.RetryPolicy(attempts=2, backoff_s=0.01)
 
 
-@contextlib.contextmanager
-def moto_server(env: dict[str, str] | None = None) -> Iterator[str]:
-    """moto's S3-compatible server as a subprocess on 127.0.0.1; yields its endpoint."""
-    try:
-        import boto3  # noqa: F401
-        import moto.server  # noqa: F401
-    except ImportError as e:
-        if os.environ.get("CI"):
-            raise
-        pytest.skip(f"moto[server] and boto3 are not installed ({e}); pip install -e '.[dev]'")
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        env={**os.environ, **(env or {})},
-    )
-    endpoint = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                urllib.request.urlopen(f"{endpoint}/moto-api/", timeout=1).close()
-                break
-            except OSError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError("moto_server did not start") from None
-                time.sleep(0.1)
-        yield endpoint
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
-
-
 @pytest.fixture(scope="module")
-def s3_endpoint() -> Iterator[str]:
-    with moto_server() as endpoint:
-        yield endpoint
+def s3() -> Iterator[s3server.S3Server]:
+    with s3server.running() as server:
+        yield server
 
 
 def s3_client(endpoint: str, key_id: str, secret: str) -> Any:
@@ -81,18 +46,23 @@ def s3_client(endpoint: str, key_id: str, secret: str) -> Any:
 
 
 @pytest.fixture(scope="module")
-def creds(s3_endpoint: str) -> sources.Credentials:
+def s3_endpoint(s3: s3server.S3Server) -> str:
+    return s3.endpoint
 
+
+@pytest.fixture(scope="module")
+def creds(s3: s3server.S3Server) -> sources.Credentials:
     secret = {
-        "AWS_ACCESS_KEY_ID": "testing-key",
-        "AWS_SECRET_ACCESS_KEY": "testing-secret",
-        "AWS_ENDPOINT_URL": s3_endpoint,
+        "AWS_ACCESS_KEY_ID": s3.key_id,
+        "AWS_SECRET_ACCESS_KEY": s3.secret,
+        "AWS_ENDPOINT_URL": s3.endpoint,
         "AWS_REGION": "us-east-1",
     }
-    client = s3_client(s3_endpoint, secret["AWS_ACCESS_KEY_ID"], secret["AWS_SECRET_ACCESS_KEY"])
+    client = s3_client(s3.endpoint, s3.key_id, s3.secret)
     client.create_bucket(Bucket=BUCKET)
     client.put_object(Bucket=BUCKET, Key="adapters/pixel.safetensors", Body=lora_bytes(30))
     client.put_object(Bucket=BUCKET, Key="adapters/big.safetensors", Body=b"\0" * 50_000)
+    client.put_object(Bucket=BUCKET, Key="private.safetensors", Body=lora_bytes(31))
     return sources.credentials_from_secret(secret)
 
 
@@ -104,6 +74,83 @@ async def test_s3_stage(creds: sources.Credentials, tmp_path: Path) -> None:
     )
     assert staged.sha256 == sha(lora_bytes(30))
     assert seen[-1] == staged.size
+
+
+async def test_a_multipart_object_stages_whole(
+    s3: s3server.S3Server, creds: sources.Credentials, tmp_path: Path
+) -> None:
+    """An object uploaded in parts (its ETag is no MD5 of its bytes) is read whole, its own
+    sha256 checked."""
+    from boto3.s3.transfer import TransferConfig
+
+    data = lora_bytes(33, rank=49_152)  # 12 MiB: three parts of 5 MiB at most
+    parts = TransferConfig(multipart_threshold=5 * 1024**2, multipart_chunksize=5 * 1024**2)
+    client = s3_client(s3.endpoint, s3.key_id, s3.secret)
+    client.upload_fileobj(io.BytesIO(data), BUCKET, "adapters/parts.safetensors", Config=parts)
+    etag = client.head_object(Bucket=BUCKET, Key="adapters/parts.safetensors")["ETag"]
+    assert etag.strip('"').endswith("-3"), etag
+    source = sources.parse_source(f"s3://{BUCKET}/adapters/parts.safetensors")
+    staged = await make_store(tmp_path, policy=FAST).stage(
+        NS, "parts", source, credentials=creds, sha256=sha(data)
+    )
+    assert (staged.sha256, staged.size) == (sha(data), len(data))
+
+
+async def test_a_virtual_host_endpoint_names_the_bucket_in_the_host(
+    s3: s3server.S3Server, creds: sources.Credentials, tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    """Virtual-host addressing (the operator's AWS config says `addressing_style = virtual`, as
+    for a store that serves no other): the bucket is in the host, `<bucket>.<endpoint's host>`,
+    which the operator resolves (here to the server) and checks like any host."""
+    config = tmp_path / "aws-config"
+    config.write_text("[default]\ns3 =\n    addressing_style = virtual\n")
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(config))
+    asked: list[str] = []
+
+    def resolve(host: str, port: int) -> list[str]:
+        asked.append(host)
+        return ["127.0.0.1"]
+
+    monkeypatch.setattr(egress, "resolve", resolve)
+    secret = {
+        "AWS_ACCESS_KEY_ID": s3.key_id,
+        "AWS_SECRET_ACCESS_KEY": s3.secret,
+        "AWS_ENDPOINT_URL": f"http://{s3server.DOMAIN}:{s3.port}",
+        "AWS_REGION": "us-east-1",
+    }
+    source = sources.parse_source(f"s3://{BUCKET}/adapters/pixel.safetensors")
+    staged = await make_store(tmp_path / "volume", policy=FAST).stage(
+        NS, "vhost", source, credentials=sources.credentials_from_secret(secret)
+    )
+    assert staged.sha256 == sha(lora_bytes(30))
+    assert asked == [f"{BUCKET}.{s3server.DOMAIN}"]
+
+
+@pytest.mark.parametrize(
+    ("key_id", "secret", "code"),
+    [
+        (None, "wrong-secret", "SignatureDoesNotMatch"),
+        ("AKIA-UNKNOWN", "any", "InvalidAccessKeyId"),
+    ],
+    ids=["wrong-secret", "unknown-key"],
+)
+async def test_a_refused_signature_is_forbidden_with_the_servers_code(
+    s3: s3server.S3Server, tmp_path: Path, key_id: str | None, secret: str, code: str
+) -> None:
+    creds = sources.credentials_from_secret(
+        {
+            "AWS_ACCESS_KEY_ID": key_id or s3.key_id,
+            "AWS_SECRET_ACCESS_KEY": secret,
+            "AWS_ENDPOINT_URL": s3.endpoint,
+            "AWS_REGION": "us-east-1",
+        }
+    )
+    source = sources.parse_source(f"s3://{BUCKET}/adapters/pixel.safetensors")
+    with pytest.raises(errors.SourceForbidden, match=code) as e:
+        await make_store(tmp_path, policy=FAST).stage(NS, "x", source, credentials=creds)
+    assert e.value.permanent and secret not in str(e.value)
+    assert visible(tmp_path) == [] and tmp_entries(tmp_path) == []
 
 
 @pytest.mark.parametrize(
@@ -175,27 +222,10 @@ class AuthS3:
 
 
 @pytest.fixture(scope="module")
-def auth_s3() -> Iterator[AuthS3]:
-    """A moto server that checks signatures (after the 5 set-up calls below) against an IAM user
-    allowed s3:*: unsigned requests and unknown keys get 403, like a private bucket."""
-    import boto3
-
-    with moto_server({"INITIAL_NO_AUTH_ACTION_COUNT": "5"}) as endpoint:
-        anyone = {"aws_access_key_id": "setup", "aws_secret_access_key": "setup"}
-        iam = boto3.client("iam", endpoint_url=endpoint, region_name="us-east-1", **anyone)
-        iam.create_user(UserName="lora-operator")
-        policy = {
-            "Version": "2012-10-17",
-            "Statement": [{"Effect": "Allow", "Action": "s3:*", "Resource": "*"}],
-        }
-        iam.put_user_policy(
-            UserName="lora-operator", PolicyName="s3", PolicyDocument=json.dumps(policy)
-        )
-        key = iam.create_access_key(UserName="lora-operator")["AccessKey"]
-        s3 = s3_client(endpoint, key["AccessKeyId"], key["SecretAccessKey"])
-        s3.create_bucket(Bucket=BUCKET)
-        s3.put_object(Bucket=BUCKET, Key="private.safetensors", Body=lora_bytes(31))
-        yield AuthS3(endpoint, key["AccessKeyId"], key["SecretAccessKey"])
+def auth_s3(s3: s3server.S3Server, creds: sources.Credentials) -> AuthS3:
+    """The server checks every request's signature: unsigned requests and unknown keys get
+    403 with S3's codes, like a private bucket (`creds` put private.safetensors there)."""
+    return AuthS3(s3.endpoint, s3.key_id, s3.secret)
 
 
 @pytest.fixture
@@ -245,7 +275,7 @@ async def test_s3_without_keys_uses_the_environment(
 async def test_s3_keys_in_the_secret_win_over_the_chain(
     auth_s3: AuthS3, no_aws_identity: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIA-NOT-IN-MOTO")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIA-NOT-KNOWN-THERE")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong")
     secret = {"AWS_ACCESS_KEY_ID": auth_s3.key_id, "AWS_SECRET_ACCESS_KEY": auth_s3.secret}
     assert await _stage_private(auth_s3.endpoint, tmp_path / "v", secret) == sha(lora_bytes(31))
