@@ -71,7 +71,9 @@ def test_a_new_pod_takes_an_adapter_another_holds_only_as_overflow() -> None:
     busy = pod("b", load=5, gpu=("x",))
     assert route("x", [new, busy], ALL, known=True) == Decision("new", Reason.OVERFLOW)
     # Nobody holds it yet: every Ready pod is a candidate, the new one included.
-    assert route("x", [new, pod("b", load=1)], ALL, known=True).pod == "new"
+    assert route("x", [new, pod("b", load=1)], ALL, known=True) == Decision(
+        "new", Reason.NO_RESIDENCY
+    )
 
 
 def test_inside_a_resident_rank_the_hash_not_the_queue_chooses() -> None:
