@@ -121,11 +121,42 @@ def narrowings(old: Schema, new: Schema, path: str = "") -> list[str]:
     for key in ("pattern", "format", "x-kubernetes-list-type"):
         if key in new and new.get(key) != old.get(key):
             found.append(f"{here}: {key} {old.get(key)!r} -> {new[key]!r}")
-    old_rules = {r["rule"] for r in old.get("x-kubernetes-validations") or []}
+    old_rules = [r["rule"] for r in old.get("x-kubernetes-validations") or []]
     for rule in new.get("x-kubernetes-validations") or []:
-        if rule["rule"] not in old_rules:
+        if not _rule_admits_the_old(rule["rule"], old_rules):
             found.append(f"{here}: new validation rule {rule['rule']!r}")
     return found
+
+
+_STARTS_WITH = re.compile(r"^self\.startsWith\('([^'\\]*)'\)$")
+_UNLESS_STARTS_WITH = re.compile(r"^!self\.startsWith\('([^'\\]*)'\)$")
+
+
+def _disjuncts(rule: str) -> list[str]:
+    return [d.strip() for d in rule.split("||")]
+
+
+def _rule_admits_the_old(rule: str, old_rules: list[str]) -> bool:
+    """Whether a validation rule passes every value the old rules passed, in the two forms a
+    rule may widen in (pure; any other rule not already there is a narrowing):
+    - an old rule with disjuncts added (`a || b` -> `a || b || c`);
+    - `!self.startsWith('P') || ...`: a rule only for values starting with P, when an old rule
+      of `self.startsWith(...)` disjuncts refused every such value (no prefix of it is P's, and
+      P is no prefix of one of them), such as a new scheme's own rule."""
+    new = _disjuncts(rule)
+    if rule in old_rules or any(set(_disjuncts(o)) <= set(new) for o in old_rules):
+        return True
+    guard = _UNLESS_STARTS_WITH.match(new[0])
+    if guard is None:
+        return False
+    prefix = guard.group(1)
+    for old in old_rules:
+        starts = [_STARTS_WITH.match(d) for d in _disjuncts(old)]
+        if all(starts) and not any(
+            prefix.startswith(m.group(1)) or m.group(1).startswith(prefix) for m in starts if m
+        ):
+            return True
+    return False
 
 
 def crd_narrowings(old_crd: Schema, new_crd: Schema) -> list[str]:
@@ -236,6 +267,11 @@ def _changed(path: str, value: Any) -> Schema:
         ("required", ["a", "n"], "newly required ['n']"),
         ("additionalProperties", False, "additionalProperties refused"),
         ("x-kubernetes-validations", [{"rule": "self.n > 2"}], "new validation rule"),
+        (
+            "properties/a/x-kubernetes-validations",
+            [{"rule": "!self.startsWith('x') || size(self) > 3"}],
+            "new validation rule",
+        ),
         ("properties/a/oneOf", [{}], "keywords the check does not know"),
     ],
     ids=lambda v: v if isinstance(v, str) and "/" in v else None,
@@ -261,6 +297,22 @@ def test_the_check_finds_each_narrowing(path: str, value: Any, finding: str) -> 
 )
 def test_widening_and_optional_fields_pass(path: str, value: Any) -> None:
     assert narrowings(BASE, _changed(path, value)) == []
+
+
+def test_a_rule_that_widens_or_covers_only_values_refused_before_passes() -> None:
+    """A new scheme: its prefix added to the rule of prefixes, and a rule of its own for values
+    with that prefix, which the old rule refused."""
+    schemes = "self.startsWith('hf://') || self.startsWith('/')"
+    old = {"type": "string", "x-kubernetes-validations": [{"rule": schemes}]}
+    new = copy.deepcopy(old)
+    new["x-kubernetes-validations"] = [
+        {"rule": schemes + " || self.startsWith('oci://')"},
+        {"rule": "!self.startsWith('oci://') || self.matches('^oci://[a-z]+/')"},
+    ]
+    assert narrowings(old, new) == []
+    # A rule for a prefix the old rule accepted narrows it.
+    new["x-kubernetes-validations"][1] = {"rule": "!self.startsWith('hf://x') || size(self) > 9"}
+    assert narrowings(old, new) != []
 
 
 # The one kind of narrowing the upgrade policy allows (docs/tasks/upgrade.md): a field that
