@@ -20,6 +20,9 @@ from lora_devcluster import certs, controlplane, metricspipeline
 from lora_devcluster.layout import HOST_IP
 from lora_devcluster.metricspipeline import ADAPTER_PORT, METRICS, Obj
 
+from tests.support import ROOT
+from tests.support.docs import parse_blocks
+
 
 def _go_replacement(template: str) -> str:
     """`$1` / `${1}` (Go's Expand) as Python's `\\g<1>`."""
@@ -106,6 +109,15 @@ def test_the_adapter_serves_each_gauge_under_its_custom_metric_name() -> None:
     assert not re.fullmatch(names.group(1), "vllm:lora_requests_info")
     assert set(rule["resources"]["overrides"]) == {"namespace", "pod"}
     assert "<<.Series>>{<<.LabelMatchers>>}" in rule["metricsQuery"]
+
+
+def test_the_autoscale_task_shows_the_rule_the_pipeline_runs() -> None:
+    """docs/tasks/autoscale.md's prometheus-adapter rule is the tested one, word for word."""
+    doc = ROOT / "docs" / "tasks" / "autoscale.md"
+    (block,) = [
+        b for b in parse_blocks(doc, doc.read_text()) if b.lang == "yaml" and "rules:" in b.text
+    ]
+    assert yaml.safe_load(block.text) == metricspipeline.build_adapter_config()
 
 
 def test_a_metric_named_otherwise_than_its_series_is_refused() -> None:
