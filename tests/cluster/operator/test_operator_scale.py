@@ -2,7 +2,8 @@
 active replica killed mid-apply (a standby takes over through kopf's peering), and the API
 server restarted mid-apply. Real API server, real inference pods, the operator as real
 processes; every adapter must end Ready, no status may ever go backwards, and no pod may load
-an adapter twice.
+an adapter twice. And an operator restarted with everything Ready resumes from the pods and the
+statuses: no call to a pod, no write to an object, no Event.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import json
+import time
 from pathlib import Path
 
 from lora_demo import release
@@ -151,3 +153,76 @@ def test_an_api_server_restart_mid_apply_loses_nothing(
     phase("after the restart: nothing backwards, each adapter loaded once per pod")
     assert recorder.backwards() == {}
     loaded_once_on_every_pod(h, ns, names + later)
+
+
+def test_a_restarted_operator_resumes_from_the_pods_without_a_call_a_write_or_an_event(
+    crd: Harness,
+    devcluster_namespace: str,
+    volume: Path,
+    models: Models,
+    tmp_path: Path,
+    phase: Phase,
+) -> None:
+    h, ns = crd, devcluster_namespace
+    k = 40
+    phase(f"{k} adapters Ready on 2 pods, half of them placed")
+    names = cluster.adapter_names("r", k)
+    manifests = cluster.many_adapters(models, volume, ns, names)
+    for doc in manifests[::2]:
+        doc["spec"]["replicas"] = 1
+    h.apply(
+        cluster.inference_deployment(h.image("inference"), "inference", 2, models.root, volume), ns
+    )
+    pods = [p["metadata"]["name"] for p in release.ready_pods(h, ns, "app=inference", 2, 300)]
+    op = Operator(volume=volume, namespaces=[ns], log_path=tmp_path / "op.log")
+    with op.running():
+        h.apply(manifests, ns)
+        h.wait_for(
+            "every adapter Ready",
+            lambda: all(
+                cluster.adapters_ready(h, ns, names[i::2], ready)
+                for i, ready in ((0, "1/1"), (1, "2/2"))
+            ),
+            timeout=300,
+        )
+
+        def objects() -> dict[str, str]:
+            items = h.get(f"/apis/lora.dev/v1alpha1/namespaces/{ns}/loraadapters")["items"]
+            return {i["metadata"]["name"]: i["metadata"]["resourceVersion"] for i in items}
+
+        def events() -> int:
+            return len(h.get(f"/apis/events.k8s.io/v1/namespaces/{ns}/events")["items"])
+
+        last: dict[str, str] = {}
+
+        def unchanged() -> bool:
+            """No object changed since the last look (progress writes come at most every 10 s
+            after a phase's)."""
+            nonlocal last
+            now = objects()
+            same, last = now == last, now
+            return same
+
+        h.wait_for("no object written for 12 s", unchanged, timeout=120, interval=12)
+        seen, posted = objects(), events()
+        registered = {p: cluster.registrations(h, ns, p) for p in pods}
+
+        phase("the operator restarted: it reads the pods and the statuses, and changes nothing")
+        op.stop()
+        offset = len(op.log())
+        op.start()
+
+        def all_ready_counted() -> bool:
+            try:
+                text = op.metrics()
+            except OSError:
+                return False
+            return f'lora_operator_adapters{{phase="Ready"}} {float(k)}' in text
+
+        h.wait_for("the new process to count every adapter Ready", all_ready_counted, 120)
+        time.sleep(12)  # two resyncs of every pod (--resync-seconds 5)
+        after = op.log()[offset:]
+        assert "action=load" not in after and "action=unload" not in after
+        assert objects() == seen  # no status written, no finalizer patched
+        assert events() == posted
+        assert {p: cluster.registrations(h, ns, p) for p in pods} == registered
