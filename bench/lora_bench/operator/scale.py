@@ -16,6 +16,7 @@ import shutil
 import signal
 import tempfile
 import time
+import urllib.parse
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
@@ -197,9 +198,31 @@ def all_held(ips: dict[str, list[str]], want: set[tuple[str, str]]) -> bool:
     return held.keys() == want and set(held.values()) == {scaleplan.REPLICAS}
 
 
+def list_adapters(h: Harness) -> list[Any]:
+    """Every LoRAAdapter, a page of 500 at a time (all 10,000 in one answer would take longer
+    than a request may)."""
+    items: list[Any] = []
+    token = ""
+    while True:
+        more = f"&continue={urllib.parse.quote(token)}" if token else ""
+        page = h.get(ADAPTERS + "?limit=500" + more)
+        items += page["items"]
+        token = page["metadata"].get("continue") or ""
+        if not token:
+            return items
+
+
+def any_left(h: Harness) -> bool:
+    """Whether a LoRAAdapter is left (asked for one: a list of thousands costs the API server)."""
+    try:
+        return bool(h.get(ADAPTERS + "?limit=1")["items"])
+    except (ApiError, OSError):
+        return True
+
+
 def all_ready(h: Harness, k: int) -> bool:
     try:
-        items = h.get(ADAPTERS)["items"]
+        items = list_adapters(h)
     except (ApiError, OSError):  # a restarted API server answers 429 while its caches fill
         return False
     ready = f"{scaleplan.REPLICAS}/{scaleplan.REPLICAS}"
@@ -352,7 +375,7 @@ def measure(
         for p in h.pods(ns, pods.SELECTOR)
         if p.get("status", {}).get("podIP")
     }
-    for item in h.get(ADAPTERS)["items"]:
+    for item in list_adapters(h):
         ns, name = item["metadata"]["namespace"], item["metadata"]["name"]
         for pod in item["status"]["placedPods"]:
             names_by_ip[ip_of[pod]].append(name)
@@ -364,7 +387,7 @@ def measure(
     h.run(["kubectl", "delete", "loraadapters", "--all", "-A", "--wait=false"])
     wait(
         "every adapter unloaded and gone",
-        lambda: not h.get(ADAPTERS + "?limit=1")["items"] and not holdings(ips),
+        lambda: not any_left(h) and not holdings(ips),
         watched,
         args.timeout,
         every,
