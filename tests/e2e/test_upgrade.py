@@ -303,16 +303,17 @@ def test_a_rule_that_widens_or_covers_only_values_refused_before_passes() -> Non
     """A new scheme: its prefix added to the rule of prefixes, and a rule of its own for values
     with that prefix, which the old rule refused."""
     schemes = "self.startsWith('hf://') || self.startsWith('/')"
-    old = {"type": "string", "x-kubernetes-validations": [{"rule": schemes}]}
-    new = copy.deepcopy(old)
-    new["x-kubernetes-validations"] = [
-        {"rule": schemes + " || self.startsWith('oci://')"},
-        {"rule": "!self.startsWith('oci://') || self.matches('^oci://[a-z]+/')"},
-    ]
-    assert narrowings(old, new) == []
+    old: Schema = {"type": "string", "x-kubernetes-validations": [{"rule": schemes}]}
+    widened = schemes + " || self.startsWith('oci://')"
+
+    def with_rules(*rules: str) -> Schema:
+        return {**old, "x-kubernetes-validations": [{"rule": r} for r in rules]}
+
+    own_scheme = "!self.startsWith('oci://') || self.matches('^oci://[a-z]+/')"
+    assert narrowings(old, with_rules(widened, own_scheme)) == []
     # A rule for a prefix the old rule accepted narrows it.
-    new["x-kubernetes-validations"][1] = {"rule": "!self.startsWith('hf://x') || size(self) > 9"}
-    assert narrowings(old, new) != []
+    accepted_before = "!self.startsWith('hf://x') || size(self) > 9"
+    assert narrowings(old, with_rules(widened, accepted_before)) != []
 
 
 # The one kind of narrowing the upgrade policy allows (docs/tasks/upgrade.md): a field that
