@@ -19,7 +19,7 @@ from tests.support.chart import (
     REGISTRY_FLAGS,
     RELEASE,
     container,
-    one,
+    of_component,
     server_dry_run,
     template_text,
 )
@@ -81,7 +81,10 @@ def test_example_values_pass_server_side_dry_run(
     ns = devcluster_namespace
     rendered = template_text(helm, "-f", str(path), namespace=ns)
     server_dry_run(crds, ns, rendered)
-    inference = one(
-        [d for d in yaml.safe_load_all(rendered) if d], "Deployment", f"{FULLNAME}-inference"
+    # Every model's Deployment (one, or one per inference.models entry) asks for its GPU.
+    inference = of_component(
+        [d for d in yaml.safe_load_all(rendered) if d], "Deployment", "inference"
     )
-    assert container(inference)["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert inference, "no inference Deployment"
+    for deployment in inference:
+        assert container(deployment)["resources"]["limits"]["nvidia.com/gpu"] == 1
