@@ -8,7 +8,10 @@ the operator's rules (`egress.Guard`) to `fetch`; without a guard nothing remote
 One download, retried, is `downloads.download`; s3:// is `s3fetch`.
 
 Each fetcher writes the whole content into the sink, calling `sink.reset()` before a retry, and
-raises `lora_operator.rules.errors` (a volume path's own checks raise `lora_volume.errors`, which
+returns what the source resolved to, in the source's own terms, where a reference can move: an
+oci:// reference's manifest digest (`oci://REGISTRY/REPOSITORY@sha256:...`, `ocifetch`); None
+for the other sources, which name no resolution (yet: an hf:// revision's commit would be one).
+It raises `lora_operator.rules.errors` (a volume path's own checks raise `lora_volume.errors`, which
 `staging.Store.stage` maps): a refused host or address is `consent.HostRefused`, 404/403 and
 other 4xx are permanent, 5xx, 408, 429, connection errors and a resolver that does not answer
 are retried with backoff and then transient. Credentials go into request headers or signed
@@ -42,8 +45,8 @@ class Fetcher:
 
     async def __call__(
         self, source: sources.Source, credentials: sources.Credentials, sink: sinks.Sink
-    ) -> None:
-        await fetch(
+    ) -> str | None:
+        return await fetch(
             source,
             credentials,
             sink,
@@ -63,8 +66,8 @@ async def fetch(
     volume_root: Path | None = None,
     hf_endpoint: str | None = None,
     guard: egress.Guard | None = None,
-) -> None:
-    """Fetch any source into `sink`.
+) -> str | None:
+    """Fetch any source into `sink`; what it resolved to (see the module's docstring), or None.
 
     `hf_endpoint` overrides the Hub's address (a mirror); None reads HF_ENDPOINT, then the Hub.
     `guard`: the rules every remote request is checked against; None fetches from no remote
@@ -80,13 +83,14 @@ async def fetch(
     elif isinstance(source, sources.S3Source):
         await s3fetch.fetch_s3(source, credentials, sink, policy=policy, guard=guard)
     elif isinstance(source, sources.OciSource):
-        await ocifetch.fetch_oci(source, credentials, sink, policy=policy, guard=guard)
+        return await ocifetch.fetch_oci(source, credentials, sink, policy=policy, guard=guard)
     else:
         if volume_root is None:
             raise errors.InvalidSource(
                 f"{source.path}: volume paths need the volume root; stage them with a Store"
             )
         await fetch_volume(source, volume_root, sink)
+    return None
 
 
 async def fetch_https(

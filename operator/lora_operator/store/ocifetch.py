@@ -6,7 +6,11 @@ manifest that holds the adapter), chooses the adapter's layer (`oci.choose_layer
 that blob into the sink: the file itself for an artifact layer, or the `data/*.safetensors` file
 of an image's tar(.gz) layer, read as it streams (`tarstream`). Every digest is checked: the
 manifest's against the reference's digest and each child's against its index entry, the blob's
-against its descriptor (`ChecksumMismatch`). The manifest digest a tag resolved to is logged.
+against its descriptor (`ChecksumMismatch`). What the reference resolved to is logged and
+returned as `oci://REGISTRY/REPOSITORY@sha256:<digest>`: the digest of the manifest the reference
+itself names, an index's when it names an index (what a registry reports for the tag and a user
+pins: pinned, it resolves to the same child again, as an index's entries never change), never
+the child's chosen from it.
 
 Authentication is the distribution spec's: a request goes out anonymous; a 401 with a Bearer
 challenge sends the login of the Secret's `.dockerconfigjson` for this registry (or none) to the
@@ -22,6 +26,7 @@ Blocking calls in a worker thread, as the other fetchers. Raises `lora_operator.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import logging
 import zlib
@@ -54,8 +59,9 @@ async def fetch_oci(
     *,
     policy: RetryPolicy,
     guard: egress.Guard,
-) -> None:
-    await asyncio.to_thread(_fetch_sync, source, credentials, sink, policy, guard)
+) -> str:
+    """Fetch the adapter into `sink`; what the reference resolved to, by digest."""
+    return await asyncio.to_thread(_fetch_sync, source, credentials, sink, policy, guard)
 
 
 def _fetch_sync(
@@ -64,7 +70,7 @@ def _fetch_sync(
     sink: sinks.Sink,
     policy: RetryPolicy,
     guard: egress.Guard,
-) -> None:
+) -> str:
     what = sources.describe(source)
     registry = _Registry(source, credentials, policy, guard, what)
     digest, manifest = registry.manifest(source.reference, source.digest)
@@ -79,6 +85,7 @@ def _fetch_sync(
         _fetch_file(registry, choice.layers[0], sink, what)
     else:
         _fetch_from_image(registry, choice.layers, sink, what)
+    return sources.describe(dataclasses.replace(source, tag=None, digest=digest))
 
 
 def _fetch_file(registry: _Registry, layer: oci.Descriptor, sink: sinks.Sink, what: str) -> None:

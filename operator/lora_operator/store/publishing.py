@@ -38,6 +38,10 @@ class StagedRevision:
     path: Path  # the revision directory, what a pod's load call names
     reused: bool  # the content was already in the store: nothing new was written
     adapter: description.Description  # what its weights declare (`describe_revision`)
+    # What the source resolved to when this staging fetched it (`fetchers.fetch`: an oci://
+    # reference's manifest by digest); None when nothing was fetched (a pin already held, a
+    # composition) or the source names no resolution. The store sets it; publishing never does.
+    resolved: str | None = None
 
 
 def publish_download(

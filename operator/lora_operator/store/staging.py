@@ -12,7 +12,8 @@ revisions (`stage_composition`). Each staged revision comes with what its weight
 from their headers once: the download's when it is checked (`publishing.describe_file`), a stored
 object's or a composition's members' when it is published (`publishing.describe_revision`). The
 start-up check of the volume is `volumecheck`'s. Fetching is injected (`fetchers.fetch` by
-default) and writes into a `sinks.Sink`; nothing here speaks a network protocol.
+default) and writes into a `sinks.Sink`, returning what the source resolved to (an oci:// tag's
+manifest by digest), which the staged revision carries; nothing here speaks a network protocol.
 
 This module holds the order of things and the locks: the checks before a staging, at most
 `max_concurrent` stagings, the download into `.tmp/` and its reservation, and the publish lock
@@ -29,6 +30,7 @@ against its quota (`quota.Ledger`, `--namespace-quota`).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import os
 import tempfile
@@ -52,7 +54,9 @@ from lora_operator.store import (
 )
 
 _T = TypeVar("_T")
-Fetch = Callable[[sources.Source, sources.Credentials, sinks.Sink], Awaitable[None]]
+# Writes the source's content into the sink; returns what the source resolved to, or None
+# (`fetchers.fetch`).
+Fetch = Callable[[sources.Source, sources.Credentials, sinks.Sink], Awaitable[str | None]]
 
 
 class Store:
@@ -87,8 +91,8 @@ class Store:
 
     async def _default_fetch(
         self, source: sources.Source, credentials: sources.Credentials, sink: sinks.Sink
-    ) -> None:
-        await fetchers.fetch(
+    ) -> str | None:
+        return await fetchers.fetch(
             source,
             credentials,
             sink,
@@ -115,8 +119,10 @@ class Store:
         verified all the same (a hash is no proof that the source has those bytes), then
         stored once. A download counts against the namespace's quota as it goes, and a
         revision that would take it past the quota is not published (`QuotaExceeded`). `target`
-        (the pods the adapter is for) is published before `current`. Raises only StagingErrors:
-        the volume's own checks (names, volume paths, the file) are mapped here, once.
+        (the pods the adapter is for) is published before `current`. The revision carries what
+        the source resolved to when it was fetched (`StagedRevision.resolved`; None when nothing
+        was). Raises only StagingErrors: the volume's own checks (names, volume paths, the file)
+        are mapped here, once.
         """
         try:
             return await self._stage(namespace, name, source, credentials, sha256, progress, target)
@@ -181,7 +187,7 @@ class Store:
                         announced=reservation.announced,
                     ) as sink,
                 ):
-                    await self._fetch(source, credentials or sources.Credentials(), sink)
+                    resolved = await self._fetch(source, credentials or sources.Credentials(), sink)
                     digest = await asyncio.to_thread(sink.finish)
                 if pin is not None and digest != pin:
                     raise errors.ChecksumMismatch(
@@ -190,7 +196,7 @@ class Store:
                     )
                 adapter = await asyncio.to_thread(publishing.describe_file, tmp, description)
                 async with self._publish_lock:
-                    return await _to_thread_to_the_end(
+                    staged = await _to_thread_to_the_end(
                         publishing.publish_download,
                         self.root,
                         self.ledger,
@@ -202,6 +208,7 @@ class Store:
                         adapter,
                         reservation,
                     )
+                return dataclasses.replace(staged, resolved=resolved)
             finally:
                 reservation.release()
                 tmp.unlink(missing_ok=True)

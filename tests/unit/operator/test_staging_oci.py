@@ -54,10 +54,13 @@ def rules_for(*registries: reg.Registry, extra: tuple[str, ...] = ()) -> consent
     return dataclasses.replace(LOCAL, insecure_registries=(*insecure, *extra))
 
 
-def pushed(registry: reg.Registry, tmp: Path, ref: str, data: bytes, **kw: object) -> str:
+def pushed(
+    registry: reg.Registry, tmp: Path, ref: str, data: bytes, *args: str, **kw: object
+) -> str:
+    """Push `data` as an adapter artifact; the manifest, as `oci://REGISTRY/REPOSITORY@DIGEST`."""
     path = tmp / "adapter.safetensors"
     path.write_bytes(data)
-    result = reg.push(registry, path, ref, **kw)  # type: ignore[arg-type]
+    result = reg.push(registry, path, ref, *args, **kw)  # type: ignore[arg-type]
     assert result.returncode == 0, result.stderr
     return result.stdout.strip()
 
@@ -109,10 +112,13 @@ async def test_push_then_stage_anonymous(anonymous: reg.Registry, tmp_path: Path
     assert staged.sha256 == sha(data) and staged.size == len(data)
     assert (staged.path / layout.WEIGHTS_FILE).read_bytes() == data
     assert tmp_entries(tmp_path / "volume") == []
+    assert staged.resolved == pinned  # the tag resolved to the manifest pushed
 
-    # By digest, the same revision; the config holds the metadata given.
+    # By digest, the same revision and the same resolution; the config holds the metadata given.
     again = await stage(tmp_path / "by-digest", pinned, rules_for(anonymous))
-    assert again.sha256 == sha(data)
+    assert again.sha256 == sha(data) and again.resolved == pinned
+    both = pinned.replace("/team/pixel@", "/team/pixel:v1@")  # the digest wins, the tag dropped
+    assert (await stage(tmp_path / "both", both, rules_for(anonymous))).resolved == pinned
     manifest = json.loads(_get(anonymous, f"team/pixel/manifests/{pinned.split('@')[1]}"))
     assert manifest["artifactType"] == oci.ADAPTER_ARTIFACT_TYPE
     assert [layer["mediaType"] for layer in manifest["layers"]] == [oci.ADAPTER_LAYER]
@@ -124,24 +130,39 @@ async def test_a_moved_tag_is_a_new_revision(anonymous: reg.Registry, tmp_path: 
     uri = f"oci://{anonymous.address}/team/moving:stable"
     store = make_store(tmp_path / "volume", rules=rules_for(anonymous))
     first, second = lora_bytes(seed=2), lora_bytes(seed=3)
-    pushed(anonymous, tmp_path, "team/moving:stable", first)
+    first_manifest = pushed(anonymous, tmp_path, "team/moving:stable", first)
     one = await store.stage(NS, "moving", sources.parse_source(uri))
-    pushed(anonymous, tmp_path, "team/moving:stable", second)
+    second_manifest = pushed(anonymous, tmp_path, "team/moving:stable", second)
     two = await store.stage(NS, "moving", sources.parse_source(uri))
     assert (one.sha256, two.sha256) == (sha(first), sha(second))
+    assert (one.resolved, two.resolved) == (first_manifest, second_manifest)
+    assert first_manifest != second_manifest
     assert store.current_revision(NS, "moving") == sha(second)
     assert one.path.exists()  # the old revision stays until collected
+
+    # The same file under a new manifest (other metadata): a new resolution, the same revision.
+    third_manifest = pushed(
+        anonymous, tmp_path, "team/moving:stable", second, "--trigger-word", "moved"
+    )
+    three = await store.stage(NS, "moving", sources.parse_source(uri))
+    assert third_manifest != second_manifest
+    assert (three.sha256, three.resolved, three.reused) == (sha(second), third_manifest, True)
 
 
 async def test_a_pin_holds_the_content(anonymous: reg.Registry, tmp_path: Path) -> None:
     data = lora_bytes(seed=4)
-    pushed(anonymous, tmp_path, "team/pinned:v1", data)
+    manifest = pushed(anonymous, tmp_path, "team/pinned:v1", data)
     uri = f"oci://{anonymous.address}/team/pinned:v1"
     store = make_store(tmp_path / "volume", rules=rules_for(anonymous))
     with pytest.raises(errors.ChecksumMismatch):
         await store.stage(NS, "pinned", sources.parse_source(uri), sha256="0" * 64)
     staged = await store.stage(NS, "pinned", sources.parse_source(uri), sha256=sha(data))
     assert staged.sha256 == sha(data)
+    assert staged.resolved == manifest  # not held yet: fetched, and so resolved
+    # Pinned content the namespace holds is published from the store: nothing is fetched, so
+    # nothing is resolved (the registry is not asked, and could not say).
+    again = await store.stage(NS, "again", sources.parse_source(uri), sha256=sha(data))
+    assert (again.sha256, again.reused, again.resolved) == (sha(data), True, None)
 
 
 def _image_layer(files: dict[str, bytes], compress: bool = True) -> bytes:
@@ -169,7 +190,7 @@ async def test_an_image_with_the_adapter_under_data(
     data = lora_bytes(seed=5)
     adapter = {"data/adapter_model.safetensors": data, "data/adapter_config.json": b"{}"}
     ref = f"kaito/adapter-{layer_type.rsplit('.', 1)[-1].replace('+', '-')}:{manifest_type[-4:]}"
-    reg.push_image(
+    digest = reg.push_image(
         anonymous,
         ref,
         [
@@ -180,6 +201,7 @@ async def test_an_image_with_the_adapter_under_data(
     )
     staged = await stage(tmp_path, f"oci://{anonymous.address}/{ref}", rules_for(anonymous))
     assert staged.sha256 == sha(data)
+    assert staged.resolved == f"oci://{anonymous.address}/{ref.split(':')[0]}@{digest}"
 
 
 async def test_an_index_leads_to_the_adapter(anonymous: reg.Registry, tmp_path: Path) -> None:
@@ -202,10 +224,15 @@ async def test_an_index_leads_to_the_adapter(anonymous: reg.Registry, tmp_path: 
     pusher = ocipush.Pusher(
         sources.parse_oci(f"oci://{anonymous.address}/team/indexed:index"), plain_http=True
     )
-    pusher.push_manifest(json.dumps(index).encode(), oci.OCI_INDEX)
+    index_digest = pusher.push_manifest(json.dumps(index).encode(), oci.OCI_INDEX)
     uri = f"oci://{anonymous.address}/team/indexed:index"
     staged = await stage(tmp_path, uri, rules_for(anonymous))
     assert staged.sha256 == sha(data)
+    # The index's digest, what the tag names and a pin would name, not the manifest chosen in it.
+    by_index = f"oci://{anonymous.address}/team/indexed@{index_digest}"
+    assert staged.resolved == by_index != pinned
+    pinned_index = await stage(tmp_path / "pinned", by_index, rules_for(anonymous))
+    assert (pinned_index.sha256, pinned_index.resolved) == (sha(data), by_index)
 
 
 # ---- logins
