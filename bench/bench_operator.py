@@ -15,8 +15,9 @@ and prints one table with, for each N pods and K adapters:
       `kubectl delete --all` to every object gone and no pod holding one, against the bare
       POST /v1/unload_lora_adapter calls for the same K on the same N pods;
   (d) staging: one large adapter file (64 MiB and 1 GiB by default) staged by the operator's
-      store from a local https origin and from a local S3 server (moto), against curl of the
-      same bytes to a file, with the staging process's peak RSS.
+      store from a local https origin, a local S3 server (SeaweedFS) and a local OCI registry
+      (docker-registry), against curl of the same bytes over the same HTTP to a file, with the
+      staging process's peak RSS.
 
 The operator authenticates as a ServiceAccount of its own, and FlowSchemas that match only that
 account (by verb class and resource) let the API server count its requests exactly

@@ -75,9 +75,17 @@ def identities(key_id: str, secret: str) -> dict[str, object]:
     }
 
 
-def server_argv(weed: str, data: Path, config: Path, ports: dict[str, int]) -> list[str]:
+# SeaweedFS stores objects in at most MAX_VOLUMES volume files of `volume_mib` each: 512 MiB in
+# all by default, plenty for the tests; the staging bench's 1 GiB object asks for larger ones.
+MAX_VOLUMES = 8
+
+
+def server_argv(
+    weed: str, data: Path, config: Path, ports: dict[str, int], volume_mib: int = 64
+) -> list[str]:
     """`weed server` with every port chosen (pure): the HTTP ports and their gRPC ports, which
-    would otherwise be the HTTP port plus 10000 and might be taken."""
+    would otherwise be the HTTP port plus 10000 and might be taken; room for MAX_VOLUMES volumes
+    of `volume_mib` MiB."""
     return [
         weed,
         "server",
@@ -86,10 +94,10 @@ def server_argv(weed: str, data: Path, config: Path, ports: dict[str, int]) -> l
         "-ip.bind=127.0.0.1",
         f"-master.port={ports['master']}",
         f"-master.port.grpc={ports['master_grpc']}",
-        "-master.volumeSizeLimitMB=64",
+        f"-master.volumeSizeLimitMB={volume_mib}",
         f"-volume.port={ports['volume']}",
         f"-volume.port.grpc={ports['volume_grpc']}",
-        "-volume.max=8",
+        f"-volume.max={MAX_VOLUMES}",
         "-filer",
         f"-filer.port={ports['filer']}",
         f"-filer.port.grpc={ports['filer_grpc']}",
@@ -106,9 +114,9 @@ def server_argv(weed: str, data: Path, config: Path, ports: dict[str, int]) -> l
 
 @contextlib.contextmanager
 def running(
-    key_id: str = "lora-tests-key", secret: str = "lora-tests-secret"
+    key_id: str = "lora-tests-key", secret: str = "lora-tests-secret", *, volume_mib: int = 64
 ) -> Iterator[S3Server]:
-    """SeaweedFS with its S3 gateway, until the block ends."""
+    """SeaweedFS with its S3 gateway, until the block ends; `volume_mib`: see MAX_VOLUMES."""
     weed = weed_binary()
     with tempfile.TemporaryDirectory(prefix="seaweedfs-") as tmp:
         root = Path(tmp)
@@ -119,7 +127,7 @@ def running(
                        "s3", "s3_grpc")  # fmt: skip
         log = (root / "weed.log").open("wb")
         proc = subprocess.Popen(
-            server_argv(weed, root / "data", config, ports),
+            server_argv(weed, root / "data", config, ports, volume_mib),
             stdout=log,
             stderr=subprocess.STDOUT,
             cwd=root,

@@ -1,5 +1,7 @@
 """(d) staging speed, no cluster: one large file staged by the operator's store, in a process of
-its own, from a local https origin and a local S3 server, against curl of the same bytes."""
+its own, from a local https origin (`openssl s_server`), a real S3 server (SeaweedFS's S3
+gateway, tests/support/s3server.py) and a real OCI registry (the distribution registry,
+tests/support/registry.py), against curl of the same bytes over the same HTTP to the same disk."""
 
 from __future__ import annotations
 
@@ -12,13 +14,15 @@ import struct
 import subprocess
 import sys
 import time
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from lora_devcluster.certs import write_pki
+from lora_operator.store import oci
 
-from lora_bench.operator import pods
+from tests.support import registry, s3server
 from tests.support.http import free_port
 
 
@@ -87,8 +91,12 @@ credentials = sources.Credentials(
     aws_access_key_id=os.environ.get("AWS_ACCESS_KEY_ID"),
     aws_secret_access_key=os.environ.get("AWS_SECRET_ACCESS_KEY"),
 )
-# The sources are this machine's: any name, the loopback range opened.
-rules = consent.Rules(hosts=("*",), allow=consent.parse_networks(["127.0.0.0/8"]))
+# The sources are this machine's: any name, the loopback range opened, the bench's registry
+# over plain HTTP (as `operator.insecureRegistries` would).
+insecure = tuple(filter(None, os.environ.get("BENCH_INSECURE_REGISTRIES", "").split(",")))
+rules = consent.Rules(
+    hosts=("*",), allow=consent.parse_networks(["127.0.0.0/8"]), insecure_registries=insecure
+)
 fetch = fetchers.Fetcher(volume, egress.Guard(rules))
 store = staging.Store(volume, max_bytes=8 * 1024**3, fetch=fetch)
 started = time.perf_counter()
@@ -126,14 +134,24 @@ def stage_in_child(uri: str, volume: Path, env: dict[str, str]) -> dict[str, Any
     return dict(json.loads(out.stdout.strip().splitlines()[-1]))
 
 
-def plain_download(url: str, dest: Path, ca: Path | None) -> float:
+def plain_download(curl_args: list[str], dest: Path) -> float:
     """The same bytes with curl to the same volume: the limit for staging."""
-    argv = ["curl", "-sSf", "-o", str(dest), url] + (["--cacert", str(ca)] if ca else [])
     started = time.perf_counter()
-    subprocess.run(argv, check=True)
+    subprocess.run(["curl", "-sSf", "-o", str(dest), *curl_args], check=True)
     seconds = time.perf_counter() - started
     dest.unlink()
     return seconds
+
+
+@dataclass(frozen=True)
+class Source:
+    """One row's source: the URI the store stages, and how curl GETs the same bytes over the
+    same HTTP (the URL and what it authenticates with)."""
+
+    name: str  # https, s3, oci
+    uri: str
+    curl_args: list[str]
+    env: dict[str, str]  # the staging process's
 
 
 @dataclass
@@ -146,73 +164,106 @@ class StagingRow:
     cache_emptied: bool  # the page cache was dropped before each download
 
 
+BUCKET = "bench"
+REPOSITORY = "bench/big"
+S3_REGION = "us-east-1"
+
+
+def https_source(origin: FileOrigin, ca: Path) -> Source:
+    env = {"SSL_CERT_FILE": str(ca)}
+    return Source("https", origin.url, [origin.url, "--cacert", str(ca)], env)
+
+
+def s3_source(s3: s3server.S3Server, key: str) -> Source:
+    """GetObject signed with SigV4 in its headers, by the store (botocore) and by curl alike."""
+    env = {
+        "AWS_ENDPOINT_URL": s3.endpoint,
+        "AWS_ACCESS_KEY_ID": s3.key_id,
+        "AWS_SECRET_ACCESS_KEY": s3.secret,
+        "AWS_REGION": S3_REGION,
+    }
+    curl_args = [f"{s3.endpoint}/{BUCKET}/{key}", "--aws-sigv4", f"aws:amz:{S3_REGION}:s3"]
+    curl_args += ["--user", f"{s3.key_id}:{s3.secret}"]
+    return Source("s3", f"s3://{BUCKET}/{key}", curl_args, env)
+
+
+def oci_source(reg: registry.Registry, path: Path, tag: str) -> Source:
+    """`lora-operator adapter push` of the file; curl GETs the layer's blob (the file's bytes),
+    the store pulls the manifest, then that blob."""
+    pushed = registry.push(reg, path, f"{REPOSITORY}:{tag}")
+    if pushed.returncode != 0:
+        raise RuntimeError(f"adapter push failed: {pushed.stderr}")
+    with urllib.request.urlopen(
+        urllib.request.Request(
+            f"http://{reg.address}/v2/{REPOSITORY}/manifests/{tag}",
+            headers={"Accept": oci.OCI_MANIFEST},
+        )
+    ) as resp:
+        layer = json.load(resp)["layers"][0]["digest"]
+    blob = f"http://{reg.address}/v2/{REPOSITORY}/blobs/{layer}"
+    env = {"BENCH_INSECURE_REGISTRIES": reg.address}
+    return Source("oci", f"oci://{reg.address}/{REPOSITORY}:{tag}", [blob], env)
+
+
 def measure_staging(work: Path, sizes_mib: list[int], repeats: int) -> list[StagingRow]:
     import boto3
 
     volume = work / "staging-volume"
     volume.mkdir(parents=True, exist_ok=True)
     pki = write_pki(work / "pki", ["127.0.0.1"], ["localhost"], "bench", "127.0.0.1")
-    moto_port = free_port()
-    moto = subprocess.Popen(
-        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(moto_port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    endpoint = f"http://127.0.0.1:{moto_port}"
-    s3_env = {
-        "AWS_ENDPOINT_URL": endpoint,
-        "AWS_ACCESS_KEY_ID": "bench",
-        "AWS_SECRET_ACCESS_KEY": "bench",
-    }
     rows = []
-    try:
-        for _ in range(300):
-            if pods.http_ok(f"{endpoint}/moto-api/"):
-                break
-            time.sleep(0.1)
-        s3 = boto3.client(
+    # SeaweedFS's volumes as large as the largest file (eight of them): an object spans few.
+    with (
+        s3server.running(volume_mib=max(64, *sizes_mib)) as s3,
+        registry.run_registry(work / "registry") as reg,
+    ):
+        client = boto3.client(
             "s3",
-            endpoint_url=endpoint,
-            region_name="us-east-1",
-            aws_access_key_id="bench",
-            aws_secret_access_key="bench",
+            endpoint_url=s3.endpoint,
+            region_name=S3_REGION,
+            aws_access_key_id=s3.key_id,
+            aws_secret_access_key=s3.secret,
         )
-        s3.create_bucket(Bucket="bench")
+        client.create_bucket(Bucket=BUCKET)
         for mib in sizes_mib:
             path = work / f"big-{mib}.safetensors"
             write_big_lora(path, mib * 2**20)
             origin = FileOrigin(path, pki.server_cert, pki.server_key)
-            s3.upload_file(str(path), "bench", path.name)
-            sources_ = [
-                ("https", origin.url, pki.ca_cert, {"SSL_CERT_FILE": str(pki.ca_cert)}),
-                ("s3", f"s3://bench/{path.name}", None, s3_env),
-            ]
             try:
-                for name, uri, ca, env in sources_:
-                    url = uri if name == "https" else f"{endpoint}/bench/{path.name}"
-                    plain, staged = [], []
-                    rss, emptied = 0.0, True
-                    for _ in range(repeats):  # alternate, keep the best of each (a shared machine)
-                        emptied &= empty_page_cache()
-                        plain.append(plain_download(url, volume / "plain.bin", ca))
-                        empty_page_cache()
-                        result = stage_in_child(uri, volume, env)
-                        staged.append(result["seconds"])
-                        rss = max(rss, result["rss_mib"])
-                        gc_volume(volume)
-                    rows.append(StagingRow(name, mib, min(plain), min(staged), rss, emptied))
+                client.upload_file(str(path), BUCKET, path.name)
+                sources_ = [
+                    https_source(origin, pki.ca_cert),
+                    s3_source(s3, path.name),
+                    oci_source(reg, path, f"{mib}mib"),
+                ]
+                for source in sources_:
+                    row = measure_source(source, mib, volume, repeats)
+                    rows.append(row)
                     print(
-                        f"  {name} {mib} MiB: plain {min(plain):.2f} s, staged {min(staged):.2f} s,"
-                        f" operator RSS {rss:.0f} MiB",
+                        f"  {source.name} {mib} MiB: plain {row.plain_s:.2f} s, staged"
+                        f" {row.staged_s:.2f} s, operator RSS {row.rss_mib:.0f} MiB",
                         flush=True,
                     )
             finally:
                 origin.close()
                 path.unlink()
-    finally:
-        moto.terminate()
-        moto.wait(10)
     return rows
+
+
+def measure_source(source: Source, mib: int, volume: Path, repeats: int) -> StagingRow:
+    """curl and the store, alternately, `repeats` times each; the best of each (a shared
+    machine), and the store's peak RSS."""
+    plain, staged = [], []
+    rss, emptied = 0.0, True
+    for _ in range(repeats):
+        emptied &= empty_page_cache()
+        plain.append(plain_download(source.curl_args, volume / "plain.bin"))
+        empty_page_cache()
+        result = stage_in_child(source.uri, volume, source.env)
+        staged.append(result["seconds"])
+        rss = max(rss, result["rss_mib"])
+        gc_volume(volume)
+    return StagingRow(source.name, mib, min(plain), min(staged), rss, emptied)
 
 
 def gc_volume(volume: Path) -> None:
@@ -237,8 +288,10 @@ def print_staging(rows: list[StagingRow]) -> None:
         )
     print(
         "speed: curl's time / the store's (target >= 0.8); the store hashes, checks the header,"
-        " fsyncs and publishes;\noperator RSS: the staging process's peak, flat in the file size"
-        " when the sizes' rows agree; the page cache was"
+        " fsyncs and publishes;\ncurl: https the file, s3 GetObject signed with SigV4"
+        " (--aws-sigv4), oci the layer's blob (the store reads the manifest first);"
+        "\noperator RSS: the staging"
+        " process's peak, flat in the file size when the sizes' rows agree; the page cache was"
         + ("" if all(r.cache_emptied for r in rows) else " NOT")
         + " emptied before each download."
     )
