@@ -210,6 +210,7 @@ class Stager(Actor):
             kube.now_iso(),
             info.generation,
             staged.adapter,
+            staged.resolved,
         )
         self.signals.staged(rec.key, serving, staged.sha256)
         self.metrics.stagings.labels("ok").inc()
@@ -217,9 +218,11 @@ class Stager(Actor):
         if not staged.reused:
             self.metrics.staged_bytes.inc(staged.size)
         log.info(
-            "action=staged adapter=%s/%s source=%s sha256=%s bytes=%d reused=%s seconds=%.3f",
+            "action=staged adapter=%s/%s source=%s resolved=%s sha256=%s bytes=%d reused=%s "
+            "seconds=%.3f",
             *rec.key,
             described,
+            staged.resolved,
             staged.sha256,
             staged.size,
             staged.reused,

@@ -3,7 +3,8 @@ replica) staged, wrote, loaded and chose (pure).
 
 A restarted operator keeps nothing of its own; the LoRAAdapter's status is its memory. From it
 `plan_resume` restores the staging state (so nothing is staged twice, a permanent failure of
-this generation is not retried, and what the staged file declares is known without reading it),
+this generation is not retried, and what the staged file declares and what its source resolved
+to are known without reading or fetching anything),
 the rollout under way, the replicas spec.autoscale chose, the status last written (so no status
 goes backwards) and the load times recorded per pod. No I/O; the controller's record cache builds
 its record from the result.
@@ -45,6 +46,8 @@ def plan_resume(info: AdapterInfo, status: Mapping[str, Any] | None) -> Resumed:
         staged_at=staged.get("stagedAt"),
         observed_generation=st.get("observedGeneration"),
         adapter=restore_adapter(st.get("adapter")) if info.staged is not None else None,
+        # Kept as recorded: only a staging that fetches the source again can resolve it anew.
+        resolved=_text(staged.get("resolvedSource")) if info.staged is not None else None,
     )
     # observedGeneration moves only on success or a permanent failure: a Staged=False
     # condition of this generation is a permanent failure, not to be retried on resume.
@@ -70,6 +73,10 @@ def plan_resume(info: AdapterInfo, status: Mapping[str, Any] | None) -> Resumed:
             if isinstance(p, dict) and "name" in p
         },
     )
+
+
+def _text(raw: object) -> str | None:
+    return raw if isinstance(raw, str) and raw else None
 
 
 def restore_adapter(raw: object) -> description.Description | None:

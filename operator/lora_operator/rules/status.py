@@ -73,6 +73,10 @@ class StagingState:
     staged_at: str | None = None
     observed_generation: int | None = None
     adapter: description.Description | None = None  # what the staged revision's weights declare
+    # What the source resolved to when the staged revision was fetched (an oci:// reference's
+    # manifest by digest, `StagedRevision.resolved`); None when that staging fetched nothing or
+    # the source names no resolution.
+    resolved: str | None = None
 
     def failed(
         self,
@@ -99,6 +103,7 @@ class StagingState:
         at: str,
         generation: int,
         adapter: description.Description,
+        resolved: str | None = None,
     ) -> None:
         self.in_progress = False
         self.attempts, self.permanent, self.next_attempt_at = 0, False, None
@@ -106,7 +111,7 @@ class StagingState:
         self.error_reason = self.error_message = None
         self.staged, self.path, self.staged_at = staged, path, at
         self.observed_generation = generation
-        self.adapter = adapter
+        self.adapter, self.resolved = adapter, resolved
 
 
 @dataclass(frozen=True)

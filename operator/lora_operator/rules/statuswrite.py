@@ -83,6 +83,8 @@ def render(
             "sizeBytes": staging.staged.size,
             "path": staging.path,
             "stagedAt": staging.staged_at,
+            # None (when this staging resolved nothing) removes a value an earlier one wrote.
+            "resolvedSource": staging.resolved,
         }
     return status
 

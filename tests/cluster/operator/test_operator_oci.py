@@ -1,9 +1,10 @@
 """The operator (a real process, kopf against the local cluster's API server) staging oci://
 adapters from a registry that wants a login (Debian's docker-registry with htpasswd, on the
 cluster network's 127.0.0.1): the login from a `kubernetes.io/dockerconfigjson` Secret that
-consents, the adapter Ready on an inference pod; and each way it goes wrong a Failed adapter
-whose Staged condition and Warning say why: no login, a Secret that does not consent, an
-unknown tag, no adapter layer. The password shows in no status, Event or log line."""
+consents, the adapter Ready on an inference pod, its status naming the manifest the tag resolved
+to; and each way it goes wrong a Failed adapter whose Staged condition and Warning say why: no
+login, a Secret that does not consent, an unknown tag, no adapter layer. The password shows in
+no status, Event or log line."""
 
 from __future__ import annotations
 
@@ -49,6 +50,7 @@ def test_oci_adapters_with_a_pull_secret_and_what_goes_wrong(
     folder, sha = cluster.write_adapter(models, tmp_path / "adapter", seed=5)
     result = reg.push(registry, folder, "private/pixel:v1", login=True)
     assert result.returncode == 0, result.stderr
+    manifest = result.stdout.strip()  # oci://REGISTRY/private/pixel@sha256:...
     weights_only = [("application/vnd.example.weights", b"w")]
     reg.push_image(registry, "private/model:v1", weights_only, login=True)
 
@@ -87,6 +89,8 @@ def test_oci_adapters_with_a_pull_secret_and_what_goes_wrong(
         )
         ready = cluster.wait_phase(h, ns, "pixel", "Ready", "1/1", timeout=240)
         assert ready["status"]["staged"]["sha256"] == sha
+        # The manifest the tag resolved to, kept by the API server (the CRD's schema has it).
+        assert ready["status"]["staged"]["resolvedSource"] == manifest
         (ip,) = cluster.pod_ips(h, ns, 1).values()
         assert cluster.holds(ip, "pixel", sha)
 

@@ -16,6 +16,7 @@ from lora_operator.rules.statuswrite import (
     WritePolicy,
     fair_order,
     render,
+    stored,
     write_delay,
 )
 from lora_volume import description, formats
@@ -314,6 +315,52 @@ def test_what_the_staged_file_declares_is_rendered_and_resumed_as_written() -> N
 def test_a_status_that_does_not_say_what_the_file_declares_is_read_again(raw: object) -> None:
     """None: the stager reads the staged revision's headers instead."""
     assert resume.restore_adapter(raw) is None
+
+
+# -- what the source resolved to --------------------------------------------------------------
+
+RESOLVED = "oci://registry.example/loras/pixel@sha256:" + "b" * 64
+
+
+def test_what_the_source_resolved_to_is_rendered_once_and_resumed_as_written() -> None:
+    """Written with the staging that resolved it; a restarted operator reads it back, renders
+    the same and so writes nothing; a staging that resolved nothing removes it."""
+    state = staged()
+    state.succeeded(model.StagedRef(SHA, 100), "/v/p", "T0", 2, DECLARED, RESOLVED)
+    targeted = [(pod("a"), loaded())]
+    s = summarise(adapter(), state, targeted)
+    body = render(adapter(), state, targeted, s, [], "T")
+    assert body["staged"]["resolvedSource"] == RESOLVED
+
+    # The status as the API server keeps it, read by a restarted operator.
+    written = stored(body)
+    resumed = resume.plan_resume(adapter(status=written), written)
+    assert resumed.staging.resolved == RESOLVED
+    again = render(adapter(), resumed.staging, targeted, s, written["conditions"], "T2")
+    assert again == body
+    assert (
+        write_delay(
+            resumed.written,
+            resumed.written_headline,
+            again,
+            s,
+            since_headline=0,
+            since_write=0,
+            policy=POLICY,
+        )
+        is None
+    )
+
+    # Staged again with nothing fetched (a pin already held): a merge patch removes the value.
+    state.succeeded(model.StagedRef(SHA, 100), "/v/p", "T3", 3, DECLARED)
+    assert render(adapter(), state, targeted, s, [], "T3")["staged"]["resolvedSource"] is None
+    # Nothing staged, or a value that is no string: nothing resumed.
+    assert (
+        resume.plan_resume(adapter(), {"staged": {"resolvedSource": RESOLVED}}).staging.resolved
+        is None
+    )
+    odd: dict[str, object] = {"staged": {"sha256": SHA, "sizeBytes": 1, "resolvedSource": 7}}
+    assert resume.plan_resume(adapter(status=odd), odd).staging.resolved is None
 
 
 # -- in which order the writes queue ----------------------------------------------------------
