@@ -15,13 +15,9 @@ nodes each holding the 5 GB inference image would not fit the disk.
 
 from __future__ import annotations
 
-import contextlib
 import io
 import json
-import os
 import re
-import signal
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -32,7 +28,7 @@ from PIL import Image
 
 from tests.support import ROOT
 from tests.support.chart import unavailable
-from tests.support.docs import Block, parse_blocks
+from tests.support.docs import Block, parse_blocks, run_script
 
 README = ROOT / "README.md"
 SECTION = "## Quickstart on a GPU cluster"
@@ -90,28 +86,6 @@ def test_the_documented_replacements_cover_what_the_local_cluster_lacks() -> Non
         assert (ROOT / path).is_file(), path
 
 
-def _run_script(h: Harness, script: str, cwd: Path, log: Path, timeout: float) -> None:
-    """Run `script` with bash -euo pipefail in its own process group, as a user pastes a block;
-    afterwards stop what it left in the background (the README's port-forward)."""
-    with log.open("w") as out:
-        proc = subprocess.Popen(
-            ["bash", "-euo", "pipefail", "-c", script],
-            cwd=cwd,
-            stdin=subprocess.DEVNULL,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env=h.env,
-            start_new_session=True,
-        )
-        try:
-            code = proc.wait(timeout=timeout)
-        finally:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait()
-    assert code == 0, f"the block failed (exit {code}):\n{script}\n---\n{log.read_text()[-6000:]}"
-
-
 def test_the_readme_quickstart_runs_as_written_on_a_local_cluster(tmp_path: Path) -> None:
     rows = replacements()
     build, install = (localized(b.text, rows) for b in quickstart_blocks())
@@ -127,8 +101,8 @@ def test_the_readme_quickstart_runs_as_written_on_a_local_cluster(tmp_path: Path
     except images.ImageError as e:
         unavailable(str(e))
     with running_cluster(roles=("base", "pause")) as h:
-        _run_script(h, build, ROOT, tmp_path / "build.log", timeout=1200)
-        _run_script(h, install, work, tmp_path / "install.log", timeout=1500)
+        run_script(build, ROOT, tmp_path / "build.log", timeout=1200, env=h.env)
+        run_script(install, work, tmp_path / "install.log", timeout=1500, env=h.env)
         _check_what_the_quickstart_left(h, work)
 
 

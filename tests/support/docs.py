@@ -1,13 +1,17 @@
 """The docs' fenced code blocks with their `<!-- docs-test: ... -->` markers, a shell block's
 commands as argument lists, and the values a `helm install`/`upgrade` line renders with (pure):
 the docs test runs them, the chart's tests render them, and end-to-end tests run a task's
-blocks as written."""
+blocks as written (`run_script`, the one part that runs anything)."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import re
 import shlex
-from collections.abc import Iterator
+import signal
+import subprocess
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -109,3 +113,26 @@ def helm_values_args(words: list[str], written: set[str]) -> list[str]:
         else:
             i += 1
     return out
+
+
+def run_script(script: str, cwd: Path, log: Path, timeout: float, env: Mapping[str, str]) -> None:
+    """Run `script` with bash -euo pipefail in its own process group, as a user pastes a block;
+    afterwards stop what it left in the background (a port-forward). Fails with the script's
+    output when it does."""
+    with log.open("w") as out:
+        proc = subprocess.Popen(
+            ["bash", "-euo", "pipefail", "-c", script],
+            cwd=cwd,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=dict(env),
+            start_new_session=True,
+        )
+        try:
+            code = proc.wait(timeout=timeout)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait()
+    assert code == 0, f"the block failed (exit {code}):\n{script}\n---\n{log.read_text()[-6000:]}"

@@ -42,7 +42,7 @@ SERVICE, ISSUER = "lora-test-registry", "lora-test-tokens"
 
 @dataclass
 class Registry:
-    address: str  # 127.0.0.1:PORT
+    address: str  # HOST:PORT
     mode: str  # anonymous, htpasswd, token
     folder: Path  # its config, and its storage under storage/
     tokens: TokenServer | None = None
@@ -159,13 +159,15 @@ def binary() -> str:
 
 
 @contextlib.contextmanager
-def run_registry(folder: Path, mode: str = "anonymous") -> Iterator[Registry]:
-    """docker-registry on 127.0.0.1, storage and config in `folder`; `mode` anonymous,
-    htpasswd (USER/PASSWORD) or token (a TokenServer)."""
+def run_registry(
+    folder: Path, mode: str = "anonymous", host: str = "127.0.0.1"
+) -> Iterator[Registry]:
+    """docker-registry on `host` (an address of this network namespace), storage and config in
+    `folder`; `mode` anonymous, htpasswd (USER/PASSWORD) or token (a TokenServer)."""
     exe = binary()
     folder.mkdir(parents=True, exist_ok=True)
     port = free_port()
-    address = f"127.0.0.1:{port}"
+    address = f"{host}:{port}"
     config: dict[str, object] = {
         "version": 0.1,
         "log": {"level": "warn", "accesslog": {"disabled": True}},
