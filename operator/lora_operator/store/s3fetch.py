@@ -1,11 +1,13 @@
 """s3:// sources: GetObject as a GET that botocore builds and signs (its endpoint rules,
-addressing style and SigV4) and `downloads.download` sends through the guarded client; no boto3
-socket is ever opened. A bucket in another region is signed again for it, once.
+addressing style and SigV4) and `downloads.download` sends through the guarded client; no
+botocore socket is ever opened. A bucket in another region is signed again for it, once. Each
+staging has a botocore session of its own over the process's one loader of botocore's data.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
@@ -69,12 +71,11 @@ def _s3_request(
     """The region a GetObject of `source` is signed for, and what makes the request: the URL
     and headers botocore builds and signs (its endpoint rules, addressing style and SigV4;
     signed anew at each call), caught at its `before-send` event: botocore sends nothing."""
-    import boto3
     from botocore import UNSIGNED
     from botocore.config import Config
     from botocore.exceptions import BotoCoreError
 
-    session = boto3.session.Session()
+    session = _session()
     has_keys = credentials.aws_access_key_id is not None
     # The chain is consulted only without keys, and only for namespaces the platform team
     # lends the operator's identity to (consent.Rules.ambient): resolving it may ask a
@@ -85,10 +86,13 @@ def _s3_request(
         and credentials.ambient
         and session.get_credentials() is not None,
     )
-    client = session.client(
+    client = session.create_client(
         "s3",
         endpoint_url=credentials.aws_endpoint_url,
-        region_name=region or credentials.aws_region or session.region_name or "us-east-1",
+        region_name=region
+        or credentials.aws_region
+        or session.get_config_variable("region")
+        or "us-east-1",
         aws_access_key_id=credentials.aws_access_key_id,
         aws_secret_access_key=credentials.aws_secret_access_key,
         config=Config(signature_version=UNSIGNED) if auth == "unsigned" else None,
@@ -108,6 +112,28 @@ def _s3_request(
         raise errors.InvalidSource(f"{what}: the S3 request could not be built")
 
     return str(client.meta.region_name), request
+
+
+def _session() -> Any:
+    """A botocore session of its own for each staging (the environment, the shared config and
+    credentials files and the credential chain are read anew: a rotated file is seen), with the
+    process's one loader of botocore's own data."""
+    import botocore.session
+
+    session = botocore.session.Session()
+    session.register_component("data_loader", _loader(session.get_config_variable("data_path")))
+    return session
+
+
+@functools.cache
+def _loader(data_path: str | None) -> Any:
+    """botocore's loader of the data it ships (the S3 model, the endpoint rules, the
+    partitions), once per process: a loader per session would parse the same files again, about
+    60 ms of every s3:// staging. What it loads is read-only and cached by its arguments, as it
+    is for every client of one session."""
+    from botocore import loaders
+
+    return loaders.create_loader(data_path)
 
 
 class _OtherRegion(Exception):

@@ -281,6 +281,20 @@ async def test_s3_keys_in_the_secret_win_over_the_chain(
     assert await _stage_private(auth_s3.endpoint, tmp_path / "v", secret) == sha(lora_bytes(31))
 
 
+def test_each_staging_reads_the_chain_anew_over_one_loader(
+    no_aws_identity: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # botocore's own data is parsed once per process; what the environment and the files
+    # say is read again for each staging (a rotated key is used at once).
+    first, second = s3fetch._session(), s3fetch._session()
+    assert first is not second
+    assert first.get_component("data_loader") is second.get_component("data_loader")
+    assert first.get_credentials() is None
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIA-ROTATED")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "rotated")
+    assert s3fetch._session().get_credentials().access_key == "AKIA-ROTATED"
+
+
 async def test_s3_with_no_identity_anywhere_is_unsigned_and_refused(
     auth_s3: AuthS3, no_aws_identity: Path, tmp_path: Path
 ) -> None:
