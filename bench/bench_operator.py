@@ -17,7 +17,8 @@ and prints one table with, for each N pods and K adapters:
   (d) staging: one large adapter file (64 MiB and 1 GiB by default) staged by the operator's
       store from a local https origin, a local S3 server (SeaweedFS) and a local OCI registry
       (docker-registry), against curl of the same bytes over the same HTTP to a file, with the
-      staging process's peak RSS.
+      staging process's peak RSS; the process stages a small file from the same kind of source
+      first (its imports, its first client: timed apart), as a running operator has.
 
 The operator authenticates as a ServiceAccount of its own, and FlowSchemas that match only that
 account (by verb class and resource) let the API server count its requests exactly
