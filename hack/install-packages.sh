@@ -7,11 +7,12 @@
 #   tests:  dosfstools fusefat (a vfat adapter volume, which the operator must refuse),
 #           chromium chromium-driver (the playground page, driven headless)
 #   registry and monitoring tests: docker-registry (an OCI registry for `make push`),
+#           skopeo (the air-gapped install's mirroring of the image archives),
 #           prometheus (promtool and a real Prometheus for the dashboard and the alerts)
 set -euo pipefail
 packages=(containerd runc containernetworking-plugins iptables conntrack socat iproute2 ipset
           util-linux buildah debootstrap gcc libc6-dev dosfstools fusefat chromium chromium-driver
-          docker-registry prometheus)
+          docker-registry skopeo prometheus)
 missing=()
 for p in "${packages[@]}"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
