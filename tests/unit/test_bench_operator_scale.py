@@ -85,4 +85,8 @@ def test_the_last_line_has_the_issue_s_shape(plan: ModuleType) -> None:
     assert plan.ready_over_bare(run) == pytest.approx((412.4 - 200.0) / 100.0)
     assert plan.cpu_per_load_ms(run) == pytest.approx(80_000 / 20_000)
     assert len(plan.growth_table([run])) == 2
-    assert plan.phase_table(run)[0] == "K=10000 N=50 NS=25"
+    table = plan.phase_table(run)
+    assert table[0] == "K=10000 N=50 NS=25"
+    # The rows printed as each phase ends are the table's rows.
+    assert table[2:] == [plan.phase_row(run, p) for p in phases]
+    assert table[2].startswith("apply") and "3.61" in table[2], table[2]

@@ -261,6 +261,14 @@ def write_sources(volume: Path, layout: Layout) -> None:
 # -- one layout -----------------------------------------------------------------------------
 
 
+def ended(run: Run, phase: Phase) -> None:
+    """Record a finished phase and print its row at once (the table is printed whole at the end)."""
+    if not run.phases:
+        print("\n".join(scaleplan.phase_header(run)), flush=True)
+    run.phases.append(phase)
+    print(scaleplan.phase_row(run, phase), flush=True)
+
+
 def measure(
     h: Harness,
     watched: Watched,
@@ -301,7 +309,7 @@ def measure(
     )
     wait("every LoRAAdapter Ready", lambda: all_ready(h, k), watched, args.timeout, every)
     ready_s = time.perf_counter() - clock.t0
-    run.phases.append(clock.finish(Phase("apply"), h, watched, ready_s))
+    ended(run, clock.finish(Phase("apply"), h, watched, ready_s))
     say(started, f"all Ready {ready_s:.1f} s after apply began")
 
     # at rest.
@@ -310,7 +318,7 @@ def measure(
     while time.monotonic() < end:
         watched.rss_mib()
         time.sleep(min(10.0, max(0.0, end - time.monotonic())))
-    run.phases.append(clock.finish(Phase("at rest"), h, watched, rest))
+    ended(run, clock.finish(Phase("at rest"), h, watched, rest))
     say(started, "at rest done")
 
     # operator restart -> resumed: the operator counts every adapter Ready again (it has heard
@@ -328,7 +336,7 @@ def measure(
     time.sleep(SETTLE_S)
     phase = clock.finish(Phase("restart"), h, watched, resumed_s)
     phase.note = f"(counted until {SETTLE_S:.0f} s after every adapter was held again)"
-    run.phases.append(phase)
+    ended(run, phase)
     say(started, f"resumed {resumed_s:.1f} s after the restart began")
 
     # The API server unavailable for args.outage seconds (frozen: every connection hangs), then
@@ -368,7 +376,7 @@ def measure(
         f" operator {'running' if alive else 'EXITED'}; writes counted from the restart"
         f" until {args.after_outage:.0f} s after all Ready)"
     )
-    run.phases.append(phase)
+    ended(run, phase)
     say(started, f"all Ready again {ready_again_s:.1f} s after the outage began")
 
     # The bare calls' copies, then delete all.
@@ -399,7 +407,7 @@ def measure(
         args.timeout,
         every,
     )
-    run.phases.append(clock.finish(Phase("delete"), h, watched, time.perf_counter() - clock.t0))
+    ended(run, clock.finish(Phase("delete"), h, watched, time.perf_counter() - clock.t0))
     say(started, "deleted")
 
     run.bare_s, _, run.bare_unload_s = asyncio.run(pods.bare_calls(names_by_ip, root_by_ip))
@@ -455,8 +463,6 @@ def main(args: argparse.Namespace) -> None:
                     )
                     rest = args.rest[min(i, len(args.rest) - 1)]
                     runs.append(measure(h, watched, work, volume, layout, args, started, rest))
-                    # Printed as soon as measured: a run stopped later keeps these.
-                    print("\n".join(scaleplan.phase_table(runs[-1])), flush=True)
             finally:
                 op.stop()
     memory = psutil.virtual_memory().total / 2**30

@@ -139,22 +139,29 @@ class Run:
 
 
 def phase_table(run: Run) -> list[str]:
-    n, k = run.layout.n, run.layout.k
-    lines = [
-        f"K={k} N={n} NS={run.layout.namespaces}",
+    return [*phase_header(run), *(phase_row(run, p) for p in run.phases)]
+
+
+def phase_header(run: Run) -> list[str]:
+    return [
+        f"K={run.layout.k} N={run.layout.n} NS={run.layout.namespaces}",
         f"{'phase':<11}{'wall s':>8}{'writes/ad':>10}{'events/ad':>10}{'other req':>10}"
         f"{'RSS MiB':>8}{'peak':>6}{'CPU s':>8}{'loads/pod':>10}{'max':>5}{'unloads/pod':>12}"
         f"{'max':>5}",
     ]
-    for p in run.phases:
-        loads, most_loads = per_pod(p.loads, n)
-        unloads, most_unloads = per_pod(p.unloads, n)
-        lines.append(
-            f"{p.name:<11}{p.wall_s:8.1f}{p.writes / k:10.2f}{p.events / k:10.2f}{p.other:10d}"
-            f"{p.rss_mib:8.0f}{p.peak_rss_mib:6.0f}{p.cpu_s:8.1f}{loads:10.1f}{most_loads:5d}"
-            f"{unloads:12.1f}{most_unloads:5d}" + (f"  {p.note}" if p.note else "")
-        )
-    return lines
+
+
+def phase_row(run: Run, p: Phase) -> str:
+    """One phase's row of `phase_table`: printed as the phase ends too, so that a run stopped
+    part-way leaves the phases it finished."""
+    n, k = run.layout.n, run.layout.k
+    loads, most_loads = per_pod(p.loads, n)
+    unloads, most_unloads = per_pod(p.unloads, n)
+    return (
+        f"{p.name:<11}{p.wall_s:8.1f}{p.writes / k:10.2f}{p.events / k:10.2f}{p.other:10d}"
+        f"{p.rss_mib:8.0f}{p.peak_rss_mib:6.0f}{p.cpu_s:8.1f}{loads:10.1f}{most_loads:5d}"
+        f"{unloads:12.1f}{most_unloads:5d}" + (f"  {p.note}" if p.note else "")
+    )
 
 
 def cpu_per_load_ms(run: Run) -> float:
