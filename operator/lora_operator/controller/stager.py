@@ -4,7 +4,9 @@ revision its members make changes. It owns the record's `staging` sub-record (th
 renders, the task, its generation) and the set of compositions; only it starts and cancels a
 staging task (`stop` for the finalizer, `standby` and `halt` for the controller). Which sources
 it may fetch, and from where, is `consent`'s and `sources`' to decide; the store (`staging`)
-writes the volume.
+writes the volume. A staging is in progress (`Staging`) from when the store says its download
+began, not while it waits for one of the store's download slots (`Pending`, written once
+however long the queue).
 
 Every staging task ends in a status: a StagingError as its kind says, and any other exception (a
 bug, or a fault no check names) as `StagingCrashed`, permanent for that generation, with its
@@ -121,7 +123,7 @@ class Stager(Actor):
         if state.observed_generation != info.generation:
             state.attempts, state.permanent = 0, False
         staging.generation = info.generation
-        state.in_progress, state.bytes_so_far = True, 0
+        state.bytes_so_far = 0
         previous = staging.task
         staging.task = asyncio.create_task(
             self._stage(rec, previous), name=f"stage {info.namespace}/{info.name}"
@@ -149,7 +151,11 @@ class Stager(Actor):
         state = rec.staging.state
         try:
             while True:
-                state.in_progress = True
+                # A download is in progress once the store says it began (`progress(0)`): an
+                # adapter waiting for a download slot behind thousands of others is Pending,
+                # and its status says so once, not Staging at 0 bytes and again when its turn
+                # comes. A composition downloads nothing and waits for no one for long.
+                state.in_progress = bool(rec.info.compose)
                 self.signals.mark(rec.key)
                 try:
                     await self._stage_once(rec)
@@ -175,9 +181,11 @@ class Stager(Actor):
         info, state = rec.info, rec.staging.state
         loop = asyncio.get_running_loop()
 
-        def progress(n: int) -> None:  # runs on the fetcher's worker thread
+        task = asyncio.current_task()
+
+        def progress(n: int) -> None:  # the fetcher's worker thread (0: the loop, at start)
             state.bytes_so_far = n
-            loop.call_soon_threadsafe(self.signals.mark, rec.key)
+            loop.call_soon_threadsafe(self._downloading, rec, task)
 
         started = time.monotonic()
         volume = self.seams.volume
@@ -231,6 +239,14 @@ class Stager(Actor):
         self.signals.wake_namespace(info.namespace)
         self.signals.collect()
         self.restage_compositions_of(info)
+
+    def _downloading(self, rec: AdapterRecord, task: asyncio.Task[object] | None) -> None:
+        """The download of `task` began or went on; nothing once that staging has ended (a
+        cancelled download's thread writes until its next chunk)."""
+        if task is None or task.done() or task is not rec.staging.task:
+            return
+        rec.staging.state.in_progress = True
+        self.signals.mark(rec.key)
 
     def _members(self, info: AdapterInfo) -> dict[str, composition.MemberState]:
         """The members of composition `info` that exist, with the revisions they staged. From

@@ -118,7 +118,10 @@ class Store:
         downloaded; the same content stored for another namespace only is downloaded and
         verified all the same (a hash is no proof that the source has those bytes), then
         stored once. A download counts against the namespace's quota as it goes, and a
-        revision that would take it past the quota is not published (`QuotaExceeded`). `target`
+        revision that would take it past the quota is not published (`QuotaExceeded`).
+        `progress` hears the bytes written so far: first 0, on the caller's loop, when the
+        download begins (after its wait for one of the `max_concurrent` slots; never when the
+        pin is held and nothing is downloaded), then each count from the fetcher's thread. `target`
         (the pods the adapter is for) is published before `current`. The revision carries what
         the source resolved to when it was fetched (`StagedRevision.resolved`; None when nothing
         was). Raises only StagingErrors: the volume's own checks (names, volume paths, the file)
@@ -187,6 +190,9 @@ class Store:
                         announced=reservation.announced,
                     ) as sink,
                 ):
+                    if progress is not None:
+                        # The download begins: it had a slot to wait for, and no pin it holds.
+                        progress(0)
                     resolved = await self._fetch(source, credentials or sources.Credentials(), sink)
                     digest = await asyncio.to_thread(sink.finish)
                 if pin is not None and digest != pin:

@@ -160,7 +160,7 @@ async def test_declared_size_over_limit_refused_up_front(origin: Origin, tmp_pat
         await make_store(tmp_path, max_bytes=100).stage(
             NS, "x", sources.HttpsSource(url), progress=seen.append
         )
-    assert seen == []
+    assert seen == [0]  # the download began, and wrote nothing
 
 
 async def test_same_content_for_two_adapters_is_stored_once(origin: Origin, tmp_path: Path) -> None:
@@ -227,6 +227,8 @@ async def test_failure_in_progress_leaves_nothing(origin: Origin, tmp_path: Path
         pass
 
     def die(size: int) -> None:
+        if not size:
+            return  # the download begins: fail once it has written
         assert visible(tmp_path) == []
         assert len(tmp_entries(tmp_path)) == 1  # the download lives only in .tmp/
         raise Killed
