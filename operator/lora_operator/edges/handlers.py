@@ -97,6 +97,17 @@ def build_registry(controller: Controller) -> kopf.OperatorRegistry:
     return registry
 
 
+class ProgressAnnotations(kopf.AnnotationsProgressStorage):
+    """kopf's handler progress in annotations, without the `lora.dev/kopf-managed` marker kopf
+    adds with every store (it lets other kopf operators recognise the prefix). The one handler,
+    the delete handler, finishes in the cycle that starts it, so its progress is stored and
+    purged within one patch; the marker alone was left in it, a merge patch per deleted adapter
+    besides the finalizer's release."""
+
+    def _store_marker(self, prefix: str, patch: kopf.Patch, body: kopf.Body) -> None:
+        return None
+
+
 class NoDiffBase(kopf.AnnotationsDiffBaseStorage):
     """No diff-base: the operator has no create or update handlers (the controller compares
     generations itself), so storing the last spec would cost a write per change for nothing."""
@@ -111,9 +122,7 @@ class NoDiffBase(kopf.AnnotationsDiffBaseStorage):
 def configure(settings: kopf.OperatorSettings, config: OperatorConfig) -> None:
     """Keep kopf's own records in annotations (the CRD's status schema has no room for them)."""
     settings.persistence.finalizer = FINALIZER
-    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(
-        prefix=ANNOTATION_PREFIX
-    )
+    settings.persistence.progress_storage = ProgressAnnotations(prefix=ANNOTATION_PREFIX)
     settings.persistence.diffbase_storage = NoDiffBase(
         prefix=ANNOTATION_PREFIX, key="last-handled-configuration"
     )
