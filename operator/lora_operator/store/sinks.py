@@ -87,8 +87,9 @@ class Sink:
     SYNC_BYTES = 64 * 1024 * 1024
     # Four reads of a fast download (downloads.CHUNK_BYTES) per hand-over: each one wakes both
     # lanes' threads, and an https download is bound by its reader (decrypting). 1 MiB batches
-    # hold about 18 MiB less at the peak of a 1 GiB staging but make an https one 8-15% slower
-    # on two cores; 8 MiB ones gain nothing more.
+    # hold about 18 MiB less at the peak of a 1 GiB staging, but on two cores an https one took
+    # 8-15% longer in the median (its times spread as widely) and S3 gained nothing; 8 MiB
+    # batches gained nothing either.
     BATCH_BYTES = 4 * 1024 * 1024
 
     def __init__(
