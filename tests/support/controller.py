@@ -162,16 +162,17 @@ class RecordingStore(staging.Store):
         return await super().unpublish(namespace, name)
 
 
-def pod(name: str) -> PodInfo:
+def pod(name: str, namespace: str = NS, ip: str = "10.0.0.1") -> PodInfo:
+    """A Ready inference pod of `namespace`, its UID its name (the rig's fake pods key by name)."""
     return pod_info(
         {
             "metadata": {
-                "namespace": NS,
+                "namespace": namespace,
                 "name": name,
                 "uid": name,
                 "labels": {"lora.dev/inference": "true"},
             },
-            "status": {"podIP": "10.0.0.1", "conditions": [{"type": "Ready", "status": "True"}]},
+            "status": {"podIP": ip, "conditions": [{"type": "Ready", "status": "True"}]},
         }
     )
 

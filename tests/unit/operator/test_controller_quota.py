@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from lora_operator.rules.model import PodInfo, pod_info
+from lora_operator.rules.model import PodInfo
 
 from tests.support.controller import Rig, adapter, pod
 from tests.support.loras import lora_bytes
@@ -18,17 +18,7 @@ OTHER = "team-b"
 
 
 def other_pod(name: str) -> PodInfo:
-    return pod_info(
-        {
-            "metadata": {
-                "namespace": OTHER,
-                "name": name,
-                "uid": name,
-                "labels": {"lora.dev/inference": "true"},
-            },
-            "status": {"podIP": "10.0.0.2", "conditions": [{"type": "Ready", "status": "True"}]},
-        }
-    )
+    return pod(name, OTHER, "10.0.0.2")
 
 
 def other_adapter(volume: Path, name: str, seed: int) -> dict[str, Any]:

@@ -17,10 +17,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from lora_operator.rules.model import PodInfo, pod_info
 from lora_operator.store import sinks, sources, staging
 
-from tests.support.controller import Rig
+from tests.support.controller import Rig, pod
 from tests.support.loras import lora_bytes
 from tests.support.polling import until
 
@@ -45,20 +44,6 @@ class OneAtATime(staging.Store):
         return await self._default_fetch(source, credentials, sink)
 
 
-def _pod(namespace: str, name: str) -> PodInfo:
-    return pod_info(
-        {
-            "metadata": {
-                "namespace": namespace,
-                "name": name,
-                "uid": name,
-                "labels": {"lora.dev/inference": "true"},
-            },
-            "status": {"podIP": "10.0.0.1", "conditions": [{"type": "Ready", "status": "True"}]},
-        }
-    )
-
-
 def _adapter(volume: Path, namespace: str, i: int) -> dict[str, Any]:
     src = volume / namespace / "src" / f"a-{i}.safetensors"
     src.parent.mkdir(parents=True, exist_ok=True)
@@ -80,7 +65,7 @@ async def burst(tmp_path: Path, k: int, namespaces: int) -> dict[str, list[dict[
         spaces = [f"team-{n}" for n in range(namespaces)]
         for ns in spaces:
             for j in range(PODS):
-                c.pod_changed(_pod(ns, f"{ns}-p{j}"))  # unique names: the fake pods key by name
+                c.pod_changed(pod(f"{ns}-p{j}", ns))  # unique names: the fake pods key by name
         bodies = [_adapter(rig.volume, spaces[i % namespaces], i) for i in range(k)]
         for body in bodies:
             c.adapter_changed(body)

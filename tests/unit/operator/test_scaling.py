@@ -15,11 +15,8 @@ to 2x its linear growth, a K x K pass would be 10x.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
-from types import FrameType
 from typing import Any
 
 import pytest
@@ -27,8 +24,8 @@ from lora_operator.rules import events, placement, planning, podstate, statuswri
 from lora_operator.rules import status as status_mod
 from lora_operator.rules.model import AdapterInfo, PodInfo, adapter_info, pod_info
 
-ROOT = Path(__file__).resolve().parents[3]
-VENV = ROOT / ".venv"
+from tests.support.linecount import project_lines
+
 NS = "team"
 SMALL, LARGE = (1_000, 10), (10_000, 50)
 MARGIN = 2.0  # the growth allowed over linear (a quadratic pass would be 10x)
@@ -38,28 +35,13 @@ POLICY = statuswrite.WritePolicy()
 def lines_run(work: Callable[[], object]) -> int:
     """How many lines of the checkout's own Python code `work` executes."""
     counted = 0
-    ours: dict[str, bool] = {}
 
-    def local(frame: FrameType, event: str, arg: Any) -> Callable[..., Any] | None:
+    def one() -> None:
         nonlocal counted
-        if event == "line":
-            counted += 1
-        return local
+        counted += 1
 
-    def tracer(frame: FrameType, event: str, arg: Any) -> Callable[..., Any] | None:
-        name = frame.f_code.co_filename
-        mine = ours.get(name)
-        if mine is None:
-            path = Path(name)
-            mine = ours[name] = path.is_relative_to(ROOT) and not path.is_relative_to(VENV)
-        return local if mine else None
-
-    before = sys.gettrace()
-    sys.settrace(tracer)
-    try:
+    with project_lines(one):
         work()
-    finally:
-        sys.settrace(before)
     return counted
 
 

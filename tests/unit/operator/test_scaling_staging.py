@@ -19,24 +19,21 @@ from __future__ import annotations
 
 import asyncio
 import os
-import sys
 import threading
 from collections.abc import Callable, Coroutine, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
 import pytest
 from lora_operator.store import sources, staging
 from lora_volume import layout
 
+from tests.support.linecount import project_lines
 from tests.support.loras import lora_bytes, sha
 
 HERE = Path(__file__).resolve()
-ROOT = HERE.parents[3]
-VENV = ROOT / ".venv"
 SMALL, LARGE = (50, 5), (500, 25)  # (adapters on the volume, namespaces)
 MARGIN = 2.0  # the growth allowed (a listing of the namespace per staging would be 2x more)
 M = 8  # stagings measured per case
@@ -102,32 +99,15 @@ def counted(monkeypatch: pytest.MonkeyPatch) -> Iterator[Work]:
 
     for name in CALLS:
         monkeypatch.setattr(os, name, wrap(name, getattr(os, name)))
-    ours: dict[str, bool] = {}
 
-    def local(frame: FrameType, event: str, arg: Any) -> Callable[..., Any] | None:
-        if event == "line":
-            with lock:
-                work.lines += 1
-        return local
+    def one() -> None:
+        with lock:
+            work.lines += 1
 
-    def tracer(frame: FrameType, event: str, arg: Any) -> Callable[..., Any] | None:
-        name = frame.f_code.co_filename
-        mine = ours.get(name)
-        if mine is None:
-            path = Path(name)
-            mine = ours[name] = (
-                path.is_relative_to(ROOT) and not path.is_relative_to(VENV) and path != HERE
-            )
-        return local if mine else None
-
-    before = sys.gettrace()
-    threading.settrace(tracer)
-    sys.settrace(tracer)
     try:
-        yield work
+        with project_lines(one, threads=True, skip=HERE):
+            yield work
     finally:
-        sys.settrace(before)
-        threading.settrace(None)
         monkeypatch.undo()
 
 
