@@ -171,10 +171,27 @@ def test_the_air_gapped_page_installs_and_serves_from_the_registry_alone(
             _check_the_release(h, work, data)
             _check_the_policy_keeps_other_sources_out(h, elsewhere.address)
         finally:
-            h.run(["helm", "uninstall", "lora-operator", "-n", NAMESPACE, "--ignore-not-found"],
+            _remove_the_page_namespace(h)
+
+
+def _remove_the_page_namespace(h: Harness) -> None:
+    """The page's namespace gone, not only deleting, before the next test that uses the name
+    (the docs' own tests do): the adapters deleted while the operator still runs (their finalizer
+    is its to release; any left, with no operator, released here), then the release, then the
+    namespace, waited for."""
+    ns = ["-n", NAMESPACE]
+    h.kubectl(*ns, "delete", "loraadapters", "--all", "--timeout=120s", check=False)
+    for name in h.kubectl(*ns, "get", "loraadapters", "-o", "name", check=False).split():
+        h.kubectl(*ns, "patch", name, "--type=merge", "-p", '{"metadata":{"finalizers":null}}',
                   check=False)  # fmt: skip
-            with contextlib.suppress(ApiError):
-                h.delete(f"/api/v1/namespaces/{NAMESPACE}")
+    h.run(["helm", "uninstall", "lora-operator", *ns, "--ignore-not-found"], check=False)
+    with contextlib.suppress(ApiError):
+        h.delete(f"/api/v1/namespaces/{NAMESPACE}")
+    h.wait_for(
+        f"namespace {NAMESPACE} gone",
+        lambda: h.get_or_none(f"/api/v1/namespaces/{NAMESPACE}") is None,
+        timeout=180,
+    )
 
 
 def _check_the_release(h: Harness, work: Path, data: bytes) -> None:
