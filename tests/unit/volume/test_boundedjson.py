@@ -1,5 +1,7 @@
 """The bounded JSON parser: the values json.loads builds, each bound refused with its message,
-and held to json.loads on generated documents (pure)."""
+and held to json.loads on generated documents; `parse` (json's C scanner where the bounds are
+proven, the module's own reader otherwise) held to `read` (the reader alone) on the same
+documents (pure)."""
 
 from __future__ import annotations
 
@@ -16,13 +18,24 @@ WIDE = boundedjson.Limits(max_bytes=1 << 20, max_depth=64, max_values=100_000)
 
 
 def parse(text: str | bytes | memoryview, limits: boundedjson.Limits = WIDE) -> Any:
-    return boundedjson.parse(text, limits, where="the document")
+    """`parse`'s value, checked to be the reader's own."""
+    value = boundedjson.parse(text, limits, where="the document")
+    if not isinstance(text, str):
+        text = str(text, "utf-8")
+    assert json.dumps(boundedjson.read(text, limits, where="the document")) == json.dumps(value)
+    return value
 
 
 def refusal(text: str | bytes, limits: boundedjson.Limits = WIDE) -> str:
+    """`parse`'s refusal, checked to be the reader's own (bytes that are not UTF-8, or more of
+    them than `max_bytes`, never reach the reader)."""
     with pytest.raises(errors.InvalidJson) as e:
-        parse(text, limits)
+        boundedjson.parse(text, limits, where="the document")
     assert isinstance(e.value, errors.InvalidAdapter)  # both sides map it as a bad file
+    if isinstance(text, str) and len(text.encode()) <= limits.max_bytes:
+        with pytest.raises(errors.InvalidJson) as by_reader:
+            boundedjson.read(text, limits, where="the document")
+        assert by_reader.value.message == e.value.message
     return e.value.message
 
 
@@ -108,6 +121,7 @@ def test_it_accepts_exactly_what_json_loads_accepts(text: str) -> None:
         got = parse(text)
     except errors.InvalidJson as e:
         assert "NaN" in text or "\\ud800" in text, e.message
+        assert refusal(text) == e.message
         return
     assert json.dumps(got) == json.dumps(expected)
 
@@ -190,3 +204,34 @@ def test_a_bound_is_refused_before_the_document_is_read_to_its_end() -> None:
 def test_a_memoryview_is_read_where_it_lies() -> None:
     blob = b"xxxx" + b'{"a": [1, "\\u00e9"]}'
     assert parse(memoryview(blob)[4:]) == {"a": [1, "é"]}
+
+
+def test_a_document_within_its_bounds_is_read_by_json_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A pod's answer of a thousand adapters: the character count proves the values bound, so
+    the module's own reader is never run; one over a bound, or with a surrogate escape, is
+    handed to it."""
+    cards = [
+        {"id": f"a-{i}", "parent": "sd", "scale": 1.0, "hits": i, "pinned": False}
+        for i in range(1000)
+    ]
+    text = json.dumps({"object": "list", "data": cards})
+    limits = boundedjson.Limits(max_bytes=1 << 22, max_depth=6, max_values=20_000)
+    by_reader: list[str] = []
+
+    def reader(text: str, limits: boundedjson.Limits, *, where: str) -> Any:
+        by_reader.append(text)
+        return json.loads(text)
+
+    monkeypatch.setattr(boundedjson, "read", reader)
+    assert boundedjson.parse(text, limits, where="it") == json.loads(text)
+    assert by_reader == []
+    for handed in (
+        text.replace('"pinned": false', '"pinned": [[[[[[false]]]]]]'),  # deeper than 6
+        text.replace('"hits": 7,', '"hits": 1' + "0" * 40 + ","),  # a number of 41 characters
+        text.replace('"a-3"', '"\\ud83d\\ude00"'),  # a surrogate pair, spelled in escapes
+        json.dumps({"data": cards * 4}),  # more commas and colons than 20,000 values allow
+    ):
+        boundedjson.parse(handed, limits, where="it")
+        assert by_reader[-1] == handed
