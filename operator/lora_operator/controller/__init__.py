@@ -274,7 +274,7 @@ class Controller:
         if self.cache.respecified(rec):
             self.placer.stale(info.namespace)
             if not info.deleting:  # a deletion wakes the pods once it has unpublished
-                self.workers.wake_namespace(info.namespace)
+                self.workers.wake_adapter(key)
             self.hub.mark(key)
 
     def pod_changed(self, info: PodInfo, deleted: bool = False) -> None:

@@ -45,7 +45,7 @@ class Finalizer(Actor):
         rec.deletion.unpublished = True
         self._unloading.setdefault(info.namespace, set()).add(info.key)
         log.info("action=unpublish adapter=%s/%s", *info.key)
-        self.signals.wake_namespace(info.namespace)
+        self.signals.wake_adapter(info.key)
         self._check_one(rec.key)
         try:
             await asyncio.wait_for(rec.deletion.unloaded.wait(), self.config.unload_grace_s)

@@ -153,6 +153,9 @@ class PodRecord:
     heard: bool = field(default=False, metadata=_WORKERS)
     # The served names with an entry for this pod (`_record` skips what has not changed).
     entries: dict[str, Recorded] = field(default_factory=dict, metadata=_WORKERS)
+    # The adapters the next pass plans, each woken alone (`wake_adapter`); None: every adapter
+    # of the namespace (the pod changed, a placement moved, a resync, a retry).
+    due: set[str] | None = field(default=None, metadata=_WORKERS)
 
 
 # An adapter's entries on the pods under one served name: its own, or its canary alias's.

@@ -44,6 +44,10 @@ class Signals(Protocol):
     def wake_namespace(self, namespace: str) -> None:
         """What the namespace's pods should hold may have changed (the pod workers)."""
 
+    def wake_adapter(self, key: Key) -> None:
+        """What the namespace's pods should hold of this one adapter may have changed (the pod
+        workers: their next pass plans it, not the whole namespace)."""
+
     def replace(self, namespace: str) -> None:
         """An input of the namespace's placement changed (the placer)."""
 
@@ -137,6 +141,9 @@ class Hub:
 
     def wake_namespace(self, namespace: str) -> None:
         self.workers.wake_namespace(namespace)
+
+    def wake_adapter(self, key: Key) -> None:
+        self.workers.wake_adapter(key)
 
     def replace(self, namespace: str) -> None:
         self.placer.stale(namespace)

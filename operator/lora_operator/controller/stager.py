@@ -236,7 +236,7 @@ class Stager(Actor):
             staged.reused,
             seconds,
         )
-        self.signals.wake_namespace(info.namespace)
+        self.signals.wake_adapter(info.key)
         self.signals.collect()
         self.restage_compositions_of(info)
 

@@ -4,7 +4,11 @@ Ready, restarted, relabelled; an adapter of its namespace: staged, respecified, 
 a failure's backoff, and every `resync_s` otherwise. It reads the pod's `/v1/models`, plans
 (planning.plan_wants, planning.plan_pod), acts, and reads again (every `verify_every_s` of a
 long series of calls, and at its end): what the pod reports is the only evidence that it serves
-an adapter, and nothing is kept that a restart would need.
+an adapter, and nothing is kept that a restart would need. A pass woken for some adapters
+(`wake_adapter`) plans those and the ones whose cards changed since the pod's last report; one
+woken for the pod or the namespace (`wake_namespace`: a placement moved, a rollout stepped),
+a resync or a retry plans every adapter of the namespace. So a namespace whose adapters are
+staged one at a time costs each pod a pass per adapter, not a pass over all of them.
 
 It owns the pod records (their tasks, reports, backoff; the cache adds them and takes in their
 `info`) and every adapter's `entries` sub-record (its entry on each pod; podstate.transition
@@ -43,11 +47,13 @@ UNHEARD_FAILURES = 3  # a pod that failed this many reads in a row no longer hol
 
 
 class Reading(NamedTuple):
-    """A pod's report, and what it should hold and may keep, computed from it at once."""
+    """A pod's report, and what it should hold and may keep, computed from it at once, of the
+    adapters `among` (None: every adapter of the namespace)."""
 
     report: planning.PodReport
     wants: dict[str, planning.Want]
     keep: set[str]
+    among: set[str] | None
 
 
 class Workers(Actor):
@@ -67,6 +73,7 @@ class Workers(Actor):
         if before != info:
             if before.uid != info.uid or before.restarts != info.restarts:
                 prec.report = None  # a new process: what it held is gone
+            prec.due = None
             prec.wake.set()
 
     def forget_pod(self, key: Key) -> None:
@@ -91,6 +98,7 @@ class Workers(Actor):
         for prec in self.cache.pods.values():
             _cancel(prec.task)
             prec.task, prec.report, prec.heard, prec.failures = None, None, False, 0
+            prec.due = None
 
     def halt(self) -> list[asyncio.Task[None]]:
         tasks = [p.task for p in self.cache.pods.values() if p.task is not None]
@@ -100,6 +108,15 @@ class Workers(Actor):
 
     def wake_namespace(self, namespace: str) -> None:
         for prec in self.cache.pods_in(namespace):
+            prec.due = None
+            prec.wake.set()
+
+    def wake_adapter(self, key: Key) -> None:
+        """Only this adapter changed (staged, respecified, unpublished): the next pass of each
+        of the namespace's pods plans it alone, not all the namespace's adapters again."""
+        for prec in self.cache.pods_in(key[0]):
+            if prec.due is not None:
+                prec.due.add(key[1])
             prec.wake.set()
 
     def _start(self, prec: PodRecord) -> None:
@@ -110,12 +127,16 @@ class Workers(Actor):
     async def _loop(self, prec: PodRecord) -> None:
         while True:
             timeout = prec.retry_in if prec.retry_in is not None else self.config.resync_s
+            woken = False
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(prec.wake.wait(), timeout)
-                await asyncio.sleep(COALESCE_S)  # a pass reads and plans every adapter
+                woken = True
+                await asyncio.sleep(COALESCE_S)  # a pass reads the pod's every adapter
             prec.wake.clear()
+            # Woken for some adapters, a pass plans those; a resync or a retry, every one.
+            due, prec.due = (prec.due if woken else None), set()
             try:
-                await self._reconcile(prec)
+                await self._reconcile(prec, due)
             except asyncio.CancelledError:
                 raise
             except Exception:  # a bug must not end the pod's reconciliation for good
@@ -124,7 +145,8 @@ class Workers(Actor):
 
     # -- one pass -----------------------------------------------------------------------------
 
-    async def _reconcile(self, prec: PodRecord) -> None:
+    async def _reconcile(self, prec: PodRecord, due: set[str] | None) -> None:
+        """One pass: read, plan the adapters `due` (None: every one), act, read again."""
         pod = prec.info
         started = time.monotonic()
         if not pod.reachable:
@@ -133,10 +155,10 @@ class Workers(Actor):
                 prec.report, prec.heard = None, True  # not targeted while it is not Ready
                 self._drop_entries(prec)
             return
-        reading = await self._read(prec)
+        reading = await self._read(prec, due)
         if reading is None:
             return
-        actions = planning.plan_pod(reading.wants, reading.report, reading.keep)
+        actions = planning.plan_pod(reading.wants, reading.report, reading.keep, reading.among)
         verify_at = time.monotonic() + self.config.verify_every_s
         acted = False
         for action in actions:
@@ -148,13 +170,13 @@ class Workers(Actor):
                 break  # the pod changed under us: the next pass starts over
             acted |= await self._act(pod, action)
             if acted and time.monotonic() >= verify_at:
-                if await self._read(prec) is None:
+                if await self._read(prec, due) is None:
                     return
                 acted, verify_at = False, time.monotonic() + self.config.verify_every_s
         # What the pod now holds is read before the pass ends; when the next pass is already
         # due (adapters arrived meanwhile), its first read is that evidence: one read a pass,
         # not two, while a thousand adapters arrive one by one.
-        if acted and not prec.wake.is_set() and await self._read(prec) is None:
+        if acted and not prec.wake.is_set() and await self._read(prec, due) is None:
             return
         delays = [
             d
@@ -166,8 +188,9 @@ class Workers(Actor):
         prec.retry_in = min(delays, default=None)
         self.metrics.reconcile_seconds.observe(time.monotonic() - started)
 
-    async def _read(self, prec: PodRecord) -> Reading | None:
-        """Read the pod's /v1/models and record it; None (and a backoff) when it fails."""
+    async def _read(self, prec: PodRecord, due: set[str] | None) -> Reading | None:
+        """Read the pod's /v1/models and record it (`_record`); None (and a backoff) when it
+        fails."""
         try:
             async with self._calls:
                 report = await self.seams.pods.models(prec.info)
@@ -183,15 +206,21 @@ class Workers(Actor):
             )
             return None
         prec.failures = 0
-        return Reading(report, *self._record(prec, report))
+        return Reading(report, *self._record(prec, report, due))
 
     def _wants(
-        self, pod: PodInfo, base_model: str | None
+        self, pod: PodInfo, base_model: str | None, among: set[str] | None
     ) -> tuple[dict[str, planning.Want], set[str]]:
-        """What the pod should hold, and what it may keep as it is (planning.plan_wants)."""
-        # A pass runs this for every adapter of the namespace: plain lookups, one tuple each.
+        """What the pod should hold of the adapters `among` (None: every adapter of the
+        namespace), and what it may keep as it is (planning.plan_wants)."""
+        # A full pass runs this for every adapter of the namespace: plain lookups, one tuple
+        # each.
         adapters, candidates = self.cache.adapters, []
-        for i in self.cache.indexed(pod.namespace):
+        if among is None:
+            infos = self.cache.indexed(pod.namespace)
+        else:
+            infos = [r.info for a in among if (r := adapters.get((pod.namespace, a))) is not None]
+        for i in infos:
             rec = adapters.get(i.key)
             if rec is None:
                 c = planning.Candidate(i, i.staged)
@@ -203,13 +232,23 @@ class Workers(Actor):
             candidates.append(c)
         chosen = self.placer.current(pod.namespace)
         placed = chosen.adapters if chosen is not None else None
-        return planning.plan_wants(pod, base_model, candidates, placed)
+        wants, keep = planning.plan_wants(pod, base_model, candidates, placed)
+        if among is not None:
+            # Not in the cache (yet, or no more): left as they are until a pass plans every one.
+            keep.update(a for a in among if (pod.namespace, a) not in adapters)
+        return wants, keep
 
     def _record(
-        self, prec: PodRecord, report: planning.PodReport
-    ) -> tuple[dict[str, planning.Want], set[str]]:
-        """Take in what the pod reported: every wanted adapter's entry on this pod. Returns
-        what the pod should hold and may keep, which a pass plans with."""
+        self, prec: PodRecord, report: planning.PodReport, due: set[str] | None
+    ) -> tuple[dict[str, planning.Want], set[str], set[str] | None]:
+        """Take in what the pod reported: the entry on this pod of every wanted adapter among
+        `due` (None: every adapter of the namespace) and of every adapter whose card changed
+        since the last report. Returns what the pod should hold of those and may keep, and
+        which they are, which a pass plans with.
+
+        Taking in only those is exact: every other adapter's entry was taken in from a card
+        that has not changed since, and its want changes only by a signal that wakes the pod
+        for it (`wake_adapter`) or for every adapter (`wake_namespace`, a resync)."""
         pod = prec.info
         before, prec.report = prec.report, report
         if before is None or placement.inputs(before) != placement.inputs(report):
@@ -217,11 +256,17 @@ class Workers(Actor):
         if not prec.heard:
             prec.heard = True
             self.signals.mark_namespace(pod.namespace)
-        wants, keep = self._wants(pod, report.base_model)
-        entries: dict[str, Recorded] = {}
+        among = (
+            None
+            if due is None or before is None
+            else due | planning.changed_adapters(before, report)
+        )
+        wants, keep = self._wants(pod, report.base_model, among)
+        entries: dict[str, Recorded] = {} if among is None else dict(prec.entries)
         for name, want in wants.items():
             found = self.cache.served(pod.namespace, name)
             if found is None:
+                entries.pop(name, None)
                 continue
             card = report.cards.get(name)
             last = prec.entries.get(name)
@@ -231,7 +276,10 @@ class Workers(Actor):
             if last is None or last != (want, card, found[1].get(pod.name)):
                 last = Recorded(want, card, self._apply(found, pod, podstate.Reported(want, card)))
             entries[name] = last
-        for name in prec.entries.keys() - wants.keys():
+        for name, recorded in prec.entries.items():
+            if name in wants or (among is not None and recorded.want.adapter not in among):
+                continue
+            entries.pop(name, None)
             found = self.cache.served(pod.namespace, name)
             if found is not None and found[1].pop(pod.name, None) is not None:
                 self.signals.mark(found[0].key)
@@ -239,7 +287,7 @@ class Workers(Actor):
         if before is None or before.managed() != report.managed():
             self.signals.collect()
             self.signals.holdings_changed(pod.namespace)
-        return wants, keep
+        return wants, keep, among
 
     def _apply(self, found: Found, pod: PodInfo, event: podstate.Event) -> PodEntry:
         """One event of the adapter's entry on `pod` (podstate.transition decides)."""

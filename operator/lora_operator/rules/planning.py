@@ -151,18 +151,25 @@ Action = Load | Unload | Conflict
 
 
 def plan_pod(
-    wants: Mapping[str, Want], report: PodReport, keep: Collection[str] = ()
+    wants: Mapping[str, Want],
+    report: PodReport,
+    keep: Collection[str] = (),
+    among: Collection[str] | None = None,
 ) -> list[Action]:
     """The calls that make the pod hold exactly `wants` among the adapters the operator owns.
 
     `keep`: adapters that exist but whose revision is not known yet (being staged, or not seen
-    since a restart): whatever the pod holds of them stays. Unloads come first: they free GPU
-    slots a pinned newcomer may need.
+    since a restart): whatever the pod holds of them stays. `among`: the LoRAAdapters this plan
+    is about (`wants` and `keep` then say nothing of the others, whose cards stay); None: every
+    one. Unloads come first: they free GPU slots a pinned newcomer may need.
     """
     actions: list[Action] = [
         Unload(name)
         for name, card in sorted(report.cards.items())
-        if card.managed and name not in wants and name not in keep
+        if card.managed
+        and name not in wants
+        and name not in keep
+        and (among is None or card.adapter in among)
     ]
     for name, want in sorted(wants.items()):
         card = report.cards.get(name)
@@ -173,6 +180,19 @@ def plan_pod(
         elif not satisfied(want, card):
             actions.append(Load(want, inplace=True))
     return actions
+
+
+def changed_adapters(before: PodReport, after: PodReport) -> set[str]:
+    """The LoRAAdapters (or, for a card not the operator's, the served names) whose cards
+    differ between two reports of one pod: what a pass that plans only some adapters must take
+    in besides them."""
+    changed = {
+        card.adapter or name for name, card in after.cards.items() if before.cards.get(name) != card
+    }
+    changed.update(
+        card.adapter or name for name, card in before.cards.items() if name not in after.cards
+    )
+    return changed
 
 
 def satisfied(want: Want, card: Card) -> bool:

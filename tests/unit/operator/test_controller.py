@@ -20,7 +20,7 @@ from lora_operator.controller.signals import Actor
 from lora_operator.edges import kube
 from lora_operator.edges.config import OperatorConfig
 from lora_operator.edges.podclient import PodError
-from lora_operator.rules import consent, errors
+from lora_operator.rules import consent, errors, planning
 from lora_operator.rules.model import adapter_info
 from lora_operator.rules.status import summarise
 from lora_operator.store import publishing
@@ -77,6 +77,41 @@ async def test_a_burst_of_adapters_costs_each_pod_few_reads(tmp_path: Path) -> N
         for p in ("p1", "p2"):
             assert len(rig.pods.held[p]) == len(names)
             assert rig.pods.reads[p] <= len(names) // 4, rig.pods.reads
+
+
+async def test_a_staged_adapter_is_planned_alone_not_with_the_whole_namespace(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A namespace whose adapters are staged one at a time (its downloads queued behind other
+    # namespaces') has each of its pods woken once per adapter: were each pass to plan every
+    # adapter of the namespace, staging K would cost K x K.
+    planned: list[int] = []
+    plan_wants = planning.plan_wants
+
+    def counting(*args: Any) -> tuple[dict[str, planning.Want], set[str]]:
+        pod_, base_model, candidates, placed = args
+        candidates = list(candidates)
+        planned.append(len(candidates))
+        return plan_wants(pod_, base_model, candidates, placed)
+
+    async with Rig(tmp_path, resync_s=600.0) as rig:  # no full pass but the first
+        c = rig.controller
+        c.start()
+        for p in ("p1", "p2"):
+            c.pod_changed(pod(p))
+        names = [f"a{i}" for i in range(200)]
+        for i, name in enumerate(names):
+            c.adapter_changed(adapter(rig.volume, name, seed=i % 5))
+        await until("every adapter Ready", lambda: all(rig.ready(n) for n in names))
+        monkeypatch.setattr(planning, "plan_wants", counting)
+        for i in range(5):
+            late = f"late{i}"
+            c.adapter_changed(adapter(rig.volume, late, seed=i))
+            await until(f"{late} Ready", lambda: rig.ready(late))  # noqa: B023  awaited here
+            for p in ("p1", "p2"):
+                assert rig.pods.held[p][late].revision is not None
+    assert planned, "no pass planned the late adapters"
+    assert max(planned) <= 2, planned  # the late adapter, and a card that changed meanwhile
 
 
 async def test_a_pod_restart_reloads_and_a_repeated_ready_counts_into_its_series(

@@ -154,6 +154,41 @@ def test_adapters_kept_as_they_are_are_neither_loaded_nor_unloaded() -> None:
     assert planning.plan_pod({}, r, keep={"restaging", "deleting"}) == [Unload("gone")]
 
 
+def test_a_plan_among_some_adapters_leaves_the_others_cards_alone() -> None:
+    # A pass woken for one adapter plans it (and its canary alias), not the pod's others.
+    r = report(
+        Card("a", SHA1, 1.0, False, adapter="a"),
+        Card("a_222222", SHA2, 1.0, False, adapter="a"),  # a's canary alias, no longer wanted
+        Card("b", SHA1, 1.0, False, adapter="b"),  # not wanted either, but not among
+    )
+    assert planning.plan_pod({"a": want("a", SHA2)}, r, among={"a"}) == [
+        Unload("a_222222"),
+        Load(want("a", SHA2), inplace=True),
+    ]
+    assert planning.plan_pod({"a": want("a", SHA2)}, r) == [
+        Unload("a_222222"),
+        Unload("b"),
+        Load(want("a", SHA2), inplace=True),
+    ]
+
+
+def test_the_adapters_whose_cards_changed_between_two_reports() -> None:
+    before = report(
+        Card("a", SHA1, 1.0, False, adapter="a"),
+        Card("b", SHA1, 1.0, False, adapter="b"),
+        Card("c_111111", SHA1, 1.0, False, adapter="c"),
+        card("static", None),
+    )
+    after = report(
+        Card("a", SHA1, 1.0, False, adapter="a"),  # the same
+        Card("b", SHA2, 1.0, False, adapter="b"),  # another revision
+        card("static", None, scale=0.5),  # not the operator's: by its served name
+        Card("d", SHA1, 1.0, False, adapter="d"),  # new
+    )  # c's alias is gone
+    assert planning.changed_adapters(before, after) == {"b", "c", "d", "static"}
+    assert planning.changed_adapters(after, after) == set()
+
+
 def test_a_static_adapter_with_the_wanted_name_is_a_conflict_not_a_replacement() -> None:
     assert planning.plan_pod({"s": want("s")}, report(card("s", None))) == [Conflict(want("s"))]
 
