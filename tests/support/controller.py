@@ -90,6 +90,12 @@ class FakeApi:
         self.owners: dict[tuple[str, str], dict[str, Any]] = {}
         self.owner_errors: list[Exception] = []  # raised by the next reads of an owner
         self.owner_reads: list[tuple[str, str]] = []
+        # The LoRAAdapters the API lists, (namespace, name): a controller acts once its records
+        # hold them all. None of them: it acts at once.
+        self.listed: list[tuple[str, str]] = []
+
+    async def list_adapters(self, namespace: str | None) -> list[tuple[str, str]]:
+        return [key for key in self.listed if namespace in (None, key[0])]
 
     async def patch_adapter_status(
         self, namespace: str, name: str, status: Mapping[str, Any]

@@ -7,7 +7,7 @@ state:
 
 | actor | module | owns |
 |---|---|---|
-| cache | records | the adapter and pod records (added, dropped), their `info`; kopf's indices |
+| cache | records | the adapter and pod records (added, dropped), their `info`; kopf's pod index |
 | stager | stager | each record's `staging` and its task; the compositions |
 | pod workers | workers | the pod records (but `info`); each adapter's `entries` (on each pod) |
 | placer | placer | the placements, which are stale, when each is recomputed |
@@ -42,6 +42,7 @@ from collections.abc import Callable, Coroutine
 from typing import Any
 from urllib.parse import urlsplit
 
+import aiohttp
 import kopf
 
 from lora_operator.controller.autoscaler import Autoscaler
@@ -61,13 +62,16 @@ from lora_operator.edges import kube, peering, podtokens
 from lora_operator.edges.config import OperatorConfig
 from lora_operator.edges.metrics import Metrics
 from lora_operator.edges.podclient import PodClient
-from lora_operator.rules.model import AdapterInfo, PodInfo, adapter_info
+from lora_operator.rules.model import PodInfo, adapter_info
 from lora_operator.rules.resume import needs_staging
 from lora_operator.store import egress, fetchers, staging
 
 __all__ = ["AdapterRecord", "Api", "Controller", "PodRecord", "Pods", "Volume", "needs_staging"]
 
 log = logging.getLogger("lora_operator")
+# Acting waits until the records hold every listed adapter: listed again after this long
+# without one more of them seen (some may have been deleted since the list).
+LIST_AGAIN_S = 2.0
 
 
 class Controller:
@@ -128,6 +132,7 @@ class Controller:
         hub.on_pod = self.pod_changed
         self.autoscaler = Autoscaler(shared)
         self._on_stop: list[Callable[[], Coroutine[Any, Any, None]]] = []
+        self._activating: asyncio.Task[None] | None = None  # waits for every adapter (set_active)
 
     def _pod_credentials(self) -> podtokens.Credentials:
         """What the pods are sent: tokens of the operator's ServiceAccount bound to each pod's
@@ -183,16 +188,12 @@ class Controller:
             self.hub.spawn(old.close())
         self.seams.logged_in.set()
 
-    def start(
-        self,
-        pods_index: kopf.Index[str, PodInfo] | None = None,
-        adapters_index: kopf.Index[str, AdapterInfo] | None = None,
-    ) -> None:
+    def start(self, pods_index: kopf.Index[str, PodInfo] | None = None) -> None:
         """Begin: at once when standalone, else when the peering says this replica acts.
 
-        kopf's indices are complete before its first event handler runs: the controller reads
-        them where a missing object would do harm (a pod's wants, collection)."""
-        self.cache.pods_index, self.cache.adapters_index = pods_index, adapters_index
+        kopf's index of pods is complete before its first event handler runs: the controller
+        reads it where a missing pod would do harm (placement, collection)."""
+        self.cache.pods_index = pods_index
         self.hub.spawn(self.writer.run(), name="status-writer")
         self.hub.spawn(self.rollouts.run(), name="rollouts")
         self.hub.spawn(self.collector.run(), name="collector")
@@ -229,15 +230,27 @@ class Controller:
             await self.seams.api.close()
 
     def set_active(self, active: bool) -> None:
-        """Start acting (this replica leads, or stands alone), or stop (another one leads)."""
-        if active == self.active.is_set():
-            return
+        """Start acting (this replica leads, or stands alone), once the records hold every
+        adapter there is; or stop (another one leads)."""
         if not active:
-            self.active.clear()
-            log.info("action=standby identity=%s", self.identity)
-            for actor in self.actors:
-                actor.standby()
+            if self._activating is not None:
+                self._activating.cancel()
+                self._activating = None
+            if self.active.is_set():
+                self.active.clear()
+                log.info("action=standby identity=%s", self.identity)
+                for actor in self.actors:
+                    actor.standby()
             return
+        if self.active.is_set() or self._activating is not None:
+            return
+        self._activating = asyncio.create_task(self._activate(), name="activate")
+        self.hub.background.add(self._activating)
+        self._activating.add_done_callback(self.hub.background.discard)
+
+    async def _activate(self) -> None:
+        await self._take_in_every_adapter()
+        self._activating = None
         # Only the replica that acts may clean: another one's downloads live there too.
         removed = self.seams.volume.clean_tmp()
         log.info(
@@ -248,9 +261,38 @@ class Controller:
         )
         self.active.set()
         self.workers.activate()
+        self.recorder.activate()
         for rec in self.adapters.values():
             self.stager.consider(rec)
             self.hub.mark(rec.key)
+
+    async def _take_in_every_adapter(self) -> None:
+        """Return once the records hold every LoRAAdapter the API lists. kopf delivers each
+        adapter's first event in its own time; a pod planned before would unload the adapters
+        not seen yet, and a placement made without them would move the others. A listed
+        adapter not seen while none arrives for LIST_AGAIN_S may have been deleted since the
+        list: the API is listed again."""
+        api = await self.seams.api_after_login()
+        listed: list[Key] | None = None
+        while True:
+            if listed is None:
+                try:
+                    listed = [
+                        key
+                        for namespace in self.config.namespaces or [None]
+                        for key in await api.list_adapters(namespace)
+                    ]
+                except (kube.ApiError, aiohttp.ClientError, TimeoutError) as e:
+                    log.warning("action=list-adapters result=error message=%r", str(e))
+                    await asyncio.sleep(LIST_AGAIN_S)
+                    continue
+            missing = sum(1 for key in listed if key not in self.adapters)
+            if not missing:
+                log.info("action=listed-adapters adapters=%d", len(listed))
+                return
+            await asyncio.sleep(LIST_AGAIN_S)
+            if sum(1 for key in listed if key not in self.adapters) == missing:
+                listed = None
 
     async def _after_login(self, coro: Coroutine[Any, Any, None]) -> None:
         await self.seams.logged_in.wait()

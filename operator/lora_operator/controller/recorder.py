@@ -26,6 +26,13 @@ class Recorder(Actor):
         # Labelled pods that are not the release's (identity decided), by key: the uid an Event
         # was posted for, so that each such pod is reported once.
         self._distrusted: dict[Key, str] = {}
+        # Refused while this replica did not act yet: reported when it does (`activate`).
+        self._refused_before: dict[Key, tuple[PodInfo, str]] = {}
+
+    def activate(self) -> None:
+        waiting, self._refused_before = self._refused_before, {}
+        for info, reason in waiting.values():
+            self.untrusted(info, reason)
 
     def forget(self, key: Key) -> None:
         rec = self.cache.adapters.get(key)
@@ -34,6 +41,7 @@ class Recorder(Actor):
 
     def forget_pod(self, key: Key) -> None:
         self._distrusted.pop(key, None)
+        self._refused_before.pop(key, None)
 
     def post(self, info: AdapterInfo, note: events.Note) -> None:
         name, count = self._series.record(
@@ -46,7 +54,10 @@ class Recorder(Actor):
     def untrusted(self, info: PodInfo, reason: str) -> None:
         """`info` is not one of the release's inference pods (identity decided why): an Event
         says so, once per pod."""
-        if self._distrusted.get(info.key) == info.uid or not self.seams.active.is_set():
+        if not self.seams.active.is_set():
+            self._refused_before[info.key] = (info, reason)
+            return
+        if self._distrusted.get(info.key) == info.uid:
             return
         self._distrusted[info.key] = info.uid
         log.warning("action=distrust pod=%s/%s reason=%r", *info.key, reason)

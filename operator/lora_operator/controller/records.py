@@ -1,6 +1,6 @@
 """The shared cache: one `AdapterRecord` per LoRAAdapter and one `PodRecord` per inference pod,
-and the reads every actor shares (the namespace's adapters and pods, kopf's indices, the record
-behind a served name).
+and the reads every actor shares (the namespace's adapters and pods, kopf's index of pods, the
+record behind a served name).
 
 An adapter's record is made of sub-records, each written by one actor only and read by the
 others: `info` and `fingerprint` (the cache, from kopf's events), `staging` (the stager),
@@ -163,7 +163,7 @@ Found = tuple[AdapterRecord, dict[str, PodEntry]]
 
 
 class Cache:
-    """The records, and kopf's indices (complete from the first event on)."""
+    """The records, and kopf's index of pods (complete from the first event on)."""
 
     def __init__(self) -> None:
         self.adapters: dict[Key, AdapterRecord] = {}
@@ -173,7 +173,6 @@ class Cache:
         self._adapters_by_ns: dict[str, dict[Key, AdapterRecord]] = {}
         self._pods_by_ns: dict[str, dict[Key, PodRecord]] = {}
         self.pods_index: kopf.Index[str, PodInfo] | None = None
-        self.adapters_index: kopf.Index[str, AdapterInfo] | None = None
         # Whether a pod is proven one of the release's (the identity prover's verdicts): the
         # index holds every labelled pod that may be, placement counts only those that are.
         self.trusted: Callable[[PodInfo], bool] = lambda _: True
@@ -237,11 +236,9 @@ class Cache:
         return list(self._pods_by_ns.get(namespace, {}).values())
 
     def indexed(self, namespace: str) -> Iterable[AdapterInfo]:
-        """The namespace's adapters as kopf's index has them: complete from the first event on,
-        even while their own events are still being delivered."""
-        if self.adapters_index is None:
-            return [r.info for r in self.adapters_in(namespace)]
-        return list(self.adapters_index.get(namespace, ()))
+        """The namespace's adapters: complete once the controller acts (it waits until the
+        records hold every adapter the API lists)."""
+        return [r.info for r in self.adapters_in(namespace)]
 
     def indexed_pods(self, namespace: str) -> Iterable[PodInfo]:
         if self.pods_index is None:
@@ -249,7 +246,7 @@ class Cache:
         return [p for p in self.pods_index.get(namespace, ()) if self.trusted(p)]
 
     def current(self, info: AdapterInfo) -> tuple[AdapterInfo, AdapterRecord | None]:
-        """The newest of what kopf's index and the cache know of an adapter."""
+        """The cache's record of an adapter, and its info there (`info` when it has none)."""
         rec = self.adapters.get(info.key)
         return (rec.info, rec) if rec is not None else (info, None)
 

@@ -250,8 +250,8 @@ class Stager(Actor):
 
     def _members(self, info: AdapterInfo) -> dict[str, composition.MemberState]:
         """The members of composition `info` that exist, with the revisions they staged. From
-        kopf's index, complete from the first event on: a member whose own event has not been
-        handled yet is not taken for missing."""
+        the records, which hold every adapter before the controller acts: a member is not
+        taken for missing because its own event came later than the composition's."""
         wanted = {m.name for m in info.compose}
         members = {}
         for member in self.cache.indexed(info.namespace):

@@ -1,15 +1,20 @@
 """kopf's handlers: thin, each hands one kind of event to the controller.
 
-    LoRAAdapter or inference pod event   ->  the indices, then the controller (which stages a
-                                             new spec, with its own retries, and wakes the pods)
+    inference pod event                  ->  the index of pods, then the controller
+    LoRAAdapter event                    ->  the controller (which stages a new spec, with its
+                                             own retries, and wakes the pods)
     LoRAAdapter deleted (the finalizer)  ->  unpublish, unload everywhere, collect
 
-Both kinds of object are held in kopf indices keyed by namespace (`lora_adapters`,
-`inference_pods`), complete before the first event handler runs; only pods with the
-`lora.dev/inference` label are watched at all; those `trust.static_refusal` refuses are never
-indexed, and the others are reconciled once the controller's identity prover has read their
-owner chain and trusts them. kopf's only write to an adapter is its finalizer
-(added once, removed after deletion): no diff-base annotation, no handler progress, no Events.
+Inference pods are held in a kopf index keyed by namespace (`inference_pods`), complete
+before the first event handler runs; only pods with the `lora.dev/inference` label are watched
+at all; those `trust.static_refusal` refuses are never indexed, and the others are reconciled
+once the controller's identity prover has read their owner chain and trusts them. LoRAAdapters
+are in no kopf index: kopf makes every object of an indexed kind a readiness flag of its own,
+and every flag raised or lowered wakes every handler waiting on them, a startup that grew as
+the square of the adapters (minutes at 10,000). The controller's records are their index, and
+it acts once they hold every adapter the API lists (`Controller.set_active`). kopf's only write
+to an adapter is its finalizer (added once, removed after deletion): no diff-base annotation, no
+handler progress, no Events.
 """
 
 from __future__ import annotations
@@ -28,9 +33,7 @@ from lora_operator.rules.model import (
     INFERENCE_LABEL,
     PLURAL,
     VERSION,
-    AdapterInfo,
     PodInfo,
-    adapter_info,
     pod_info,
 )
 
@@ -59,8 +62,8 @@ def build_registry(controller: Controller) -> kopf.OperatorRegistry:
     @kopf.on.startup(id="startup", registry=registry)
     async def startup(settings: kopf.OperatorSettings, **kwargs: Any) -> None:
         configure(settings, controller.config)
-        # kopf hands its (still empty, then live) indices to every handler, this one included.
-        controller.start(kwargs["inference_pods"], kwargs["lora_adapters"])
+        # kopf hands its (still empty, then live) index to every handler, this one included.
+        controller.start(kwargs["inference_pods"])
         registry, port = controller.metrics.registry, controller.config.metrics_port
         runner = await metrics.serve(registry, "0.0.0.0", port)
         controller.on_stop(runner.cleanup)
@@ -74,11 +77,6 @@ def build_registry(controller: Controller) -> kopf.OperatorRegistry:
         info = pod_info(body)
         if trust.static_refusal(info, controller.prover.policy) is not None:
             return {}  # a look-alike: never placed on, never targeted
-        return {info.namespace: info}
-
-    @kopf.index(id="lora_adapters", **adapters)  # type: ignore[arg-type]
-    async def lora_adapters(body: kopf.Body, **_: Any) -> dict[str, AdapterInfo]:
-        info = adapter_info(body)
         return {info.namespace: info}
 
     @kopf.on.event(id="pod_event", **pods)  # type: ignore[arg-type]

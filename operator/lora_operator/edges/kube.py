@@ -14,6 +14,7 @@ import base64
 import datetime
 from collections.abc import Mapping
 from typing import Any, NamedTuple
+from urllib.parse import urlencode
 
 import kopf
 from lora_runtime import login
@@ -35,6 +36,7 @@ APPS_PLURALS = {
     "StatefulSet": "statefulsets",
 }
 REPORTING_CONTROLLER = "lora.dev/operator"
+LIST_PAGE = 500  # objects per page of a LIST
 
 
 class SecretRead(NamedTuple):
@@ -70,6 +72,24 @@ class KubeApi(KubeClient):
         """Merge-patch `.status` (None values remove fields; lists are replaced whole)."""
         path = object_path(f"/apis/{GROUP}/{VERSION}", PLURAL, namespace, name, "status")
         await self.request("PATCH", path, {"status": status}, "application/merge-patch+json")
+
+    async def list_adapters(
+        self, namespace: str | None, page_size: int = LIST_PAGE
+    ) -> list[tuple[str, str]]:
+        """The (namespace, name) of every LoRAAdapter, of one namespace or all (None), read a
+        page at a time: ten thousand objects never sit in memory at once."""
+        collection = object_path(f"/apis/{GROUP}/{VERSION}", PLURAL, namespace)
+        keys: list[tuple[str, str]] = []
+        page = ""
+        while True:
+            query = urlencode({"limit": page_size, **({"continue": page} if page else {})})
+            body = await self.request("GET", f"{collection}?{query}")
+            for item in body.get("items") or ():
+                meta = item.get("metadata") or {}
+                keys.append((str(meta.get("namespace", "")), str(meta.get("name", ""))))
+            page = str((body.get("metadata") or {}).get("continue") or "")
+            if not page:
+                return keys
 
     async def remove_annotation(
         self, namespace: str, name: str, key: str, resource_version: str

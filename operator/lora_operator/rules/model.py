@@ -8,8 +8,8 @@ Inference pods are found by one well-known label; two annotations say how to rea
                                            (default /var/lib/lora/adapters); the pod's
                                            `--adapter-root` is that plus its namespace
 
-`PodInfo` and `AdapterInfo` are the values kopf's indices hold: small, frozen, comparable, so the
-controller can tell whether an event changed anything it acts on.
+`PodInfo` (the value kopf's index of pods holds) and `AdapterInfo` are small, frozen and
+comparable, so the controller can tell whether an event changed anything it acts on.
 """
 
 from __future__ import annotations

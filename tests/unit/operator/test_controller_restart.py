@@ -87,3 +87,46 @@ async def test_a_restart_loads_nothing_posts_no_event_and_writes_no_status(
             assert rec.status.phase == "Ready"
     finally:
         await restarted.stop()
+
+
+async def test_a_restart_acts_only_once_it_holds_every_listed_adapter(tmp_path: Path) -> None:
+    """kopf delivers each adapter's first event in its own time, pods' among them: a restarted
+    controller acts once its records hold every adapter the API lists. The control: one whose
+    API lists nothing acts at once, and unloads the adapters it has not seen yet."""
+    async with placed_rig(tmp_path) as rig:
+        c = rig.controller
+        c.start()
+        for p in PODS:
+            c.pod_changed(pod(p))
+        objects = bodies(rig)
+        for body in objects.values():
+            c.adapter_changed(body)
+        await until("all Ready", lambda: all(rig.ready(name) for name in objects), timeout=30)
+        await asyncio.sleep(1.0)
+        statuses = {name: merged(rig.api.status[name]) for name in objects}
+
+    async def restart(listed: bool) -> list[tuple[str, ...]]:
+        calls, reads = len(rig.log), dict(rig.pods.reads)
+        restarted, api = rig.restarted(status_progress_s=0.0)
+        if listed:
+            api.listed = [(NS, name) for name in objects]
+        restarted.start()
+        try:
+            for p in PODS:
+                restarted.pod_changed(pod(p))
+            for name, body in objects.items():
+                await asyncio.sleep(0.4)  # longer than a pass (resync 0.3 s)
+                restarted.adapter_changed({**body, "status": statuses[name]})
+            await until(
+                "every pod read twice since",
+                lambda: all(rig.pods.reads.get(p, 0) >= reads.get(p, 0) + 2 for p in PODS),
+                timeout=30,
+            )
+            await asyncio.sleep(1.0)
+            assert restarted.active.is_set()
+            return rig.log[calls:]
+        finally:
+            await restarted.stop()
+
+    assert await restart(listed=True) == []  # no load, no unload
+    assert any(call[0] == "unload" for call in await restart(listed=False))
