@@ -128,7 +128,7 @@ class Controller:
         self.finalizer = hub.finalizer = Finalizer(shared)
         self.recorder = hub.recorder = Recorder(shared)
         self.prover = Identity(shared)
-        self.cache.trusted = self.prover.trusted
+        self.cache.trusted, self.cache.decided = self.prover.trusted, self.prover.decided
         hub.on_pod = self.pod_changed
         self.autoscaler = Autoscaler(shared)
         self._on_stop: list[Callable[[], Coroutine[Any, Any, None]]] = []

@@ -57,6 +57,14 @@ class Identity(Actor):
         v = self._verdicts.get(info.uid)
         return v is not None and v.owner == info.owner and v.refusal is None
 
+    def decided(self, info: PodInfo) -> bool:
+        """Whether `info` is known to be trusted or refused (a verdict about its present
+        owner exists): until then, what a status says of its namespace's pods may be wrong."""
+        if not self.policy.needs_chain:
+            return True
+        v = self._verdicts.get(info.uid)
+        return v is not None and v.owner == info.owner
+
     def judge(self, info: PodInfo) -> bool:
         """Whether `info` may be worked on now; starts reading its chain when no verdict about
         its present owner exists (the proof signals `pod_proven` when done)."""

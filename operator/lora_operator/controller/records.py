@@ -174,8 +174,10 @@ class Cache:
         self._pods_by_ns: dict[str, dict[Key, PodRecord]] = {}
         self.pods_index: kopf.Index[str, PodInfo] | None = None
         # Whether a pod is proven one of the release's (the identity prover's verdicts): the
-        # index holds every labelled pod that may be, placement counts only those that are.
+        # index holds every labelled pod that may be, placement counts only those that are;
+        # and whether it is decided either way yet.
         self.trusted: Callable[[PodInfo], bool] = lambda _: True
+        self.decided: Callable[[PodInfo], bool] = lambda _: True
 
     # -- what kopf says (the cache's own writes) ------------------------------------------------
 
@@ -264,11 +266,23 @@ class Cache:
         return rec, rec.entries.canary
 
     def heard(self, namespace: str) -> bool:
-        """Whether every Ready pod of the namespace has reported since this replica began to
-        act: until then a status could claim fewer pods than an earlier process had seen."""
-        for pod in self.indexed_pods(namespace):
-            prec = self.pods.get(pod.key)
-            if pod.reachable and (prec is None or not prec.heard):
+        """Whether every Ready pod of the namespace has been judged, and every one of the
+        release's has reported since this replica began to act: until then a status could
+        claim fewer pods than an earlier process had seen (a restarted operator proves the
+        pods' owner chains again)."""
+        labelled = (
+            self.pods_index.get(namespace, ())
+            if self.pods_index is not None
+            else [p.info for p in self.pods_in(namespace)]
+        )
+        for pod in labelled:
+            if not pod.reachable:
+                continue
+            if not self.decided(pod):
+                return False
+            if self.trusted(pod) and not (
+                (prec := self.pods.get(pod.key)) is not None and prec.heard
+            ):
                 return False
         return True
 

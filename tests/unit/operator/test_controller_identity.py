@@ -160,3 +160,21 @@ async def test_a_trusted_pod_whose_chain_no_longer_holds_loses_its_worker(
         calls = len(rig.log)
         await asyncio.sleep(1)  # resyncs every 0.3 s: nothing more for it
         assert len(rig.log) == calls
+
+
+async def test_no_status_counts_the_pods_before_each_is_judged(tmp_path: Path) -> None:
+    """A pod whose chain is not read yet (a restarted operator proves every pod again, and the
+    API server may be slow to answer) is neither trusted nor refused: no status says there is
+    no pod for the adapter meanwhile."""
+    async with Rig(tmp_path, **POLICY) as rig:
+        release_objects(rig)
+        rig.api.owner_errors = [kube.ApiError(503, "unavailable")] * 3  # about 7 s of retries
+        c = rig.controller
+        p = labelled_pod("p", RS)
+        c.start({NS: [p]})  # type: ignore[arg-type]  # kopf's index of pods, as it lists them
+        c.adapter_changed(adapter(rig.volume, "a"))
+        c.pod_changed(p)
+        await until("loaded after the retries", lambda: ("load", "p", "a") in rig.log, timeout=30)
+        await until("Ready", lambda: rig.ready("a"))
+        said = [c["reason"] for s in rig.api.status["a"] for c in s.get("conditions") or () if c]
+        assert "Loaded" in said and "NoPods" not in said, said

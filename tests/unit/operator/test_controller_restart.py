@@ -7,6 +7,7 @@ and writes no status: nothing it would write differs from what the objects hold.
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 from typing import Any
 
@@ -130,3 +131,42 @@ async def test_a_restart_acts_only_once_it_holds_every_listed_adapter(tmp_path: 
 
     assert await restart(listed=True) == []  # no load, no unload
     assert any(call[0] == "unload" for call in await restart(listed=False))
+
+
+async def test_a_restart_writes_no_status_before_its_namespace_is_placed(tmp_path: Path) -> None:
+    """A restarted operator places each namespace again once its pods have reported; until it
+    has, a placed adapter is on no pod as far as it knows, and its status waits (on a loaded
+    machine the placement can come seconds after the reports)."""
+    async with placed_rig(tmp_path) as rig:
+        c = rig.controller
+        c.start()
+        for p in PODS:
+            c.pod_changed(pod(p))
+        objects = bodies(rig)
+        for body in objects.values():
+            c.adapter_changed(body)
+        await until("all Ready", lambda: all(rig.ready(name) for name in objects), timeout=30)
+        await asyncio.sleep(1.0)
+        statuses = {name: merged(rig.api.status[name]) for name in objects}
+
+    restarted, api = rig.restarted(status_progress_s=0.0)
+    place, late_until = restarted.placer._place, time.monotonic() + 2.0
+
+    def late(namespace: str) -> None:
+        if time.monotonic() < late_until:
+            asyncio.get_running_loop().call_later(0.2, late, namespace)
+            return
+        place(namespace)
+
+    restarted.placer._place = late  # type: ignore[method-assign]
+    restarted.start()
+    try:
+        for p in PODS:
+            restarted.pod_changed(pod(p))
+        for name, body in objects.items():
+            restarted.adapter_changed({**body, "status": statuses[name]})
+        await until("placed", lambda: restarted.placer.current(NS) is not None, timeout=30)
+        await asyncio.sleep(1.0)
+        assert api.status == {}, {n: merged(p) for n, p in api.status.items()}
+    finally:
+        await restarted.stop()
