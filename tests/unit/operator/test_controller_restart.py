@@ -44,9 +44,11 @@ def bodies(rig: PlacedRig) -> dict[str, dict[str, Any]]:
     return out
 
 
-async def test_a_restart_loads_nothing_posts_no_event_and_writes_no_status(
+async def all_ready(
     tmp_path: Path,
-) -> None:
+) -> tuple[PlacedRig, dict[str, dict[str, Any]], dict[str, dict[str, Any]]]:
+    """The adapters of `bodies` Ready on PODS under a first controller, stopped: the rig, the
+    objects, and the status each object holds."""
     async with placed_rig(tmp_path) as rig:
         c = rig.controller
         c.start()
@@ -57,7 +59,13 @@ async def test_a_restart_loads_nothing_posts_no_event_and_writes_no_status(
             c.adapter_changed(body)
         await until("all Ready", lambda: all(rig.ready(name) for name in objects), timeout=30)
         await asyncio.sleep(1.0)  # the last progress writes
-        statuses = {name: merged(rig.api.status[name]) for name in objects}
+        return rig, objects, {name: merged(rig.api.status[name]) for name in objects}
+
+
+async def test_a_restart_loads_nothing_posts_no_event_and_writes_no_status(
+    tmp_path: Path,
+) -> None:
+    rig, objects, statuses = await all_ready(tmp_path)
     calls = len(rig.log)
     held = {p: dict(cards) for p, cards in rig.pods.held.items()}
     reads = dict(rig.pods.reads)
@@ -94,17 +102,7 @@ async def test_a_restart_acts_only_once_it_holds_every_listed_adapter(tmp_path: 
     """kopf delivers each adapter's first event in its own time, pods' among them: a restarted
     controller acts once its records hold every adapter the API lists. The control: one whose
     API lists nothing acts at once, and unloads the adapters it has not seen yet."""
-    async with placed_rig(tmp_path) as rig:
-        c = rig.controller
-        c.start()
-        for p in PODS:
-            c.pod_changed(pod(p))
-        objects = bodies(rig)
-        for body in objects.values():
-            c.adapter_changed(body)
-        await until("all Ready", lambda: all(rig.ready(name) for name in objects), timeout=30)
-        await asyncio.sleep(1.0)
-        statuses = {name: merged(rig.api.status[name]) for name in objects}
+    rig, objects, statuses = await all_ready(tmp_path)
 
     async def restart(listed: bool) -> list[tuple[str, ...]]:
         calls, reads = len(rig.log), dict(rig.pods.reads)
@@ -137,17 +135,7 @@ async def test_a_restart_writes_no_status_before_its_namespace_is_placed(tmp_pat
     """A restarted operator places each namespace again once its pods have reported; until it
     has, a placed adapter is on no pod as far as it knows, and its status waits (on a loaded
     machine the placement can come seconds after the reports)."""
-    async with placed_rig(tmp_path) as rig:
-        c = rig.controller
-        c.start()
-        for p in PODS:
-            c.pod_changed(pod(p))
-        objects = bodies(rig)
-        for body in objects.values():
-            c.adapter_changed(body)
-        await until("all Ready", lambda: all(rig.ready(name) for name in objects), timeout=30)
-        await asyncio.sleep(1.0)
-        statuses = {name: merged(rig.api.status[name]) for name in objects}
+    rig, objects, statuses = await all_ready(tmp_path)
 
     restarted, api = rig.restarted(status_progress_s=0.0)
     place, late_until = restarted.placer._place, time.monotonic() + 2.0
