@@ -44,6 +44,16 @@ def bodies(rig: PlacedRig) -> dict[str, dict[str, Any]]:
     return out
 
 
+async def read_twice_since(rig: PlacedRig, reads: dict[str, int]) -> None:
+    """Until every pod has been read twice since `reads`: each has been reconciled, and the
+    status writer has passed over every adapter with every pod heard."""
+    await until(
+        "every pod read twice",
+        lambda: all(rig.pods.reads.get(p, 0) >= reads.get(p, 0) + 2 for p in PODS),
+        timeout=30,
+    )
+
+
 async def all_ready(
     tmp_path: Path,
 ) -> tuple[PlacedRig, dict[str, dict[str, Any]], dict[str, dict[str, Any]]]:
@@ -77,13 +87,7 @@ async def test_a_restart_loads_nothing_posts_no_event_and_writes_no_status(
             restarted.pod_changed(pod(p))
         for name, body in objects.items():
             restarted.adapter_changed({**body, "status": statuses[name]})
-        # Every pod read twice since the restart: each has been reconciled and the status
-        # writer has passed over every adapter with every pod heard.
-        await until(
-            "every pod read twice",
-            lambda: all(rig.pods.reads.get(p, 0) >= reads.get(p, 0) + 2 for p in PODS),
-            timeout=30,
-        )
+        await read_twice_since(rig, reads)
         await asyncio.sleep(1.0)
         assert rig.log[calls:] == []  # no load, no unload
         assert rig.pods.held == held
@@ -116,11 +120,7 @@ async def test_a_restart_acts_only_once_it_holds_every_listed_adapter(tmp_path: 
             for name, body in objects.items():
                 await asyncio.sleep(0.4)  # longer than a pass (resync 0.3 s)
                 restarted.adapter_changed({**body, "status": statuses[name]})
-            await until(
-                "every pod read twice since",
-                lambda: all(rig.pods.reads.get(p, 0) >= reads.get(p, 0) + 2 for p in PODS),
-                timeout=30,
-            )
+            await read_twice_since(rig, reads)
             await asyncio.sleep(1.0)
             assert restarted.active.is_set()
             return rig.log[calls:]
