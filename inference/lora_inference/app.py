@@ -139,13 +139,19 @@ async def load_adapter(request: web.Request) -> web.Response:
     await _authorise(request)
     body = api.parse_load(await _json(request))
     engine = _engine(request)
-    await engine.admission.register(
+    record = await engine.admission.register(
         body.name,
         body.path,
         pinned=body.pinned,
         load_inplace=body.load_inplace,
         scale=body.scale,
     )
+    if "application/json" in request.headers.get("Accept", ""):
+        # The adapter's card as `GET /v1/models` lists it now: a caller that asks for it (the
+        # operator) need not read the whole list to see what the load did.
+        app = request.app
+        card = payloads.card(app[CONFIG], engine, record, int(app[STARTED_AT]))
+        return web.json_response(models.render_card(card))
     return web.Response(text=f"Success: LoRA adapter '{body.name}' added successfully.")
 
 

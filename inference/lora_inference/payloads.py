@@ -32,12 +32,14 @@ def model_list(config: ServerConfig, engine: Engine | None, created: int) -> mod
         )
     ]
     if engine is not None:
-        cards += [_card(config, engine, r, created) for r in engine.registry.records()]
+        cards += [card(config, engine, r, created) for r in engine.registry.records()]
     # Beyond vLLM's list: the capacity the operator places adapters by.
     return models.ModelList(tuple(cards), config.max_loras, config.max_cpu_loras)
 
 
-def _card(config: ServerConfig, engine: Engine, record: AdapterRecord, created: int) -> models.Card:
+def card(config: ServerConfig, engine: Engine, record: AdapterRecord, created: int) -> models.Card:
+    """The adapter's card in `GET /v1/models`, and the answer to its load call when the caller
+    asks for JSON."""
     published = layout.published_revision(record.path)
     return models.Card(
         id=record.name,

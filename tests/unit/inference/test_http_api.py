@@ -14,7 +14,7 @@ from lora_podapi import models as models_api
 
 from tests.support.http import assert_error
 from tests.unit.inference.bad_adapters import BadAdapter
-from tests.unit.inference.conftest import Assets, Server, publish
+from tests.unit.inference.conftest import ADMIN_TOKEN, Assets, Server, publish
 
 
 async def test_load_returns_vllm_success_text(server: Server, assets: Assets) -> None:
@@ -24,6 +24,24 @@ async def test_load_returns_vllm_success_text(server: Server, assets: Assets) ->
     assert (status, body) == (200, "Success: LoRA adapter 'pixel' added successfully.")
     status, body = await server.post("/v1/unload_lora_adapter", {"lora_name": "pixel"})
     assert (status, body) == (200, "Success: LoRA adapter 'pixel' removed successfully.")
+
+
+async def test_a_load_asked_for_json_answers_the_adapters_card(
+    server: Server, assets: Assets
+) -> None:
+    # The operator asks for JSON: the card the load made, as /v1/models lists it from then on.
+    async with server.session.post(
+        server.url("/v1/load_lora_adapter"),
+        json={"lora_name": "pixel", "lora_path": str(assets.adapter_a), "scale": 0.5},
+        headers={"Accept": "application/json", "Authorization": f"Bearer {ADMIN_TOKEN}"},
+    ) as resp:
+        assert resp.status == 200
+        answered = await resp.json()
+    status, listed = await server.get("/v1/models")
+    assert status == 200
+    (card,) = [c for c in listed["data"] if c["id"] == "pixel"]
+    assert answered == card
+    assert (answered["scale"], answered["parent"]) == (0.5, listed["data"][0]["id"])
 
 
 @pytest.mark.parametrize(
