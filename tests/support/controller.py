@@ -43,6 +43,12 @@ class FakePods:
         self.in_flight: set[tuple[str, str]] = set()
         self.delay = 0.0  # seconds per load call
         self.reads: dict[str, int] = {}  # pod -> /v1/models calls
+        # A load answers with the adapter's card, as this project's server does when asked for
+        # JSON; False: with nothing (vLLM, an older server).
+        self.answers_cards = True
+        # (pod, name) -> the revision a load of it makes the pod serve and answer with, instead
+        # of the wanted one (a server that loaded another file).
+        self.misloads: dict[tuple[str, str], str] = {}
 
     async def models(self, pod: PodInfo) -> planning.PodReport:
         self.reads[pod.name] = self.reads.get(pod.name, 0) + 1
@@ -50,7 +56,9 @@ class FakePods:
             await self.blocked[pod.name].wait()
         return planning.PodReport("sd", dict(self.held.setdefault(pod.name, {})))
 
-    async def load(self, pod: PodInfo, want: planning.Want, *, inplace: bool) -> None:
+    async def load(
+        self, pod: PodInfo, want: planning.Want, *, inplace: bool
+    ) -> planning.Card | None:
         key = (pod.name, want.name)
         assert key not in self.in_flight, f"{key} loaded twice at once"
         self.in_flight.add(key)
@@ -59,9 +67,10 @@ class FakePods:
             self.log.append(("load", pod.name, want.name))
             if self.fail.get(key):
                 raise self.fail[key].pop(0)
-            self.held.setdefault(pod.name, {})[want.name] = planning.Card(
-                want.name, want.sha256, want.scale, want.pinned, adapter=want.adapter
-            )
+            revision = self.misloads.get(key, want.sha256)
+            card = planning.Card(want.name, revision, want.scale, want.pinned, adapter=want.adapter)
+            self.held.setdefault(pod.name, {})[want.name] = card
+            return card if self.answers_cards else None
         finally:
             self.in_flight.discard(key)
 

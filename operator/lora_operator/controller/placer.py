@@ -9,12 +9,14 @@ every PLACEMENT_COALESCE_S (a burst of a thousand adapters is placed together; t
 reads every adapter and pod of the namespace), while this replica acts, and not before every
 Ready pod has reported since it began to (a placement made from some pods' reports would move
 adapters for nothing; each report says `replace` again). A recompute that moves adapters marks
-them and wakes the namespace's pods, who plan with it.
+them and wakes the namespace's pods for them (for every adapter when the pods it counts
+changed), who plan with it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 
 from lora_operator.controller.records import AdapterRecord
@@ -107,15 +109,21 @@ class Placer(Actor):
         capacities, demands = placement.plan_demands(
             infos, reports, lambda info: self.replicas(info, self.cache.adapters.get(info.key))
         )
-        new = placement.plan_placement(capacities, demands)
+        new = dataclasses.replace(
+            placement.plan_placement(capacities, demands), over=frozenset(reports)
+        )
         self._placements[namespace] = new
         moved = [
             name
             for name, placed in new.adapters.items()
             if current is None or current.adapters.get(name) != placed
         ]
-        if moved:
-            for name in moved:
-                if (namespace, name) in self.cache.adapters:
-                    self.signals.mark((namespace, name))
+        if current is None or current.over != new.over:
+            # The first placement, or a pod it now counts (or no longer does): every adapter of
+            # the namespace is planned again.
             self.signals.wake_namespace(namespace)
+        for name in moved:
+            if (namespace, name) in self.cache.adapters:
+                self.signals.mark((namespace, name))
+                # Its pods plan it: the ones it moved to load it, the ones it left unload it.
+                self.signals.wake_adapter((namespace, name))

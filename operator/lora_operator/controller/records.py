@@ -156,6 +156,10 @@ class PodRecord:
     # The adapters the next pass plans, each woken alone (`wake_adapter`); None: every adapter
     # of the namespace (the pod changed, a placement moved, a resync, a retry).
     due: set[str] | None = field(default=None, metadata=_WORKERS)
+    # When `report` was read (monotonic), if no call to the pod was made since: a pod's adapters
+    # change only by the operator's calls or a restart, so a pass woken for some adapters plans
+    # from it without reading the pod again (`Workers._held`). None after any call.
+    read_at: float | None = field(default=None, metadata=_WORKERS)
 
 
 # An adapter's entries on the pods under one served name: its own, or its canary alias's.

@@ -25,7 +25,10 @@ Body = kopf.Body | Mapping[str, Any]
 class Pods(Protocol):
     async def models(self, pod: PodInfo) -> planning.PodReport: ...
 
-    async def load(self, pod: PodInfo, want: planning.Want, *, inplace: bool) -> None: ...
+    async def load(
+        self, pod: PodInfo, want: planning.Want, *, inplace: bool
+    ) -> planning.Card | None:
+        """Load `want`; the card the pod answers with for it, None when it answers none."""
 
     async def unload(self, pod: PodInfo, name: str) -> None: ...
 

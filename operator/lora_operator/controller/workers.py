@@ -1,14 +1,18 @@
 """The pod workers: one per inference pod, so calls to a pod never race; a semaphore bounds the
 calls in flight across pods. A worker runs when something it depends on changes (the pod: new,
-Ready, restarted, relabelled; an adapter of its namespace: staged, respecified, deleted), after
-a failure's backoff, and every `resync_s` otherwise. It reads the pod's `/v1/models`, plans
-(planning.plan_wants, planning.plan_pod), acts, and reads again (every `verify_every_s` of a
-long series of calls, and at its end): what the pod reports is the only evidence that it serves
-an adapter, and nothing is kept that a restart would need. A pass woken for some adapters
-(`wake_adapter`) plans those and the ones whose cards changed since the pod's last report; one
-woken for the pod or the namespace (`wake_namespace`: a placement moved, a rollout stepped),
-a resync or a retry plans every adapter of the namespace. So a namespace whose adapters are
-staged one at a time costs each pod a pass per adapter, not a pass over all of them.
+Ready, restarted, relabelled; an adapter of its namespace: staged, respecified, deleted), after a
+failure's backoff, and every `resync_s` otherwise. It reads the pod's `/v1/models`, plans
+(planning.plan_wants, planning.plan_pod), acts, and reads again (every `verify_every_s` of a long
+series of calls, and at its end) unless every call was answered with what the pod now lists for the
+adapter (a load's card, an unload's 200: `_answered`): what the pod reports is the only evidence
+that it serves an adapter, and nothing is kept that a restart would need. A pass woken for some
+adapters (`wake_adapter`) plans those and the ones whose cards changed since the pod's last report;
+one woken for the pod or the namespace (`wake_namespace`: a placement moved, a rollout stepped), a
+resync or a retry plans every adapter of the namespace. So a namespace whose adapters are staged one
+at a time costs each pod a pass per adapter, not a pass over all of them; and such a pass plans from
+the pod's last report when nothing but the operator's answered calls changed the pod since
+(`_held`): a pod that answers its loads with cards is read once per `resync_s`, not once or twice
+per adapter.
 
 It owns the pod records (their tasks, reports, backoff; the cache adds them and takes in their
 `info`) and every adapter's `entries` sub-record (its entry on each pod; podstate.transition
@@ -155,8 +159,8 @@ class Workers(Actor):
                 prec.report, prec.heard = None, True  # not targeted while it is not Ready
                 self._drop_entries(prec)
             return
-        reading = await self._read(prec, due)
-        if reading is None:
+        reading = self._held(prec, due)
+        if reading is None and (reading := await self._read(prec, due)) is None:
             return
         actions = planning.plan_pod(reading.wants, reading.report, reading.keep, reading.among)
         verify_at = time.monotonic() + self.config.verify_every_s
@@ -168,7 +172,8 @@ class Workers(Actor):
                 or not self.seams.active.is_set()
             ):
                 break  # the pod changed under us: the next pass starts over
-            acted |= await self._act(pod, action)
+            if await self._act(prec, pod, action):
+                acted, prec.read_at = True, None
             if acted and time.monotonic() >= verify_at:
                 if await self._read(prec, due) is None:
                     return
@@ -188,11 +193,25 @@ class Workers(Actor):
         prec.retry_in = min(delays, default=None)
         self.metrics.reconcile_seconds.observe(time.monotonic() - started)
 
+    def _held(self, prec: PodRecord, due: set[str] | None) -> Reading | None:
+        """The pod's last report, recorded again for the adapters `due`, when a pass may plan
+        from it instead of reading the pod: woken for some adapters (not for the pod, a resync
+        or a retry), read within `resync_s`, and no call made since whose outcome it lacks
+        (`read_at` is None after one; an answered call is in the report already). The pod's
+        adapters change only by the operator's calls (a process restart is a pod change), so
+        that report is what the pod holds."""
+        if due is None or prec.report is None or prec.read_at is None:
+            return None
+        if time.monotonic() - prec.read_at >= self.config.resync_s:
+            return None
+        return Reading(prec.report, *self._record(prec, prec.report, due))
+
     async def _read(self, prec: PodRecord, due: set[str] | None) -> Reading | None:
         """Read the pod's /v1/models and record it (`_record`); None (and a backoff) when it
         fails."""
         try:
             async with self._calls:
+                read_at = time.monotonic()
                 report = await self.seams.pods.models(prec.info)
         except PodError as e:
             prec.failures += 1
@@ -205,7 +224,7 @@ class Workers(Actor):
                 "action=read-models pod=%s/%s result=error message=%r", *prec.info.key, e.message
             )
             return None
-        prec.failures = 0
+        prec.failures, prec.read_at = 0, read_at
         return Reading(report, *self._record(prec, report, due))
 
     def _wants(
@@ -231,36 +250,42 @@ class Workers(Actor):
                 )
             candidates.append(c)
         chosen = self.placer.current(pod.namespace)
-        placed = chosen.adapters if chosen is not None else None
-        wants, keep = planning.plan_wants(pod, base_model, candidates, placed)
+        placed, over = (chosen.adapters, chosen.over) if chosen is not None else (None, None)
+        wants, keep = planning.plan_wants(pod, base_model, candidates, placed, over=over)
         if among is not None:
             # Not in the cache (yet, or no more): left as they are until a pass plans every one.
             keep.update(a for a in among if (pod.namespace, a) not in adapters)
         return wants, keep
 
     def _record(
-        self, prec: PodRecord, report: planning.PodReport, due: set[str] | None
+        self,
+        prec: PodRecord,
+        report: planning.PodReport,
+        due: set[str] | None,
+        changed: set[str] | None = None,
     ) -> tuple[dict[str, planning.Want], set[str], set[str] | None]:
         """Take in what the pod reported: the entry on this pod of every wanted adapter among
         `due` (None: every adapter of the namespace) and of every adapter whose card changed
-        since the last report. Returns what the pod should hold of those and may keep, and
-        which they are, which a pass plans with.
+        since the last report (`changed`, when the caller knows them: an answered call).
+        Returns what the pod should hold of those and may keep, and which they are, which a
+        pass plans with.
 
         Taking in only those is exact: every other adapter's entry was taken in from a card
         that has not changed since, and its want changes only by a signal that wakes the pod
         for it (`wake_adapter`) or for every adapter (`wake_namespace`, a resync)."""
         pod = prec.info
         before, prec.report = prec.report, report
-        if before is None or placement.inputs(before) != placement.inputs(report):
+        same = before is report  # planned again from the report held (`_held`)
+        if before is None or (not same and placement.inputs(before) != placement.inputs(report)):
             self.signals.replace(pod.namespace)
         if not prec.heard:
             prec.heard = True
             self.signals.mark_namespace(pod.namespace)
-        among = (
-            None
-            if due is None or before is None
-            else due | planning.changed_adapters(before, report)
-        )
+        among: set[str] | None = None
+        if due is not None and before is not None:
+            if changed is None:
+                changed = set() if same else planning.changed_adapters(before, report)
+            among = due | changed
         wants, keep = self._wants(pod, report.base_model, among)
         entries: dict[str, Recorded] = {} if among is None else dict(prec.entries)
         for name, want in wants.items():
@@ -284,7 +309,7 @@ class Workers(Actor):
             if found is not None and found[1].pop(pod.name, None) is not None:
                 self.signals.mark(found[0].key)
         prec.entries = entries
-        if before is None or before.managed() != report.managed():
+        if before is None or (not same and before.managed() != report.managed()):
             self.signals.collect()
             self.signals.holdings_changed(pod.namespace)
         return wants, keep, among
@@ -318,10 +343,14 @@ class Workers(Actor):
 
     # -- the calls ----------------------------------------------------------------------------
 
-    async def _act(self, pod: PodInfo, action: planning.Action) -> bool:
-        """Carry out one planned call; True when the pod may have changed."""
+    async def _act(self, prec: PodRecord, pod: PodInfo, action: planning.Action) -> bool:
+        """Carry out one planned call; True when the pod may have changed in a way not yet
+        read (a failed call, a load answered without the adapter's card)."""
         if isinstance(action, planning.Unload):
-            return await self._unload(pod, action.name)
+            if await self._unload(pod, action.name):
+                return True
+            self._answered(prec, pod, action.name, None)
+            return False
         found = self.cache.served(pod.namespace, action.name)
         if found is None:
             return False
@@ -344,7 +373,7 @@ class Workers(Actor):
         started = time.monotonic()
         try:
             async with self._calls:
-                await self.seams.pods.load(pod, want, inplace=action.inplace)
+                card = await self.seams.pods.load(pod, want, inplace=action.inplace)
         except PodError as e:
             result = "permanent" if e.permanent else "transient"
             self.metrics.loads.labels(result).inc()
@@ -370,9 +399,26 @@ class Workers(Actor):
             seconds,
         )
         self._apply(found, pod, podstate.Succeeded(want, seconds, kube.now_iso()))
-        return True
+        if card is None:
+            return True
+        self._answered(prec, pod, want.name, card)
+        return False
+
+    def _answered(
+        self, prec: PodRecord, pod: PodInfo, name: str, card: planning.Card | None
+    ) -> None:
+        """The pod answered a call for `name` with what it lists for it now (a load's card;
+        None: an unload). Its adapters change only by these calls, so its report with this
+        answer is what a read would return (but for `hits`, which the next read brings), and is
+        recorded as one: the answer is the pod's own evidence, as its list is."""
+        if prec.report is None or prec.info.uid != pod.uid or prec.info.restarts != pod.restarts:
+            return  # a new process since the call began: its first read tells
+        cards = (prec.report.cards.get(name), card)
+        changed = {c.adapter or name for c in cards if c is not None} | {name}
+        self._record(prec, prec.report.answered(name, card), {name}, changed)
 
     async def _unload(self, pod: PodInfo, name: str) -> bool:
+        """Unload `name`; True when it failed (the pod may or may not hold it now)."""
         try:
             async with self._calls:
                 await self.seams.pods.unload(pod, name)
@@ -387,7 +433,7 @@ class Workers(Actor):
             return True
         self.metrics.unloads.labels("ok").inc()
         log.info("action=unload pod=%s/%s adapter=%s result=ok", *pod.key, name)
-        return True
+        return False
 
 
 def _cancel(task: asyncio.Task[None] | None) -> None:

@@ -14,6 +14,7 @@ import json
 from typing import Any
 
 import aiohttp
+from lora_podapi import models
 from lora_volume import boundedjson
 from lora_volume import errors as volume_errors
 
@@ -73,7 +74,12 @@ class PodClient:
         except ValueError as e:
             raise PodError(f"{pod.name}: {e}", permanent=False) from e
 
-    async def load(self, pod: PodInfo, want: planning.Want, *, inplace: bool) -> None:
+    async def load(
+        self, pod: PodInfo, want: planning.Want, *, inplace: bool
+    ) -> planning.Card | None:
+        """Load `want`; the adapter's card as the pod lists it now, when the pod answers with
+        one (a server of this project, asked for JSON), else None (vLLM, an older server, an
+        answer that is not the card of `want.name`: the caller reads `/v1/models`)."""
         body = {
             "lora_name": want.name,
             "lora_path": planning.load_path(pod.adapter_root, want),
@@ -81,7 +87,14 @@ class PodClient:
             "pinned": want.pinned,
             "scale": want.scale,
         }
-        await self._call(pod, "POST", "/v1/load_lora_adapter", body, self._timeout)
+        answer = await self._call(
+            pod, "POST", "/v1/load_lora_adapter", body, self._timeout, accept="application/json"
+        )
+        try:
+            raw = models.parse_card(answer)
+        except ValueError:
+            return None
+        return planning.card_of(raw) if raw.id == want.name and raw.parent is not None else None
 
     async def unload(self, pod: PodInfo, name: str) -> None:
         """Unload `name`; a pod that no longer has it is fine."""
@@ -100,11 +113,15 @@ class PodClient:
         path: str,
         body: dict[str, Any] | None,
         timeout: aiohttp.ClientTimeout,
+        *,
+        accept: str | None = None,
     ) -> Any:
         if pod.ip is None:
             raise PodError(f"pod {pod.name} has no IP yet", permanent=False)
         try:
             headers = await self.credentials.header(pod.namespace)
+            if accept is not None:
+                headers = {**headers, "Accept": accept}
         except (kube.ApiError, aiohttp.ClientError, TimeoutError) as e:
             raise PodError(
                 f"no token for the pods of namespace {pod.namespace} (TokenRequest): {e}",

@@ -82,6 +82,9 @@ class Placed:
 @dataclass(frozen=True)
 class Placement:
     adapters: Mapping[str, Placed]
+    # The pods whose reports it was made from (None: not said): a pod outside it keeps its
+    # placed adapters until a placement counts it (`planning.plan_wants`).
+    over: frozenset[str] | None = None
 
     def pods_of(self, adapter: str) -> tuple[str, ...]:
         placed = self.adapters.get(adapter)

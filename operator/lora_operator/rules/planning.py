@@ -84,6 +84,14 @@ class PodReport:
         """(adapter, revision) of everything the operator put on this pod, aliases included."""
         return {(c.adapter, c.revision) for c in self.cards.values() if c.adapter and c.revision}
 
+    def answered(self, name: str, card: Card | None) -> PodReport:
+        """This report after the pod answered a call for `name`: it lists `card` for it now
+        (a load's answer), or nothing (an unload's)."""
+        cards = {n: c for n, c in self.cards.items() if n != name}
+        if card is not None:
+            cards[name] = card
+        return PodReport(self.base_model, cards, self.max_loras, self.max_cpu_loras)
+
     def holds(self, adapter: str) -> bool:
         """Whether the pod holds a revision of `adapter` that the operator loaded."""
         return adapter in self._adapters
@@ -98,26 +106,27 @@ def report_of(listed: models.ModelList) -> PodReport:
     """The pod's adapters as the operator sees them: a card is the operator's when it names a
     published revision of the adapter it is served as, or of the adapter whose rollout alias
     (`<name>_<sha prefix>`) it is served as."""
-    cards: dict[str, Card] = {}
-    for raw in listed.cards:
-        if raw.parent is None:
-            continue
-        adapter, revision = raw.adapter, raw.revision
-        if revision is None or adapter not in (raw.id, rollout.adapter_of_alias(raw.id, revision)):
-            adapter = revision = None
-        cards[raw.id] = Card(
-            name=raw.id,
-            revision=revision,
-            scale=raw.scale,
-            pinned=raw.pinned,
-            hits=raw.hits,
-            adapter=adapter,
-        )
+    cards = {raw.id: card_of(raw) for raw in listed.cards if raw.parent is not None}
     return PodReport(
         base_model=listed.base,
         cards=cards,
         max_loras=listed.max_loras,
         max_cpu_loras=listed.max_cpu_loras,
+    )
+
+
+def card_of(raw: models.Card) -> Card:
+    """An adapter's card as the operator sees it (`report_of`)."""
+    adapter, revision = raw.adapter, raw.revision
+    if revision is None or adapter not in (raw.id, rollout.adapter_of_alias(raw.id, revision)):
+        adapter = revision = None
+    return Card(
+        name=raw.id,
+        revision=revision,
+        scale=raw.scale,
+        pinned=raw.pinned,
+        hits=raw.hits,
+        adapter=adapter,
     )
 
 
@@ -232,12 +241,17 @@ def plan_wants(
     base_model: str | None,
     candidates: Iterable[Candidate],
     placed: Mapping[str, PlacedOn] | None,
+    *,
+    over: Collection[str] | None = None,
 ) -> tuple[dict[str, Want], set[str]]:
     """What `pod` should hold, and what it may keep as it is (adapters whose revision is not
     known yet, and deleted ones not unpublished yet).
 
     `placed`: the pods each placed adapter (spec.replicas or spec.autoscale) is on; None while
-    there is no placement yet: a placed adapter then stays as it is.
+    there is no placement yet: a placed adapter then stays as it is. `over`: the pods the
+    placement was made from (None: every pod); on a pod it did not count (Ready again after a
+    while away, or new) placed adapters stay as they are until a placement counts it, so a pod
+    back from a blip is not emptied and filled again.
     """
     wants: dict[str, Want] = {}
     keep: set[str] = set()
@@ -250,9 +264,13 @@ def plan_wants(
         if not info.targets(pod, base_model):
             continue
         if info.placed:
-            if placed is None or info.name not in placed:
-                # Not every pod has reported yet, or the adapter is newer than the
-                # placement: nothing moves until it is placed.
+            if (
+                placed is None
+                or info.name not in placed
+                or (over is not None and pod.name not in over)
+            ):
+                # Not every pod has reported yet, the adapter is newer than the placement, or
+                # the pod is: nothing moves until it is placed.
                 keep.add(info.name)
                 continue
             if pod.name not in placed[info.name].pods:

@@ -11,14 +11,16 @@ that changes it, one event at a time:
     any      --Failed!-->    Failed      a permanent refusal (422, 400 ...): never retried for
                                          this want, at once for another (revision, scale, pin)
     any      --Conflicted--> Failed      the pod serves another adapter by this name (permanent)
-    any      --Reported-->   Loaded      the pod's own /v1/models lists the wanted revision
+    any      --Reported-->   Loaded      the pod's own card for it shows the wanted revision
+                                         (in /v1/models, or in its answer to the load call)
     Loaded   --Reported-->   Pending     the pod no longer lists it (its server restarted empty)
     Loading  --Reported-->   Pending     the pod answered 200 but does not list the wanted
                                          revision: a failed load like any other (attempts + 1,
                                          Failed at the bound), retried with the same backoff
 
 Only `Reported` makes an entry Loaded: what the pod says is the only evidence that it serves an
-adapter. The worker of a pod (controller/workers.py) feeds the events and acts; this module decides.
+adapter (its list, or the card it answers a load with; a bare 200 is not evidence). The worker of a
+pod (controller/workers.py) feeds the events and acts; this module decides.
 """
 
 from __future__ import annotations

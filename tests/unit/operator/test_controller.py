@@ -88,11 +88,11 @@ async def test_a_staged_adapter_is_planned_alone_not_with_the_whole_namespace(
     planned: list[int] = []
     plan_wants = planning.plan_wants
 
-    def counting(*args: Any) -> tuple[dict[str, planning.Want], set[str]]:
+    def counting(*args: Any, **kwargs: Any) -> tuple[dict[str, planning.Want], set[str]]:
         pod_, base_model, candidates, placed = args
         candidates = list(candidates)
         planned.append(len(candidates))
-        return plan_wants(pod_, base_model, candidates, placed)
+        return plan_wants(pod_, base_model, candidates, placed, **kwargs)
 
     async with Rig(tmp_path, resync_s=600.0) as rig:  # no full pass but the first
         c = rig.controller
@@ -112,6 +112,42 @@ async def test_a_staged_adapter_is_planned_alone_not_with_the_whole_namespace(
                 assert rig.pods.held[p][late].revision is not None
     assert planned, "no pass planned the late adapters"
     assert max(planned) <= 2, planned  # the late adapter, and a card that changed meanwhile
+
+
+@pytest.mark.parametrize("answers_cards", [True, False], ids=["card-answers", "text-answers"])
+async def test_an_adapter_staged_alone_costs_each_pod_a_read_only_without_a_card_answer(
+    tmp_path: Path, answers_cards: bool
+) -> None:
+    # A namespace of 400 adapters staged one by one would read each pod's 400 cards per
+    # adapter, twice. A pod that answers a load with the adapter's card (this project's server)
+    # is read no more: the card is its evidence. One that answers text (vLLM) is read once per
+    # adapter, after the call (the evidence); the pass plans from the report read after the
+    # operator's last call.
+    async with Rig(tmp_path, resync_s=600.0) as rig:
+        c = rig.controller
+        rig.pods.answers_cards = answers_cards
+        c.start()
+        for p in ("p1", "p2"):
+            c.pod_changed(pod(p))
+        names = [f"a{i}" for i in range(50)]
+        for i, name in enumerate(names):
+            c.adapter_changed(adapter(rig.volume, name, seed=i % 5))
+        await until("every adapter Ready", lambda: all(rig.ready(n) for n in names))
+        await asyncio.sleep(0.3)  # the last passes' reads
+        for i in range(5):
+            late = f"late{i}"
+            reads = dict(rig.pods.reads)
+            c.adapter_changed(adapter(rig.volume, late, seed=i))
+            await until(f"{late} Ready", lambda: rig.ready(late))  # noqa: B023  awaited here
+            await asyncio.sleep(0.3)  # a second read would come within the pass
+            for p in ("p1", "p2"):
+                assert rig.pods.held[p][late].revision is not None
+                assert rig.pods.reads[p] - reads[p] == (0 if answers_cards else 1), (
+                    late,
+                    p,
+                    rig.pods.reads,
+                    reads,
+                )
 
 
 async def test_a_pod_restart_reloads_and_a_repeated_ready_counts_into_its_series(
@@ -157,6 +193,27 @@ async def test_transient_load_failures_reach_degraded_then_ready(tmp_path: Path)
         assert cond["reason"] == "LoadRetrying" and "p1: 503 busy" in cond["message"]
         assert rig.api.reasons("a") == ["LoadRetrying", "Ready"]
         assert ("Warning", "LoadRetrying") in {(t, r) for _, t, r, _ in rig.api.events}
+
+
+@pytest.mark.parametrize("answers_cards", [True, False], ids=["card-answers", "text-answers"])
+async def test_a_load_answered_200_with_another_revision_is_a_failed_load(
+    tmp_path: Path, answers_cards: bool
+) -> None:
+    # The pod's answer to a load (its card) is evidence as its list is: a 200 whose card shows
+    # another revision counts as a failed load, retried with backoff up to Degraded.
+    async with Rig(tmp_path) as rig:
+        c = rig.controller
+        rig.pods.answers_cards = answers_cards
+        rig.pods.misloads[("p1", "a")] = "e" * 64
+        c.start()
+        c.pod_changed(pod("p1"))
+        c.adapter_changed(adapter(rig.volume, "a"))
+        await until("Degraded", lambda: "Degraded" in rig.api.phases("a"))
+        degraded = rig.api.status["a"][rig.api.phases("a").index("Degraded")]
+        cond = next(x for x in degraded["conditions"] if x["type"] == "Degraded")
+        assert f"accepted the load (200) but lists revision {'e' * 64}" in cond["message"]
+        del rig.pods.misloads[("p1", "a")]  # the pod loads the right file again
+        await until("Ready", lambda: rig.ready("a"))
 
 
 async def test_a_refusal_is_not_retried_until_the_spec_changes(tmp_path: Path) -> None:

@@ -1,14 +1,19 @@
 """The controller placing adapters with spec.replicas and spec.autoscale, with its seams swapped
 (the rig of test_controller.py: pods answering from memory, a recording API, the real store).
 What is tested: the adapter goes to exactly the placed pods and leaves the others, the status
-names them and counts them in READY, a pod that goes away is replaced, a shortfall is Degraded
-with its reason, and the request rate the pods count widens and narrows the set."""
+names them and counts them in READY, a pod that goes away is replaced and one that comes back
+keeps what it holds, a new adapter wakes its pods for it alone, a shortfall is Degraded with its
+reason, and the request rate the pods count widens and narrows the set."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from pathlib import Path
 from typing import Any
+
+import pytest
+from lora_operator.rules import planning
 
 from tests.support.controller import Rig, adapter, holders, placed_rig, pod
 from tests.support.polling import until
@@ -75,6 +80,64 @@ async def test_a_placed_pod_that_goes_away_is_replaced(tmp_path: Path) -> None:
         )
         assert first not in holders(rig, "a")
         assert last_status(rig, "a")["ready"] == "1/1"
+
+
+async def test_a_pod_back_from_a_blip_keeps_its_adapters(tmp_path: Path) -> None:
+    # After an API-server outage the node is marked NotReady for a moment and its pods with it:
+    # the placement made meanwhile does not count the pod, and a pod back is not emptied and
+    # filled again (400 unloads and 400 loads per pod) before a placement counts it.
+    async with placed_rig(tmp_path) as rig:
+        rig.pods.max_cpu = 40
+        c = rig.controller
+        c.start()
+        for p in ("p1", "p2"):
+            c.pod_changed(pod(p))
+        names = [f"a{i}" for i in range(20)]
+        for i, name in enumerate(names):
+            c.adapter_changed(adapter(rig.volume, name, seed=i % 5, replicas=2))
+        await until("2/2", lambda: all(last_status(rig, n).get("ready") == "2/2" for n in names))
+        away = dataclasses.replace(pod("p1"), ready=False)
+        c.pod_changed(away)
+        await until("1/1", lambda: all(last_status(rig, n).get("ready") == "1/1" for n in names))
+        calls = len(rig.log)
+        c.pod_changed(pod("p1"))
+        await until("2/2", lambda: all(last_status(rig, n).get("ready") == "2/2" for n in names))
+        await asyncio.sleep(1.0)  # a placement's recompute, and the passes it wakes
+        assert rig.log[calls:] == []
+        assert all(holders(rig, n) == {"p1", "p2"} for n in names)
+
+
+async def test_a_new_placed_adapter_wakes_its_pods_for_it_alone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Each new adapter with replicas moves the placement (it is new to it): its pods plan that
+    # adapter, not every adapter of the namespace (400 a namespace at 10,000 adapters).
+    planned: list[int] = []
+    plan_wants = planning.plan_wants
+
+    def counting(*args: Any, **kwargs: Any) -> tuple[dict[str, planning.Want], set[str]]:
+        pod_, base_model, candidates, placed = args
+        candidates = list(candidates)
+        planned.append(len(candidates))
+        return plan_wants(pod_, base_model, candidates, placed, **kwargs)
+
+    async with placed_rig(tmp_path, resync_s=600.0) as rig:  # no full pass but the first
+        rig.pods.max_cpu = 400
+        c = rig.controller
+        c.start()
+        for p in ("p1", "p2"):
+            c.pod_changed(pod(p))
+        names = [f"a{i}" for i in range(100)]
+        for i, name in enumerate(names):
+            c.adapter_changed(adapter(rig.volume, name, seed=i % 5, replicas=2))
+        await until("2/2", lambda: all(last_status(rig, n).get("ready") == "2/2" for n in names))
+        monkeypatch.setattr(planning, "plan_wants", counting)
+        for i in range(5):
+            late = f"late{i}"
+            c.adapter_changed(adapter(rig.volume, late, seed=i, replicas=2))
+            await until(f"{late} 2/2", lambda: last_status(rig, late).get("ready") == "2/2")  # noqa: B023
+    assert planned, "no pass planned the late adapters"
+    assert max(planned) <= 2, planned  # the late adapter, and a card that changed meanwhile
 
 
 async def test_more_replicas_than_room_is_degraded_with_the_reason(tmp_path: Path) -> None:

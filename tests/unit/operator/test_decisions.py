@@ -78,6 +78,16 @@ def test_a_placed_adapter_waits_for_its_placement_then_goes_only_where_placed() 
     assert set(planning.plan_wants(pod("p2"), "sd", [c], placed)[0]) == {"a"}
 
 
+def test_a_pod_the_placement_did_not_count_keeps_its_placed_adapters() -> None:
+    # p1 was away (not Ready) when the placement was made: back, it keeps what it holds until
+    # a placement counts it, instead of unloading it and loading it again a moment later.
+    c = Candidate(info("a", replicas=1), STAGED)
+    placed = {"a": placement.Placed(pods=("p2",), wanted=1)}
+    assert planning.plan_wants(pod("p1"), "sd", [c], placed, over={"p2"}) == ({}, {"a"})
+    assert planning.plan_wants(pod("p1"), "sd", [c], placed, over={"p1", "p2"}) == ({}, set())
+    assert set(planning.plan_wants(pod("p2"), "sd", [c], placed, over={"p2"})[0]) == {"a"}
+
+
 def test_a_rollout_wants_the_name_at_its_revision_and_the_canary_under_its_alias() -> None:
     r = rollout.Rollout(stable=SHA1, canary=SHA2, state=rollout.State.PROGRESSING)
     wants, _ = planning.plan_wants(

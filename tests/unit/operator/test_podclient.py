@@ -24,8 +24,11 @@ async def pod() -> AsyncIterator[tuple[model.PodInfo, dict[str, Any]]]:
     async def load(request: web.Request) -> web.Response:
         seen["body"] = await request.json()
         seen["auth"] = request.headers.get("Authorization")
+        seen["accept"] = request.headers.get("Accept")
         if seen["status"] != 200:
             return web.json_response({"error": {"message": "wrong shapes"}}, status=seen["status"])
+        if "card" in seen:
+            return web.json_response(seen["card"])
         return web.Response(text="Success: LoRA adapter 'a' added successfully.")
 
     async def unload(_: web.Request) -> web.Response:
@@ -71,6 +74,47 @@ async def test_load_sends_the_pods_path_token_scale_and_pin(pod: Any) -> None:
         "pinned": True,
         "scale": -1.5,
     }
+
+
+@pytest.mark.parametrize(
+    ("answer", "expected"),
+    [
+        pytest.param(None, None, id="vllm-text"),
+        pytest.param(
+            {
+                "id": "a",
+                "parent": "b",
+                "root": "a",
+                "adapter": "a",
+                "revision": SHA,
+                "scale": 0.5,
+                "pinned": False,
+                "hits": 3,
+            },
+            planning.Card("a", SHA, 0.5, False, hits=3, adapter="a"),
+            id="card",
+        ),
+        pytest.param(
+            {"id": "other", "parent": "b", "adapter": "other", "revision": SHA},
+            None,
+            id="another-adapters-card",
+        ),
+        pytest.param({"id": "a", "parent": None}, None, id="a-base-card"),
+        pytest.param({"data": []}, None, id="not-a-card"),
+    ],
+)
+async def test_a_load_returns_the_card_the_pod_answers_with(
+    pod: Any, answer: dict[str, Any] | None, expected: planning.Card | None
+) -> None:
+    # Asked for JSON, this project's server answers a load with the adapter's card; anything
+    # else (vLLM's text, a card that is not this adapter's) is no answer, and the caller reads.
+    info, seen = pod
+    if answer is not None:
+        seen["card"] = answer
+    async with PodClient(AdminToken(None), timeout_s=5) as client:
+        card = await client.load(info, planning.Want("a", SHA, 0.5, False), inplace=False)
+    assert seen["accept"] == "application/json"
+    assert card == expected
 
 
 @pytest.mark.parametrize(
