@@ -77,6 +77,10 @@ class Workers(Actor):
         if before != info:
             if before.uid != info.uid or before.restarts != info.restarts:
                 prec.report = None  # a new process: what it held is gone
+            if before.reachable != info.reachable:
+                # Which pods an adapter targets changed, and its status with them, even when
+                # the pod is back before its worker or the placement saw it away.
+                self.signals.mark_namespace(info.namespace)
             prec.due = None
             prec.wake.set()
 

@@ -107,6 +107,25 @@ async def test_a_pod_back_from_a_blip_keeps_its_adapters(tmp_path: Path) -> None
         assert all(holders(rig, n) == {"p1", "p2"} for n in names)
 
 
+async def test_a_pod_away_and_back_between_passes_leaves_no_stale_status(tmp_path: Path) -> None:
+    # A status computed while a pod was away (1/1) is computed again when the pod is back, even
+    # when neither its worker nor the placement saw it away: nothing else would mark it.
+    async with placed_rig(tmp_path) as rig:
+        rig.pods.max_cpu = 40
+        c = rig.controller
+        c.start()
+        for p in ("p1", "p2"):
+            c.pod_changed(pod(p))
+        names = [f"a{i}" for i in range(20)]
+        for i, name in enumerate(names):
+            c.adapter_changed(adapter(rig.volume, name, seed=i % 5, replicas=2))
+        await until("all on both", lambda: all(holders(rig, n) == {"p1", "p2"} for n in names))
+        c.pod_changed(dataclasses.replace(pod("p1"), ready=False))
+        await until("1/1", lambda: all(last_status(rig, n).get("ready") == "1/1" for n in names))
+        c.pod_changed(pod("p1"))
+        await until("2/2", lambda: all(last_status(rig, n).get("ready") == "2/2" for n in names))
+
+
 async def test_a_new_placed_adapter_wakes_its_pods_for_it_alone(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
