@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 from typing import Any, Self
 
+import pytest
 from lora_operator.controller import Controller
 from lora_operator.edges import kube
 from lora_operator.edges.config import OperatorConfig
@@ -278,3 +279,32 @@ def placed_rig(tmp_path: Path, **config: Any) -> PlacedRig:
 
 def holders(rig: Rig, name: str) -> set[str]:
     return {p for p, cards in rig.pods.held.items() if name in cards}
+
+
+def count_planned(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """From now on, the number of candidates each `planning.plan_wants` call plans (how much of
+    a namespace a pass plans)."""
+    planned: list[int] = []
+    plan_wants = planning.plan_wants
+
+    def counting(*args: Any, **kwargs: Any) -> tuple[dict[str, planning.Want], set[str]]:
+        pod_, base_model, candidates, placed = args
+        candidates = list(candidates)
+        planned.append(len(candidates))
+        return plan_wants(pod_, base_model, candidates, placed, **kwargs)
+
+    monkeypatch.setattr(planning, "plan_wants", counting)
+    return planned
+
+
+def start_with_adapters(rig: Rig, count: int, **spec: Any) -> list[str]:
+    """Start the controller with pods p1 and p2 and `count` adapters a0, a1 ... (`spec` for
+    each); returns their names."""
+    c = rig.controller
+    c.start()
+    for p in ("p1", "p2"):
+        c.pod_changed(pod(p))
+    names = [f"a{i}" for i in range(count)]
+    for i, name in enumerate(names):
+        c.adapter_changed(adapter(rig.volume, name, seed=i % 5, **spec))
+    return names

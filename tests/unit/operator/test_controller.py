@@ -20,7 +20,7 @@ from lora_operator.controller.signals import Actor
 from lora_operator.edges import kube
 from lora_operator.edges.config import OperatorConfig
 from lora_operator.edges.podclient import PodError
-from lora_operator.rules import consent, errors, planning
+from lora_operator.rules import consent, errors
 from lora_operator.rules.model import adapter_info
 from lora_operator.rules.status import summarise
 from lora_operator.store import publishing
@@ -34,7 +34,9 @@ from tests.support.controller import (
     RecordingStore,
     Rig,
     adapter,
+    count_planned,
     pod,
+    start_with_adapters,
 )
 from tests.support.polling import until
 
@@ -85,25 +87,11 @@ async def test_a_staged_adapter_is_planned_alone_not_with_the_whole_namespace(
     # A namespace whose adapters are staged one at a time (its downloads queued behind other
     # namespaces') has each of its pods woken once per adapter: were each pass to plan every
     # adapter of the namespace, staging K would cost K x K.
-    planned: list[int] = []
-    plan_wants = planning.plan_wants
-
-    def counting(*args: Any, **kwargs: Any) -> tuple[dict[str, planning.Want], set[str]]:
-        pod_, base_model, candidates, placed = args
-        candidates = list(candidates)
-        planned.append(len(candidates))
-        return plan_wants(pod_, base_model, candidates, placed, **kwargs)
-
     async with Rig(tmp_path, resync_s=600.0) as rig:  # no full pass but the first
         c = rig.controller
-        c.start()
-        for p in ("p1", "p2"):
-            c.pod_changed(pod(p))
-        names = [f"a{i}" for i in range(200)]
-        for i, name in enumerate(names):
-            c.adapter_changed(adapter(rig.volume, name, seed=i % 5))
+        names = start_with_adapters(rig, 200)
         await until("every adapter Ready", lambda: all(rig.ready(n) for n in names))
-        monkeypatch.setattr(planning, "plan_wants", counting)
+        planned = count_planned(monkeypatch)
         for i in range(5):
             late = f"late{i}"
             c.adapter_changed(adapter(rig.volume, late, seed=i))
@@ -126,12 +114,7 @@ async def test_an_adapter_staged_alone_costs_each_pod_a_read_only_without_a_card
     async with Rig(tmp_path, resync_s=600.0) as rig:
         c = rig.controller
         rig.pods.answers_cards = answers_cards
-        c.start()
-        for p in ("p1", "p2"):
-            c.pod_changed(pod(p))
-        names = [f"a{i}" for i in range(50)]
-        for i, name in enumerate(names):
-            c.adapter_changed(adapter(rig.volume, name, seed=i % 5))
+        names = start_with_adapters(rig, 50)
         await until("every adapter Ready", lambda: all(rig.ready(n) for n in names))
         await asyncio.sleep(0.3)  # the last passes' reads
         for i in range(5):

@@ -13,9 +13,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from lora_operator.rules import planning
 
-from tests.support.controller import Rig, adapter, holders, placed_rig, pod
+from tests.support.controller import (
+    Rig,
+    adapter,
+    count_planned,
+    holders,
+    placed_rig,
+    pod,
+    start_with_adapters,
+)
 from tests.support.polling import until
 
 
@@ -89,12 +96,7 @@ async def test_a_pod_back_from_a_blip_keeps_its_adapters(tmp_path: Path) -> None
     async with placed_rig(tmp_path) as rig:
         rig.pods.max_cpu = 40
         c = rig.controller
-        c.start()
-        for p in ("p1", "p2"):
-            c.pod_changed(pod(p))
-        names = [f"a{i}" for i in range(20)]
-        for i, name in enumerate(names):
-            c.adapter_changed(adapter(rig.volume, name, seed=i % 5, replicas=2))
+        names = start_with_adapters(rig, 20, replicas=2)
         await until("2/2", lambda: all(last_status(rig, n).get("ready") == "2/2" for n in names))
         away = dataclasses.replace(pod("p1"), ready=False)
         c.pod_changed(away)
@@ -113,17 +115,13 @@ async def test_a_pod_away_and_back_between_passes_leaves_no_stale_status(tmp_pat
     async with placed_rig(tmp_path) as rig:
         rig.pods.max_cpu = 40
         c = rig.controller
-        c.start()
-        for p in ("p1", "p2"):
-            c.pod_changed(pod(p))
-        names = [f"a{i}" for i in range(20)]
-        for i, name in enumerate(names):
-            c.adapter_changed(adapter(rig.volume, name, seed=i % 5, replicas=2))
+        names = start_with_adapters(rig, 20, replicas=2)
         await until("all on both", lambda: all(holders(rig, n) == {"p1", "p2"} for n in names))
         c.pod_changed(dataclasses.replace(pod("p1"), ready=False))
         await until("1/1", lambda: all(last_status(rig, n).get("ready") == "1/1" for n in names))
         c.pod_changed(pod("p1"))
         await until("2/2", lambda: all(last_status(rig, n).get("ready") == "2/2" for n in names))
+        assert all(holders(rig, n) == {"p1", "p2"} for n in names)
 
 
 async def test_a_new_placed_adapter_wakes_its_pods_for_it_alone(
@@ -131,26 +129,12 @@ async def test_a_new_placed_adapter_wakes_its_pods_for_it_alone(
 ) -> None:
     # Each new adapter with replicas moves the placement (it is new to it): its pods plan that
     # adapter, not every adapter of the namespace (400 a namespace at 10,000 adapters).
-    planned: list[int] = []
-    plan_wants = planning.plan_wants
-
-    def counting(*args: Any, **kwargs: Any) -> tuple[dict[str, planning.Want], set[str]]:
-        pod_, base_model, candidates, placed = args
-        candidates = list(candidates)
-        planned.append(len(candidates))
-        return plan_wants(pod_, base_model, candidates, placed, **kwargs)
-
     async with placed_rig(tmp_path, resync_s=600.0) as rig:  # no full pass but the first
         rig.pods.max_cpu = 400
         c = rig.controller
-        c.start()
-        for p in ("p1", "p2"):
-            c.pod_changed(pod(p))
-        names = [f"a{i}" for i in range(100)]
-        for i, name in enumerate(names):
-            c.adapter_changed(adapter(rig.volume, name, seed=i % 5, replicas=2))
+        names = start_with_adapters(rig, 100, replicas=2)
         await until("2/2", lambda: all(last_status(rig, n).get("ready") == "2/2" for n in names))
-        monkeypatch.setattr(planning, "plan_wants", counting)
+        planned = count_planned(monkeypatch)
         for i in range(5):
             late = f"late{i}"
             c.adapter_changed(adapter(rig.volume, late, seed=i, replicas=2))
