@@ -156,9 +156,10 @@ class PodRecord:
     # The adapters the next pass plans, each woken alone (`wake_adapter`); None: every adapter
     # of the namespace (the pod changed, a placement moved, a resync, a retry).
     due: set[str] | None = field(default=None, metadata=_WORKERS)
-    # When `report` was read (monotonic), if no call to the pod was made since: a pod's adapters
-    # change only by the operator's calls or a restart, so a pass woken for some adapters plans
-    # from it without reading the pod again (`Workers._held`). None after any call.
+    # When `report` was read (monotonic), while it still holds every call's outcome: a pod's
+    # adapters change by the operator's calls or a restart, so a pass woken for some adapters
+    # plans from it without reading the pod again (`Workers._held`). None after a call whose
+    # outcome the report lacks (one that failed, a load answered without a card).
     read_at: float | None = field(default=None, metadata=_WORKERS)
 
 

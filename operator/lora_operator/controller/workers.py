@@ -202,8 +202,9 @@ class Workers(Actor):
         from it instead of reading the pod: woken for some adapters (not for the pod, a resync
         or a retry), read within `resync_s`, and no call made since whose outcome it lacks
         (`read_at` is None after one; an answered call is in the report already). The pod's
-        adapters change only by the operator's calls (a process restart is a pod change), so
-        that report is what the pod holds."""
+        adapters change by the operator's calls (a process restart is a pod change), and
+        otherwise only when its server drops one its pipeline refused at first use, which the
+        next read within `resync_s` shows; so that report is what the pod holds."""
         if due is None or prec.report is None or prec.read_at is None:
             return None
         if time.monotonic() - prec.read_at >= self.config.resync_s:
@@ -412,9 +413,10 @@ class Workers(Actor):
         self, prec: PodRecord, pod: PodInfo, name: str, card: planning.Card | None
     ) -> None:
         """The pod answered a call for `name` with what it lists for it now (a load's card;
-        None: an unload). Its adapters change only by these calls, so its report with this
-        answer is what a read would return (but for `hits`, which the next read brings), and is
-        recorded as one: the answer is the pod's own evidence, as its list is."""
+        None: an unload). Its adapters change by these calls (`_held` says what else), so its
+        report with this answer is what a read would return (but for `hits`, which the next
+        read brings), and is recorded as one: the answer is the pod's own evidence, as its
+        list is."""
         if prec.report is None or prec.info.uid != pod.uid or prec.info.restarts != pod.restarts:
             return  # a new process since the call began: its first read tells
         cards = (prec.report.cards.get(name), card)
