@@ -29,6 +29,7 @@ FAST: dict[str, Any] = dict(
     verify_every_s=0.05,
     status_settle_s=3.0,
     status_progress_s=10.0,
+    status_loss_grace_s=1.0,
     retry_bound=3,
 )
 

@@ -41,7 +41,8 @@ class Staging:
 @dataclass
 class Entries:
     """The pod workers': the adapter's entry on each pod under its own name (`own`) and under
-    its rollout's canary alias (`canary`), and the loads an earlier process recorded."""
+    its rollout's canary alias (`canary`), and the loads recorded before an entry was made
+    (by an earlier process in the status, or on a pod before it went away)."""
 
     own: dict[str, PodEntry] = field(default_factory=dict)  # pod name -> entry
     canary: dict[str, PodEntry] = field(default_factory=dict)
@@ -57,6 +58,9 @@ class Written:
     at: float = field(default_factory=time.monotonic)  # or when first seen
     now: tuple[str, str] | None = None  # the headline summarise gives now
     now_since: float = field(default_factory=time.monotonic)
+    # Since when what summarise says differs from `body` (None: it does not); a loss of pods is
+    # written once it has lasted the grace (statuswrite.pods_lost_only).
+    differs_since: float | None = None
     phase: str | None = None  # for the phase gauge
 
 

@@ -310,9 +310,7 @@ class Workers(Actor):
             if name in wants or (among is not None and recorded.want.adapter not in among):
                 continue
             entries.pop(name, None)
-            found = self.cache.served(pod.namespace, name)
-            if found is not None and found[1].pop(pod.name, None) is not None:
-                self.signals.mark(found[0].key)
+            self._forget(self.cache.served(pod.namespace, name), pod.name)
         prec.entries = entries
         if before is None or (not same and before.managed() != report.managed()):
             self.signals.collect()
@@ -327,7 +325,7 @@ class Workers(Actor):
         if new.state == "Loaded" and new.loaded_at is None:
             loads = rec.entries.recorded_loads
             revision, at, seconds = loads.get(pod.name, (None, None, None))
-            if revision == new.revision:  # loaded by an earlier process: keep its record
+            if revision == new.revision:  # loaded before (an earlier process, a pod away)
                 new = dataclasses.replace(new, loaded_at=at, load_seconds=seconds)
         if new == entry:
             return entry
@@ -335,13 +333,29 @@ class Workers(Actor):
         self.signals.mark(rec.key)
         return new
 
+    def _forget(self, found: Found | None, pod_name: str) -> None:
+        """Take away the adapter's entry on a pod that no longer holds it or is away, keeping
+        when it was loaded there: a pod back from a moment away with the same revision shows
+        the same loadedAt (`_apply`), so the adapter's status is as it was and not written."""
+        if found is None:
+            return
+        rec, entries = found
+        entry = entries.pop(pod_name, None)
+        if entry is None:
+            return
+        if entry.state == "Loaded" and entries is rec.entries.own:
+            rec.entries.recorded_loads[pod_name] = (
+                entry.revision,
+                entry.loaded_at,
+                entry.load_seconds,
+            )
+        self.signals.mark(rec.key)
+
     def _drop_entries(self, prec: PodRecord) -> None:
         namespace = prec.info.namespace
         self.signals.replace(namespace)
         for name in prec.entries:
-            found = self.cache.served(namespace, name)
-            if found is not None and found[1].pop(prec.info.name, None) is not None:
-                self.signals.mark(found[0].key)
+            self._forget(self.cache.served(namespace, name), prec.info.name)
         prec.entries = {}
         self.signals.mark_namespace(namespace)
         self.signals.holdings_changed(namespace)

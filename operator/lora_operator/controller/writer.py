@@ -36,7 +36,9 @@ class StatusWriter(Actor):
         super().__init__(shared)
         self.placer = placer
         self.policy = statuswrite.WritePolicy(
-            self.config.status_settle_s, self.config.status_progress_s
+            self.config.status_settle_s,
+            self.config.status_progress_s,
+            self.config.status_loss_grace_s,
         )
         self._due = DueSet()
         self._phases: Counter[str] = Counter()
@@ -129,12 +131,16 @@ class StatusWriter(Actor):
                 summary,
                 since_headline=now - written.now_since,
                 since_write=now - written.at,
+                since_differs=0.0 if written.differs_since is None else now - written.differs_since,
                 policy=self.policy,
             )
             if reroutes:
                 delay = 0.0
             if delay is None:
+                written.differs_since = None
                 continue
+            if written.differs_since is None:
+                written.differs_since = now
             if delay > 0:
                 self._due.at(key, now + delay)
                 continue
@@ -160,6 +166,7 @@ class StatusWriter(Actor):
         note = events.plan_event(written.headline, summary)
         written.body, written.headline = body, summary.headline
         written.at = time.monotonic()
+        written.differs_since = None
         if note is not None:
             log.info(
                 "action=phase adapter=%s/%s phase=%s reason=%s ready=%s message=%r",

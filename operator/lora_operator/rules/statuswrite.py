@@ -20,7 +20,7 @@ from typing import Any
 from lora_volume import description
 
 from lora_operator.rules.model import AdapterInfo, PodInfo
-from lora_operator.rules.placement import Placed
+from lora_operator.rules.placement import Placed, Shortfall
 from lora_operator.rules.podstate import PodEntry
 from lora_operator.rules.status import (
     Headline,
@@ -139,10 +139,14 @@ class WritePolicy:
     Work in progress (Pending, Staging, Loading) is written once it has lasted `settle_s`, so an
     adapter that becomes Ready quickly costs one write; a change of progress only (the same
     phase and reason: another pod loaded it, more bytes downloaded) at most every `progress_s`.
+    A loss of pods only (`pods_lost_only`) is written once the status has differed from the
+    object's for `loss_grace_s`: pods that are back by then (a node marked NotReady for a few
+    seconds after the API server was away) cost no write and no Event.
     """
 
     settle_s: float = 3.0
     progress_s: float = 10.0
+    loss_grace_s: float = 15.0
 
 
 def stored(obj: Mapping[str, Any]) -> dict[str, Any]:
@@ -160,21 +164,57 @@ def write_delay(
     *,
     since_headline: float,
     since_write: float,
+    since_differs: float = 0.0,
     policy: WritePolicy,
 ) -> float | None:
     """Seconds to wait before writing `body`, 0 for now, or None when it says nothing new.
 
     `written`: the status on the object (None: none yet); `written_headline`: its headline;
     `since_headline`: how long the adapter has been in `summary`'s (phase, reason);
-    `since_write`: since the status was last written (or first seen).
+    `since_write`: since the status was last written (or first seen); `since_differs`: since
+    the status first differed from `written` (0 when it differs only now).
     """
     if written is not None and stored(body) == stored(written):
         return None
+    grace = 0.0
+    if pods_lost_only(written, body, summary):
+        grace = max(0.0, policy.loss_grace_s - since_differs)
     if same_headline(written_headline, summary):
-        return max(0.0, policy.progress_s - since_write)
+        return max(grace, policy.progress_s - since_write)
+    if grace:
+        return grace
     if summary.phase in SETTLED_PHASES or summary.warning or summary.reason == "NoPods":
         return 0.0
     return max(0.0, policy.settle_s - since_headline)
+
+
+# The reasons of a status whose only news may be that pods went away: fewer ready, on fewer
+# pods, or none. A failure's reasons are never among them.
+LOSS_REASONS = ("Ready", "Loading", "NoPods", Shortfall.FEWER_PODS, Shortfall.CAPACITY)
+
+
+def pods_lost_only(
+    written: Mapping[str, Any] | None, body: Mapping[str, Any], summary: Summary
+) -> bool:
+    """Whether `body` tells, against the `written` status, only of pods lost: fewer ready pods,
+    its placement on no pod it was not on before, the same generation of the spec, and no
+    failure. A pod added, a spec changed or anything failing is written as usual."""
+    if written is None or summary.reason not in LOSS_REASONS:
+        return False
+    ready_before = written.get("readyPods")
+    if not isinstance(ready_before, int) or summary.ready >= ready_before:
+        return False
+    if _generation(body) != _generation(written):
+        return False
+    return set(body.get("placedPods") or ()) <= set(written.get("placedPods") or ())
+
+
+def _generation(status: Mapping[str, Any]) -> object:
+    """The spec generation a status was rendered for (each condition carries it)."""
+    conditions = status.get("conditions")
+    if isinstance(conditions, list) and conditions and isinstance(conditions[0], Mapping):
+        return conditions[0].get("observedGeneration")
+    return None
 
 
 # -- in which order -----------------------------------------------------------------------------

@@ -136,7 +136,8 @@ async def test_an_adapter_staged_alone_costs_each_pod_a_read_only_without_a_card
 async def test_a_pod_restart_reloads_and_a_repeated_ready_counts_into_its_series(
     tmp_path: Path,
 ) -> None:
-    async with Rig(tmp_path, status_settle_s=0.0) as rig:  # Loading is written at once
+    # Loading is written at once, also after a restart (no grace for a loss of pods).
+    async with Rig(tmp_path, status_settle_s=0.0, status_loss_grace_s=0.0) as rig:
         c = rig.controller
         c.start()
         c.pod_changed(pod("p1"))

@@ -124,6 +124,39 @@ async def test_a_pod_away_and_back_between_passes_leaves_no_stale_status(tmp_pat
         assert all(holders(rig, n) == {"p1", "p2"} for n in names)
 
 
+async def test_a_pod_back_within_the_grace_costs_no_write_and_a_longer_loss_one(
+    tmp_path: Path,
+) -> None:
+    # A node marked NotReady for a few seconds (after an API-server outage) takes its pods away
+    # and gives them back: nothing worth a write or an Event. A pod away for longer than the
+    # grace is a loss of pods, written once.
+    async with placed_rig(tmp_path, status_loss_grace_s=2.0) as rig:
+        rig.pods.max_cpu = 40
+        c = rig.controller
+        names = start_with_adapters(rig, 20, replicas=2)
+        await until("2/2", lambda: all(last_status(rig, n).get("ready") == "2/2" for n in names))
+        await asyncio.sleep(0.5)  # the last writes of progress
+        writes = {n: len(rig.api.status[n]) for n in names}
+        events = len(rig.api.events)
+        away = dataclasses.replace(pod("p1"), ready=False)
+        c.pod_changed(away)
+        await asyncio.sleep(1.0)
+        c.pod_changed(pod("p1"))
+        await asyncio.sleep(2.5)  # past the grace
+        assert {n: len(rig.api.status[n]) for n in names} == writes
+        assert len(rig.api.events) == events
+
+        loop = asyncio.get_running_loop()
+        gone_at = loop.time()
+        c.pod_changed(away)
+        await until("1/1", lambda: all(last_status(rig, n).get("ready") == "1/1" for n in names))
+        assert loop.time() - gone_at >= 2.0
+        await asyncio.sleep(0.5)
+        assert {n: len(rig.api.status[n]) - writes[n] for n in names} == dict.fromkeys(names, 1)
+        assert {last_status(rig, n)["phase"] for n in names} == {"Degraded"}
+        assert len(rig.api.events) == events + len(names)
+
+
 async def test_a_new_placed_adapter_wakes_its_pods_for_it_alone(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

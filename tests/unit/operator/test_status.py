@@ -15,6 +15,7 @@ from lora_operator.rules.statuswrite import (
     MAX_LISTED_PODS,
     WritePolicy,
     fair_order,
+    pods_lost_only,
     render,
     stored,
     write_delay,
@@ -233,6 +234,130 @@ def test_write_delay(
         since_headline=since_headline,
         since_write=since_write,
         policy=POLICY,
+    )
+    assert delay == expected
+
+
+def placed_status(
+    phase: str, ready: int, pods: list[str] | None, generation: int = 1
+) -> dict[str, object]:
+    return {
+        "phase": phase,
+        "readyPods": ready,
+        "placedPods": pods,
+        "conditions": [{"type": "Ready", "observedGeneration": generation}],
+    }
+
+
+READY_ON_2 = placed_status("Ready", 2, ["p1", "p2"])
+
+
+def counted(phase: str, reason: str, ready: int) -> Summary:
+    return Summary(phase=phase, reason=reason, message="m", desired=2, ready=ready)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("body", "now", "lost"),
+    [
+        pytest.param(placed_status("Pending", 0, []), ("Pending", "NoPods", 0), True, id="no-pods"),
+        pytest.param(
+            placed_status("Degraded", 1, ["p2"]),
+            ("Degraded", "FewerPodsThanReplicas", 1),
+            True,
+            id="fewer-pods",
+        ),
+        pytest.param(placed_status("Ready", 1, ["p2"]), ("Ready", "Ready", 1), True, id="ready-1"),
+        pytest.param(
+            placed_status("Loading", 1, ["p2", "p3"]),
+            ("Loading", "Loading", 1),
+            False,
+            id="moved-to-a-new-pod",
+        ),
+        pytest.param(
+            placed_status("Pending", 0, [], generation=2),
+            ("Pending", "NoPods", 0),
+            False,
+            id="spec-changed",
+        ),
+        pytest.param(
+            placed_status("Degraded", 1, ["p1", "p2"]),
+            ("Degraded", "LoadRetrying", 1),
+            False,
+            id="a-failure",
+        ),
+        pytest.param(
+            placed_status("Ready", 2, ["p1", "p2"]), ("Ready", "Ready", 2), False, id="as-many"
+        ),
+    ],
+)
+def test_a_loss_of_pods_only_is_told_apart(
+    body: dict[str, object], now: tuple[str, str, int], lost: bool
+) -> None:
+    assert pods_lost_only(READY_ON_2, body, counted(*now)) is lost
+
+
+@pytest.mark.parametrize(
+    "written",
+    [
+        pytest.param(None, id="nothing-written"),
+        pytest.param({"readyPods": "2", "conditions": "x"}, id="not-numbers"),
+        pytest.param({"readyPods": 2, "conditions": [None]}, id="no-generation"),
+    ],
+)
+def test_a_written_status_that_does_not_read_as_one_has_lost_no_pods(written: object) -> None:
+    """What was written cannot be compared: the new status is written as usual, at once."""
+    body = placed_status("Pending", 0, [])
+    assert not pods_lost_only(written, body, counted("Pending", "NoPods", 0))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("body", "now", "since_differs", "since_write", "expected"),
+    [
+        # Pods gone: written once the status has differed for the grace, counted from then.
+        pytest.param(
+            placed_status("Pending", 0, []), ("Pending", "NoPods"), 0.0, 100.0, 15.0, id="grace"
+        ),
+        pytest.param(
+            placed_status("Pending", 0, []), ("Pending", "NoPods"), 11.0, 100.0, 4.0, id="waited"
+        ),
+        pytest.param(
+            placed_status("Pending", 0, []), ("Pending", "NoPods"), 20.0, 100.0, 0.0, id="lasting"
+        ),
+        # The same headline: the grace, or the pace of progress if that is longer.
+        pytest.param(
+            placed_status("Ready", 1, ["p2"]), ("Ready", "Ready"), 0.0, 100.0, 15.0, id="ready-1"
+        ),
+        pytest.param(
+            placed_status("Ready", 1, ["p2"]), ("Ready", "Ready"), 14.0, 2.0, 8.0, id="paced"
+        ),
+        # Not only a loss: as usual.
+        pytest.param(
+            placed_status("Pending", 0, [], generation=2),
+            ("Pending", "NoPods"),
+            0.0,
+            100.0,
+            0.0,
+            id="spec-changed",
+        ),
+    ],
+)
+def test_a_loss_of_pods_waits_for_the_grace(
+    body: dict[str, object],
+    now: tuple[str, str],
+    since_differs: float,
+    since_write: float,
+    expected: float,
+) -> None:
+    policy = WritePolicy(settle_s=3.0, progress_s=10.0, loss_grace_s=15.0)
+    delay = write_delay(
+        READY_ON_2,
+        ("Ready", "Ready"),
+        body,
+        counted(now[0], now[1], int(body["readyPods"])),  # type: ignore[call-overload]
+        since_headline=0.0,
+        since_write=since_write,
+        since_differs=since_differs,
+        policy=policy,
     )
     assert delay == expected
 
