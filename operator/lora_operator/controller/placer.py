@@ -5,12 +5,12 @@ placements, which namespaces' placements are stale, and the coalescing of recomp
 Reads (`current`, `placed`, `targeted`) change nothing. The placer recomputes a placement on
 its own, when told an input of it changed (`stale`: the `replace` signal, from the pod workers
 on a pod's report, the autoscaler, the controller on a pod's or an adapter's change): at most
-every PLACEMENT_COALESCE_S (a burst of a thousand adapters is placed together; the placement
-reads every adapter and pod of the namespace), while this replica acts, and not before every
-Ready pod has reported since it began to (a placement made from some pods' reports would move
-adapters for nothing; each report says `replace` again). A recompute that moves adapters marks
-them and wakes the namespace's pods for them (for every adapter when the pods it counts
-changed), who plan with it.
+every `placement.recompute_interval` (a recompute reads every adapter and pod of the
+namespace, so a larger namespace is placed less often, and a burst of adapters together),
+while this replica acts, and not before every Ready pod has reported since it began to (a
+placement made from some pods' reports would move adapters for nothing; each report says
+`replace` again). A recompute that moves adapters marks them and wakes the namespace's pods
+for them (for every adapter when the pods it counts changed), who plan with it.
 """
 
 from __future__ import annotations
@@ -26,15 +26,14 @@ from lora_operator.rules import autoscale, placement
 from lora_operator.rules.model import AdapterInfo, PodInfo
 from lora_operator.rules.podstate import PodEntry
 
-PLACEMENT_COALESCE_S = 0.5
-
 
 class Placer(Actor):
     def __init__(self, shared: Shared) -> None:
         super().__init__(shared)
         self._placements: dict[str, placement.Placement] = {}
         self._stale: set[str] = set()
-        self._placed_at: dict[str, float] = {}  # when each namespace's placement was computed
+        # When each namespace's placement may be computed again (monotonic).
+        self._next_at: dict[str, float] = {}
         self._due: set[str] = set()  # a recompute is scheduled
 
     def stale(self, namespace: str) -> None:
@@ -44,8 +43,7 @@ class Placer(Actor):
         if namespace in self._due:
             return
         self._due.add(namespace)
-        wait = self._placed_at.get(namespace, -PLACEMENT_COALESCE_S) + PLACEMENT_COALESCE_S
-        wait -= time.monotonic()
+        wait = self._next_at.get(namespace, 0.0) - time.monotonic()
         asyncio.get_running_loop().call_later(max(0.0, wait), self._place_due, namespace)
 
     def forget(self, key: Key) -> None:
@@ -100,7 +98,7 @@ class Placer(Actor):
             return  # placed only where an adapter asks for it (it reads the whole namespace)
         current = self._placements.get(namespace)
         self._stale.discard(namespace)
-        self._placed_at[namespace] = time.monotonic()
+        self._next_at[namespace] = time.monotonic() + placement.recompute_interval(len(infos))
         reports = {
             p.info.name: (p.info, p.report)
             for p in self.cache.pods_in(namespace)

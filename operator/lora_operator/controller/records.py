@@ -157,6 +157,10 @@ class PodRecord:
     heard: bool = field(default=False, metadata=_WORKERS)
     # The served names with an entry for this pod (`_record` skips what has not changed).
     entries: dict[str, Recorded] = field(default_factory=dict, metadata=_WORKERS)
+    # The served names whose entry on this pod may be tried again (not Loaded, not refused for
+    # good), so that a pass's retry delay is found among these, not among every entry: every
+    # such entry is here; one that settled since leaves when a pass looks.
+    unsettled: set[str] = field(default_factory=set, metadata=_WORKERS)
     # The adapters the next pass plans, each woken alone (`wake_adapter`); None: every adapter
     # of the namespace (the pod changed, a placement moved, a resync, a retry).
     due: set[str] | None = field(default=None, metadata=_WORKERS)

@@ -187,15 +187,22 @@ class Workers(Actor):
         # not two, while a thousand adapters arrive one by one.
         if acted and not prec.wake.is_set() and await self._read(prec, due) is None:
             return
-        delays = [
-            d
-            for name in prec.entries
-            if (found := self.cache.served(pod.namespace, name)) is not None
-            and (entry := found[1].get(pod.name)) is not None
-            and (d := podstate.retry_delay(entry, self.config.max_backoff_s)) is not None
-        ]
-        prec.retry_in = min(delays, default=None)
+        prec.retry_in = self._retry_in(prec)
         self.metrics.reconcile_seconds.observe(time.monotonic() - started)
+
+    def _retry_in(self, prec: PodRecord) -> float | None:
+        """The least retry delay of the pod's entries (podstate.retry_delay), None when none
+        is to be tried again; the entries that settled leave `unsettled`."""
+        delays = []
+        for name in list(prec.unsettled):
+            found = self.cache.served(prec.info.namespace, name)
+            entry = found[1].get(prec.info.name) if found is not None else None
+            d = podstate.retry_delay(entry, self.config.max_backoff_s) if entry else None
+            if d is None:
+                prec.unsettled.discard(name)
+            else:
+                delays.append(d)
+        return min(delays, default=None)
 
     def _held(self, prec: PodRecord, due: set[str] | None) -> Reading | None:
         """The pod's last report, recorded again for the adapters `due`, when a pass may plan
@@ -304,7 +311,8 @@ class Workers(Actor):
             # same Reported event on the entry it gave changes nothing (podstate), so only
             # what changed is applied: a pass costs little per adapter at a thousand.
             if last is None or last != (want, card, found[1].get(pod.name)):
-                last = Recorded(want, card, self._apply(found, pod, podstate.Reported(want, card)))
+                entry = self._apply(found, prec, name, podstate.Reported(want, card))
+                last = Recorded(want, card, entry)
             entries[name] = last
         for name, recorded in prec.entries.items():
             if name in wants or (among is not None and recorded.want.adapter not in among):
@@ -317,19 +325,23 @@ class Workers(Actor):
             self.signals.holdings_changed(pod.namespace)
         return wants, keep, among
 
-    def _apply(self, found: Found, pod: PodInfo, event: podstate.Event) -> PodEntry:
-        """One event of the adapter's entry on `pod` (podstate.transition decides)."""
+    def _apply(self, found: Found, prec: PodRecord, name: str, event: podstate.Event) -> PodEntry:
+        """One event of the adapter's entry on the pod, served as `name` (podstate.transition
+        decides)."""
         rec, entries = found
-        entry = entries.get(pod.name, PodEntry())
+        pod = prec.info.name
+        entry = entries.get(pod, PodEntry())
         new = podstate.transition(entry, event, retry_bound=self.config.retry_bound)
         if new.state == "Loaded" and new.loaded_at is None:
             loads = rec.entries.recorded_loads
-            revision, at, seconds = loads.get(pod.name, (None, None, None))
+            revision, at, seconds = loads.get(pod, (None, None, None))
             if revision == new.revision:  # loaded before (an earlier process, a pod away)
                 new = dataclasses.replace(new, loaded_at=at, load_seconds=seconds)
         if new == entry:
             return entry
-        entries[pod.name] = new
+        entries[pod] = new
+        if podstate.retry_delay(new, self.config.max_backoff_s) is not None:
+            prec.unsettled.add(name)
         self.signals.mark(rec.key)
         return new
 
@@ -356,7 +368,7 @@ class Workers(Actor):
         self.signals.replace(namespace)
         for name in prec.entries:
             self._forget(self.cache.served(namespace, name), prec.info.name)
-        prec.entries = {}
+        prec.entries, prec.unsettled = {}, set()
         self.signals.mark_namespace(namespace)
         self.signals.holdings_changed(namespace)
 
@@ -376,7 +388,8 @@ class Workers(Actor):
         if isinstance(action, planning.Conflict):
             self._apply(
                 found,
-                pod,
+                prec,
+                action.name,
                 podstate.Conflicted(
                     action.want,
                     f"pod {pod.name} already serves an adapter named {action.name!r} that the "
@@ -388,7 +401,7 @@ class Workers(Actor):
         want = action.want
         if not podstate.may_load(found[1].get(pod.name, PodEntry()), want):
             return False  # refused before: retried only when the spec or the revision changes
-        self._apply(found, pod, podstate.Started(want))
+        self._apply(found, prec, action.name, podstate.Started(want))
         started = time.monotonic()
         try:
             async with self._calls:
@@ -404,7 +417,7 @@ class Workers(Actor):
                 result,
                 e.message,
             )
-            self._apply(found, pod, podstate.Failed(want, e.message, e.permanent))
+            self._apply(found, prec, action.name, podstate.Failed(want, e.message, e.permanent))
             return True
         seconds = time.monotonic() - started
         self.metrics.loads.labels("ok").inc()
@@ -417,7 +430,7 @@ class Workers(Actor):
             want.sha256,
             seconds,
         )
-        self._apply(found, pod, podstate.Succeeded(want, seconds, kube.now_iso()))
+        self._apply(found, prec, action.name, podstate.Succeeded(want, seconds, kube.now_iso()))
         if card is None:
             return True
         self._answered(prec, pod, want.name, card)

@@ -66,15 +66,31 @@ class PodReport:
     max_cpu_loras: int | None = None
     _managed: Mapping[str, str] = field(init=False, repr=False, compare=False)
     _adapters: frozenset[str] = field(init=False, repr=False, compare=False)
+    # The cards the operator did not load, and how many of them are pinned (`foreign`).
+    _foreign: tuple[int, int] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        # Computed once: deletion and collection ask for it for every pod, often.
-        managed = {n: c.revision for n, c in self.cards.items() if c.revision is not None}
+        # Computed once, in one walk over the cards: deletion and collection ask for them for
+        # every pod, often, and placement's inputs after every answered call.
+        managed: dict[str, str] = {}
+        adapters: set[str] = set()
+        foreign = foreign_pinned = 0
+        for name, card in self.cards.items():
+            if card.revision is None:
+                foreign += 1
+                foreign_pinned += bool(card.pinned)
+                continue
+            managed[name] = card.revision
+            if card.adapter:
+                adapters.add(card.adapter)
         object.__setattr__(self, "_managed", managed)
-        adapters = frozenset(
-            c.adapter for c in self.cards.values() if c.adapter and c.revision is not None
-        )
-        object.__setattr__(self, "_adapters", adapters)
+        object.__setattr__(self, "_adapters", frozenset(adapters))
+        object.__setattr__(self, "_foreign", (foreign, foreign_pinned))
+
+    def foreign(self) -> tuple[int, int]:
+        """How many adapters the pod holds that the operator did not load (`--lora` flags,
+        hand loads), and how many of those are pinned."""
+        return self._foreign
 
     def managed(self) -> Mapping[str, str]:
         """Served name -> revision, for the adapters the operator put on this pod."""

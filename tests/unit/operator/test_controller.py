@@ -179,6 +179,23 @@ async def test_transient_load_failures_reach_degraded_then_ready(tmp_path: Path)
         assert ("Warning", "LoadRetrying") in {(t, r) for _, t, r, _ in rig.api.events}
 
 
+async def test_a_failed_load_among_many_loaded_is_retried_by_its_backoff_alone(
+    tmp_path: Path,
+) -> None:
+    # The pass's retry delay is the least of its unsettled entries' (not the resync's): one
+    # transient failure among 100 Ready adapters is tried again within its backoff.
+    async with Rig(tmp_path, resync_s=600.0) as rig:
+        c = rig.controller
+        names = start_with_adapters(rig, 100)
+        await until("every adapter Ready", lambda: all(rig.ready(n) for n in names))
+        rig.pods.fail[("p1", "late")] = [PodError("503 busy", permanent=False)] * 2
+        c.adapter_changed(adapter(rig.volume, "late", seed=7))
+        await until("late Ready after two failures", lambda: rig.ready("late"), timeout=10)
+        assert [e[1] for e in rig.log if e[0] == "load" and e[2] == "late"].count("p1") == 3
+        (prec,) = [p for p in c.cache.pods.values() if p.info.name == "p1"]
+        assert prec.unsettled == set()  # the settled entries left when the last pass looked
+
+
 @pytest.mark.parametrize("answers_cards", [True, False], ids=["card-answers", "text-answers"])
 async def test_a_load_answered_200_with_another_revision_is_a_failed_load(
     tmp_path: Path, answers_cards: bool

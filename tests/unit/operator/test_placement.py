@@ -260,3 +260,13 @@ def test_moves_counts_new_placements_only() -> None:
         {"x": placement.Placed(("q", "r"), 2), "y": placement.Placed(("p",), 1)}
     )
     assert placement.moves(a, b) == 2
+
+
+@pytest.mark.parametrize(
+    ("adapters", "seconds"),
+    [(0, 0.5), (100, 0.5), (200, 1.0), (400, 2.0), (10_000, 2.0)],
+)
+def test_a_larger_namespace_is_placed_less_often_and_within_2_s(
+    adapters: int, seconds: float
+) -> None:
+    assert placement.recompute_interval(adapters) == seconds
