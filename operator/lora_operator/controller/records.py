@@ -157,6 +157,8 @@ class PodRecord:
     heard: bool = field(default=False, metadata=_WORKERS)
     # The served names with an entry for this pod (`_record` skips what has not changed).
     entries: dict[str, Recorded] = field(default_factory=dict, metadata=_WORKERS)
+    # The served names among `entries` that are not their adapter's own (a canary's alias).
+    aliases: set[str] = field(default_factory=set, metadata=_WORKERS)
     # The served names whose entry on this pod may be tried again (not Loaded, not refused for
     # good), so that a pass's retry delay is found among these, not among every entry: every
     # such entry is here; one that settled since leaves when a pass looks.

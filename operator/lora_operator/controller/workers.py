@@ -299,14 +299,19 @@ class Workers(Actor):
                 changed = set() if same else planning.changed_adapters(before, report)
             among = due | changed
         wants, keep = self._wants(pod, report.base_model, among)
-        entries: dict[str, Recorded] = {} if among is None else dict(prec.entries)
+        # A full pass records every entry anew; one for some adapters updates theirs in place.
+        full = among is None
+        entries: dict[str, Recorded] = {} if full else prec.entries
+        aliases: set[str] = set() if full else prec.aliases
+        before_entries = prec.entries
         for name, want in wants.items():
             found = self.cache.served(pod.namespace, name)
             if found is None:
                 entries.pop(name, None)
+                aliases.discard(name)
                 continue
             card = report.cards.get(name)
-            last = prec.entries.get(name)
+            last = before_entries.get(name)
             # A pod reads the same for most adapters from one report to the next, and the
             # same Reported event on the entry it gave changes nothing (podstate), so only
             # what changed is applied: a pass costs little per adapter at a thousand.
@@ -314,14 +319,26 @@ class Workers(Actor):
                 entry = self._apply(found, prec, name, podstate.Reported(want, card))
                 last = Recorded(want, card, entry)
             entries[name] = last
-        for name, recorded in prec.entries.items():
-            if name in wants or (among is not None and recorded.want.adapter not in among):
-                continue
+            if want.adapter != name:
+                aliases.add(name)
+        # The entries no longer wanted: of every adapter, or of those `among` (found by their
+        # own names and the aliases, not by a walk over every entry of the namespace).
+        if among is None:
+            gone = [n for n in before_entries if n not in wants]
+        else:
+            gone = [
+                n
+                for n in (*among, *aliases)
+                if n not in wants and (r := entries.get(n)) is not None and r.want.adapter in among
+            ]
+        for name in gone:
             entries.pop(name, None)
+            aliases.discard(name)
             self._forget(self.cache.served(pod.namespace, name), pod.name)
-        prec.entries = entries
+        prec.entries, prec.aliases = entries, aliases
         if before is None or (not same and before.managed() != report.managed()):
-            self.signals.collect()
+            if before is None or not before.managed().items() <= report.managed().items():
+                self.signals.collect()  # a revision left the pod: it may be unused now
             self.signals.holdings_changed(pod.namespace)
         return wants, keep, among
 
@@ -368,7 +385,7 @@ class Workers(Actor):
         self.signals.replace(namespace)
         for name in prec.entries:
             self._forget(self.cache.served(namespace, name), prec.info.name)
-        prec.entries, prec.unsettled = {}, set()
+        prec.entries, prec.aliases, prec.unsettled = {}, set(), set()
         self.signals.mark_namespace(namespace)
         self.signals.holdings_changed(namespace)
 

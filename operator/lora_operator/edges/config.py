@@ -83,7 +83,7 @@ class OperatorConfig:
     # before it reads the pod's /v1/models again, so status follows a long series of loads.
     status_settle_s: float = 3.0
     status_progress_s: float = 10.0
-    status_loss_grace_s: float = 15.0
+    status_loss_grace_s: float = 30.0
     verify_every_s: float = 2.0
     # How often adapters with spec.autoscale have their request rate measured (the pods' hit
     # counters are read that often) and their replicas reconsidered.

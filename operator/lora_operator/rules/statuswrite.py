@@ -146,7 +146,7 @@ class WritePolicy:
 
     settle_s: float = 3.0
     progress_s: float = 10.0
-    loss_grace_s: float = 15.0
+    loss_grace_s: float = 30.0
 
 
 def stored(obj: Mapping[str, Any]) -> dict[str, Any]:

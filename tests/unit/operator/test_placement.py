@@ -264,9 +264,9 @@ def test_moves_counts_new_placements_only() -> None:
 
 @pytest.mark.parametrize(
     ("adapters", "seconds"),
-    [(0, 0.5), (100, 0.5), (200, 1.0), (400, 2.0), (10_000, 2.0)],
+    [(0, 0.5), (50, 0.5), (200, 2.0), (400, 4.0), (10_000, 4.0)],
 )
-def test_a_larger_namespace_is_placed_less_often_and_within_2_s(
+def test_a_larger_namespace_is_placed_less_often_and_within_4_s(
     adapters: int, seconds: float
 ) -> None:
     assert placement.recompute_interval(adapters) == seconds
