@@ -18,7 +18,7 @@ log = logging.getLogger("lora_operator")
 
 
 # A collection scans the whole volume (10,000 adapters: a good part of a second on a small
-# machine, holding the store's publish lock): after one that took t seconds the next waits at
+# machine, while no staging may publish): after one that took t seconds the next waits at
 # least PACE x t, so collecting takes at most about 1/PACE of the time however many adapters
 # there are, while a burst of changes keeps asking for one every second.
 PACE = 10.0

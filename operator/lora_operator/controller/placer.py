@@ -56,6 +56,13 @@ class Placer(Actor):
         and every Ready pod has reported)."""
         return self._placements.get(namespace)
 
+    def awaits(self, rec: AdapterRecord) -> bool:
+        """Whether the adapter (with spec.replicas or spec.autoscale) waits to be placed: its
+        namespace's placement was computed before the adapter came, or never (a restarted
+        operator places it again). Until then it is on no pod, which says nothing yet."""
+        chosen = self._placements.get(rec.info.namespace)
+        return rec.info.placed and (chosen is None or rec.info.name not in chosen.adapters)
+
     def placed(self, rec: AdapterRecord) -> placement.Placed | None:
         """The adapter's placement; None when it goes on every matching pod."""
         if not rec.info.placed:

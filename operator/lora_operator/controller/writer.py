@@ -84,11 +84,9 @@ class StatusWriter(Actor):
             if rec is None or rec.info.deleting:
                 continue  # a deleted adapter's status is no news to anyone
             ns = key[0]
-            if not heard.setdefault(ns, self.cache.heard(ns)) or (
-                rec.info.placed and self.placer.current(ns) is None
-            ):
-                # Until every Ready pod has reported, and the namespace is placed (a restarted
-                # operator places it again), a status would say fewer pods than there are.
+            if not heard.setdefault(ns, self.cache.heard(ns)) or self.placer.awaits(rec):
+                # Until every Ready pod has reported, and the adapter is placed (a new one in a
+                # burst, or any after a restart), a status would say fewer pods than there are.
                 self._due.at(key, now + 0.5)
                 continue
             targeted = self.placer.targeted(rec)

@@ -13,7 +13,7 @@ the alias is made of.
 from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 from pathlib import PurePosixPath
 from typing import Any, NamedTuple, Protocol
 
@@ -56,6 +56,55 @@ class Card:
         return self.revision is not None
 
 
+class _Tally:
+    """What a report derives from its cards, kept card by card: a report after one answered
+    call copies its predecessor's (C-level dict copies) and updates it for that card, instead
+    of walking every card of the pod again."""
+
+    def __init__(self) -> None:
+        self.managed: dict[str, str] = {}  # served name -> revision, the operator's cards
+        self.adapters: dict[str, int] = {}  # LoRAAdapter -> the operator's cards naming it
+        self.aliases: set[str] = set()  # the operator's cards served under another name
+        self.foreign = self.foreign_pinned = 0
+
+    @classmethod
+    def of(cls, cards: Mapping[str, Card]) -> _Tally:
+        tally = cls()
+        for name, card in cards.items():
+            tally.count(name, card, 1)
+        return tally
+
+    def copy(self) -> _Tally:
+        tally = _Tally()
+        tally.managed, tally.adapters = dict(self.managed), dict(self.adapters)
+        tally.aliases = set(self.aliases)
+        tally.foreign, tally.foreign_pinned = self.foreign, self.foreign_pinned
+        return tally
+
+    def count(self, name: str, card: Card, sign: int) -> None:
+        """Count `card` in (`sign` 1) or out (-1)."""
+        if card.revision is None:
+            self.foreign += sign
+            self.foreign_pinned += sign * bool(card.pinned)
+            return
+        if sign > 0:
+            self.managed[name] = card.revision
+        else:
+            self.managed.pop(name, None)
+        if not card.adapter:
+            return
+        held = self.adapters.get(card.adapter, 0) + sign
+        if held > 0:
+            self.adapters[card.adapter] = held
+        else:
+            self.adapters.pop(card.adapter, None)
+        if card.adapter != name:
+            if sign > 0:
+                self.aliases.add(name)
+            else:
+                self.aliases.discard(name)
+
+
 @dataclass(frozen=True)
 class PodReport:
     base_model: str | None
@@ -64,37 +113,28 @@ class PodReport:
     # what placement may give it. None: it does not (vLLM), and it gets no placed adapters.
     max_loras: int | None = None
     max_cpu_loras: int | None = None
-    _managed: Mapping[str, str] = field(init=False, repr=False, compare=False)
-    _adapters: frozenset[str] = field(init=False, repr=False, compare=False)
-    # The cards the operator did not load, and how many of them are pinned (`foreign`).
-    _foreign: tuple[int, int] = field(init=False, repr=False, compare=False)
+    # Derived from the cards once (deletion and collection ask for them for every pod, often;
+    # placement's inputs and a pass's plan after every answered call); `answered` passes its
+    # own, updated for the one card it changed.
+    _tally: _Tally = field(init=False, repr=False, compare=False)
+    tally: InitVar[_Tally | None] = None
 
-    def __post_init__(self) -> None:
-        # Computed once, in one walk over the cards: deletion and collection ask for them for
-        # every pod, often, and placement's inputs after every answered call.
-        managed: dict[str, str] = {}
-        adapters: set[str] = set()
-        foreign = foreign_pinned = 0
-        for name, card in self.cards.items():
-            if card.revision is None:
-                foreign += 1
-                foreign_pinned += bool(card.pinned)
-                continue
-            managed[name] = card.revision
-            if card.adapter:
-                adapters.add(card.adapter)
-        object.__setattr__(self, "_managed", managed)
-        object.__setattr__(self, "_adapters", frozenset(adapters))
-        object.__setattr__(self, "_foreign", (foreign, foreign_pinned))
+    def __post_init__(self, tally: _Tally | None) -> None:
+        object.__setattr__(self, "_tally", tally if tally is not None else _Tally.of(self.cards))
 
     def foreign(self) -> tuple[int, int]:
         """How many adapters the pod holds that the operator did not load (`--lora` flags,
         hand loads), and how many of those are pinned."""
-        return self._foreign
+        return self._tally.foreign, self._tally.foreign_pinned
 
     def managed(self) -> Mapping[str, str]:
         """Served name -> revision, for the adapters the operator put on this pod."""
-        return self._managed
+        return self._tally.managed
+
+    def aliases(self) -> Collection[str]:
+        """The served names of the operator's cards that are not their adapter's own name (a
+        rollout's canary alias)."""
+        return self._tally.aliases
 
     def revisions(self) -> set[tuple[str, str]]:
         """(adapter, revision) of everything the operator put on this pod, aliases included."""
@@ -103,14 +143,19 @@ class PodReport:
     def answered(self, name: str, card: Card | None) -> PodReport:
         """This report after the pod answered a call for `name`: it lists `card` for it now
         (a load's answer), or nothing (an unload's)."""
-        cards = {n: c for n, c in self.cards.items() if n != name}
+        cards = dict(self.cards)
+        tally = self._tally.copy()
+        old = cards.pop(name, None)
+        if old is not None:
+            tally.count(name, old, -1)
         if card is not None:
             cards[name] = card
-        return PodReport(self.base_model, cards, self.max_loras, self.max_cpu_loras)
+            tally.count(name, card, 1)
+        return PodReport(self.base_model, cards, self.max_loras, self.max_cpu_loras, tally)
 
     def holds(self, adapter: str) -> bool:
         """Whether the pod holds a revision of `adapter` that the operator loaded."""
-        return adapter in self._adapters
+        return adapter in self._tally.adapters
 
 
 def parse_models(payload: Any) -> PodReport:
@@ -188,13 +233,16 @@ def plan_pod(
     is about (`wants` and `keep` then say nothing of the others, whose cards stay); None: every
     one. Unloads come first: they free GPU slots a pinned newcomer may need.
     """
+    # Planning some adapters looks at their cards alone: by their names and the aliases.
+    cards = report.cards
+    names = cards if among is None else {n for n in (*among, *report.aliases()) if n in cards}
     actions: list[Action] = [
         Unload(name)
-        for name, card in sorted(report.cards.items())
-        if card.managed
+        for name in sorted(names)
+        if (held := cards[name]).managed
         and name not in wants
         and name not in keep
-        and (among is None or card.adapter in among)
+        and (among is None or held.adapter in among)
     ]
     for name, want in sorted(wants.items()):
         card = report.cards.get(name)

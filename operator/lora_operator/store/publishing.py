@@ -10,8 +10,10 @@ build it and point the target and `current` by the atomic operations of `volumef
 any point leaves at most files under `.tmp/`), then commit it to the ledger. `describe_revision`
 and `describe_file` read what weights declare from their headers.
 
-Blocking file-system calls only: the store (`staging.Store`) runs them in a thread, under its
-publish lock, so no collection runs in between. Raises only StagingErrors. Must not: fetch, or
+Blocking file-system calls only: the store (`staging.Store`) runs them in a thread, under the
+namespace's publish lock (`publishlocks`), so no collection and no other publish in the
+namespace runs in between; other namespaces may publish meanwhile (an object both store at once
+is linked by one, found by the other). Raises only StagingErrors. Must not: fetch, or
 decide what is collected.
 """
 

@@ -16,8 +16,9 @@ default) and writes into a `sinks.Sink`, returning what the source resolved to (
 manifest by digest), which the staged revision carries; nothing here speaks a network protocol.
 
 This module holds the order of things and the locks: the checks before a staging, at most
-`max_concurrent` stagings, the download into `.tmp/` and its reservation, and the publish lock
-under which publishing, unpublishing and collection run, one at a time, in threads.
+`max_concurrent` stagings, the download into `.tmp/` and its reservation, and the locks
+(`publishlocks`) under which publishing and unpublishing run one at a time in a namespace,
+namespaces side by side, and collection alone, in threads.
 
 Shared storage is shared bytes, not shared access: a namespace publishes only bytes it fetched
 and verified itself, or that one of its revisions holds already. The content store is how equal
@@ -47,6 +48,7 @@ from lora_operator.store import (
     fetchers,
     limits,
     publishing,
+    publishlocks,
     quota,
     sinks,
     sources,
@@ -81,12 +83,12 @@ class Store:
         self.policy = policy or downloads.RetryPolicy()
         self.max_bytes = max_bytes
         self._semaphore = asyncio.Semaphore(max_concurrent)
-        # Publishing and garbage collection exclude each other: between storing an object and
-        # linking its revision, the object looks unreferenced.
-        self._publish_lock = asyncio.Lock()
+        # Publishing in a namespace and garbage collection exclude each other (publishlocks).
+        self._locks = publishlocks.PublishLocks()
         self._fetch: Fetch = fetch or self._default_fetch
-        # What each namespace holds and is downloading; changed only under the publish lock,
-        # but for the downloads' reservations, which are taken on the fetchers' threads.
+        # What each namespace holds and is downloading; changed only under the namespace's lock
+        # (or the collection's), but for the downloads' reservations, which are taken on the
+        # fetchers' threads. Thread-safe: namespaces publish in threads side by side.
         self.ledger = quota.Ledger(namespace_quota, on_usage)
 
     async def _default_fetch(
@@ -152,7 +154,7 @@ class Store:
         async with self._semaphore:
             # Under the lock: a collection can neither remove the object nor change what the
             # namespace holds in between.
-            async with self._publish_lock:
+            async with self._locks.namespace(namespace):
                 if await asyncio.to_thread(self._holds, namespace, pin):
                     return await _to_thread_to_the_end(
                         publishing.publish_download,
@@ -201,7 +203,7 @@ class Store:
                         "fix the pin or the source"
                     )
                 adapter = await asyncio.to_thread(publishing.describe_file, tmp, description)
-                async with self._publish_lock:
+                async with self._locks.namespace(namespace):
                     staged = await _to_thread_to_the_end(
                         publishing.publish_download,
                         self.root,
@@ -234,7 +236,7 @@ class Store:
         return self.ledger.usages()
 
     def _read_usage(self, namespace: str) -> None:
-        """Read what `namespace` holds from the volume, once. Under the publish lock."""
+        """Read what `namespace` holds from the volume, once. Under the namespace's lock."""
         if not self.ledger.loaded(namespace):
             try:
                 self.ledger.load(volumefiles.held_objects(self.root, namespace))
@@ -254,7 +256,7 @@ class Store:
 
     def _holds(self, namespace: str, sha256: str | None) -> bool:
         """Whether a revision of `namespace` holds the stored content `sha256` (its usage read
-        first). Under the publish lock."""
+        first). Under the namespace's lock."""
         self._read_usage(namespace)
         if sha256 is None:
             return False
@@ -289,13 +291,13 @@ class Store:
 
     async def unpublish(self, namespace: str, name: str) -> bool:
         """Remove the adapter's `current` (its deletion); `collect` then frees its files."""
-        async with self._publish_lock:
+        async with self._locks.namespace(namespace):
             return await asyncio.to_thread(volumefiles.remove_current, self.root, namespace, name)
 
     async def collect(self, in_use: Collection[gc.RevisionRef]) -> tuple[gc.GcPlan, int]:
         """Delete revisions neither current nor in `in_use` (what pods report), and the
         objects left without a revision; returns the plan applied and the bytes freed."""
-        async with self._publish_lock:
+        async with self._locks.everything():
             snapshot = await asyncio.to_thread(volumefiles.scan_volume, self.root)
             plan = gc.plan_gc(snapshot, in_use)
             freed = await asyncio.to_thread(volumefiles.apply_gc, self.root, plan) if plan else 0
@@ -324,7 +326,7 @@ class Store:
             raise errors.from_volume(e) from e
         manifest = stacks.manifest_bytes(entries)
         digest = hashlib.sha256(manifest).hexdigest()
-        async with self._semaphore, self._publish_lock:
+        async with self._semaphore, self._locks.namespace(namespace):
             return await _to_thread_to_the_end(
                 self._publish_composition, namespace, name, digest, manifest, entries, target
             )

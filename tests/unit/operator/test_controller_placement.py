@@ -157,6 +157,26 @@ async def test_a_pod_back_within_the_grace_costs_no_write_and_a_longer_loss_one(
         assert len(rig.api.events) == events + len(names)
 
 
+async def test_an_adapter_staged_before_its_placement_is_not_told_it_has_no_pods(
+    tmp_path: Path,
+) -> None:
+    # In a burst, the namespace's placement is recomputed at most every so often and an
+    # adapter may be staged before one counts it: until then it is on no pod, which is no
+    # news (it was written at once as Pending, NoPods, with an Event, then Ready).
+    async with placed_rig(tmp_path) as rig:
+        rig.pods.max_cpu = 400
+        c = rig.controller
+        names = start_with_adapters(rig, 20, replicas=2)
+        await until("2/2", lambda: all(last_status(rig, n).get("ready") == "2/2" for n in names))
+        late = [f"late{i}" for i in range(60)]
+        for i, name in enumerate(late):
+            c.adapter_changed(adapter(rig.volume, name, seed=i % 5, replicas=2))
+            await asyncio.sleep(0.02)  # arriving one by one, over more than a placement's pace
+        await until("2/2", lambda: all(last_status(rig, n).get("ready") == "2/2" for n in late))
+        assert {n: rig.api.reasons(n) for n in late} == {n: ["Ready"] for n in late}
+        assert all("NoPods" not in str(s) for n in late for s in rig.api.status[n])
+
+
 async def test_a_new_placed_adapter_wakes_its_pods_for_it_alone(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import PurePosixPath
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from lora_operator.rules import planning
 from lora_operator.rules.planning import Card, Conflict, Load, PodReport, Unload, Want
 from lora_podapi import models
@@ -199,3 +201,48 @@ def test_load_path_is_the_revision_directory_as_the_pod_sees_it() -> None:
         planning.load_path(root, want("a", SHA1))
         == f"/var/lib/lora/adapters/team-a/a/revisions/{SHA1}"
     )
+
+
+# -- a report kept card by card ----------------------------------------------------------------
+
+# A call's answer for a served name: the operator's card of an adapter (under its own name or
+# a canary alias, pinned or not), a card not the operator's, or an unload (None).
+_ANSWER = st.one_of(
+    st.none(),
+    st.builds(
+        lambda adapter, alias, rev, pinned: Card(
+            f"{adapter}_{rev}" if alias else adapter, rev, 1.0, pinned, adapter=adapter
+        ),
+        st.sampled_from(["a", "b", "c"]),
+        st.booleans(),
+        st.sampled_from(["1" * 12, "2" * 12]),
+        st.booleans(),
+    ),
+    st.builds(
+        lambda name, pinned: Card(name, None, None, pinned),
+        st.sampled_from(["a", "static", "b_111111111111"]),
+        st.booleans(),
+    ),
+)
+
+
+@given(st.lists(st.tuples(st.sampled_from(["a", "b", "c", "static"]), _ANSWER), max_size=30))
+def test_a_report_after_answered_calls_tells_what_one_read_of_its_cards_would(
+    calls: list[tuple[str, Card | None]],
+) -> None:
+    """`answered` updates what a report derives from its cards card by card; the result is what
+    a report read with the same cards derives."""
+    kept = report()
+    for name, answer in calls:
+        served = answer.name if answer is not None else name
+        kept = kept.answered(served, answer)
+    read = PodReport(kept.base_model, dict(kept.cards))
+    assert kept.managed() == read.managed()
+    assert kept.foreign() == read.foreign()
+    assert set(kept.aliases()) == set(read.aliases())
+    for adapter in ("a", "b", "c", "static"):
+        assert kept.holds(adapter) == read.holds(adapter)
+    # Planning some adapters unloads what planning every one would, of those adapters.
+    for among in ({"a"}, {"b", "c"}):
+        full = [a for a in planning.plan_pod({}, read) if read.cards[a.name].adapter in among]
+        assert planning.plan_pod({}, kept, among=among) == full
