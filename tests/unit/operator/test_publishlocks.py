@@ -47,15 +47,24 @@ async def test_namespaces_publish_side_by_side_and_one_namespace_one_at_a_time()
     assert inside == []
 
 
-async def test_a_collection_waits_for_the_publishes_under_way_and_goes_before_later_ones() -> None:
-    locks, inside, log = PublishLocks(), list[str](), list[str]()
-    go = {n: asyncio.Event() for n in ("early", "gc", "late")}
+async def _publish_collect_publish(
+    inside: list[str], log: list[str], go: dict[str, asyncio.Event]
+) -> tuple[asyncio.Task[None], ...]:
+    """A publish under way in `a`, then a collection asking, then a publish in `b` asking."""
+    locks = PublishLocks()
     early = asyncio.create_task(_hold(locks.namespace("a"), inside, log, "early", go["early"]))
     await _settle()
     gc = asyncio.create_task(_hold(locks.everything(), inside, log, "gc", go["gc"]))
     await _settle()
     late = asyncio.create_task(_hold(locks.namespace("b"), inside, log, "late", go["late"]))
     await _settle()
+    return early, gc, late
+
+
+async def test_a_collection_waits_for_the_publishes_under_way_and_goes_before_later_ones() -> None:
+    inside, log = list[str](), list[str]()
+    go = {n: asyncio.Event() for n in ("early", "gc", "late")}
+    early, gc, late = await _publish_collect_publish(inside, log, go)
     assert inside == ["early"]  # the collection waits; the later publish waits behind it
     go["early"].set()
     await _settle()
@@ -69,14 +78,9 @@ async def test_a_collection_waits_for_the_publishes_under_way_and_goes_before_la
 
 
 async def test_a_collection_cancelled_while_it_waits_holds_no_publish_back() -> None:
-    locks, inside, log = PublishLocks(), list[str](), list[str]()
+    inside, log = list[str](), list[str]()
     go = {n: asyncio.Event() for n in ("early", "gc", "late")}
-    early = asyncio.create_task(_hold(locks.namespace("a"), inside, log, "early", go["early"]))
-    await _settle()
-    gc = asyncio.create_task(_hold(locks.everything(), inside, log, "gc", go["gc"]))
-    await _settle()
-    late = asyncio.create_task(_hold(locks.namespace("b"), inside, log, "late", go["late"]))
-    await _settle()
+    early, gc, late = await _publish_collect_publish(inside, log, go)
     gc.cancel()
     await _settle()
     assert sorted(inside) == ["early", "late"]
