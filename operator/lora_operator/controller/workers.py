@@ -90,6 +90,10 @@ class Workers(Actor):
         if prec is not None:
             _cancel(prec.task)
             self._drop_entries(prec)
+            # Gone for good: the loads kept for its return (`_forget`) go too, or every pod a
+            # rollout replaces would stay in each of its adapters' records.
+            for rec in self.cache.adapters_in(prec.info.namespace):
+                rec.entries.recorded_loads.pop(prec.info.name, None)
 
     def canary_changed(self, key: Key) -> None:
         """The adapter's rollout has another canary, or none: its canary entries start afresh,

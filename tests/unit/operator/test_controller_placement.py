@@ -156,6 +156,13 @@ async def test_a_pod_back_within_the_grace_costs_no_write_and_a_longer_loss_one(
         assert {last_status(rig, n)["phase"] for n in names} == {"Degraded"}
         assert len(rig.api.events) == events + len(names)
 
+        # Away, the pod's loads are kept for its return; deleted, they go.
+        recs = [r for r in c.cache.adapters.values() if r.info.name in names]
+        assert all("p1" in r.entries.recorded_loads for r in recs)
+        c.pod_changed(away, deleted=True)
+        await asyncio.sleep(0.1)
+        assert not any("p1" in r.entries.recorded_loads for r in recs)
+
 
 async def test_an_adapter_staged_before_its_placement_is_not_told_it_has_no_pods(
     tmp_path: Path,
