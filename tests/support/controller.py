@@ -104,6 +104,11 @@ class FakeApi:
         # The LoRAAdapters the API lists, (namespace, name): a controller acts once its records
         # hold them all. None of them: it acts at once.
         self.listed: list[tuple[str, str]] = []
+        # Each object's metadata.finalizers as the JSON patches left them, the patches, and the
+        # errors the next patches raise.
+        self.finalizers: dict[str, list[str]] = {}
+        self.patches: list[tuple[str, list[dict[str, Any]]]] = []
+        self.patch_errors: list[Exception] = []
 
     async def list_adapters(self, namespace: str | None) -> list[tuple[str, str]]:
         return [key for key in self.listed if namespace in (None, key[0])]
@@ -112,6 +117,18 @@ class FakeApi:
         self, namespace: str, name: str, status: Mapping[str, Any]
     ) -> None:
         self.status.setdefault(name, []).append(dict(status))
+
+    async def patch_adapter(
+        self, namespace: str, name: str, ops: list[dict[str, Any]]
+    ) -> dict[str, Any]:
+        if self.patch_errors:
+            raise self.patch_errors.pop(0)
+        self.patches.append((name, ops))
+        for op in ops:
+            if op["path"] == "/metadata/finalizers":
+                self.finalizers[name] = list(op["value"]) if op["op"] == "add" else []
+        version = str(len(self.patches))
+        return {"metadata": {"finalizers": self.finalizers[name], "resourceVersion": version}}
 
     async def read_secret(self, namespace: str, name: str) -> kube.SecretRead:
         if self.secret_errors:
@@ -223,6 +240,14 @@ class Rig:
 
     def ready(self, name: str) -> bool:
         return "Ready" in self.api.phases(name)
+
+    def delete(self, body: dict[str, Any]) -> None:
+        """`kubectl delete`: the object's event with a deletion timestamp and the finalizers
+        the operator's patches left on it."""
+        meta = body["metadata"]
+        meta["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+        meta["finalizers"] = list(self.api.finalizers.get(meta["name"], []))
+        self.controller.adapter_changed(body)
 
     def restarted(self, **config: Any) -> tuple[Controller, FakeApi]:
         """A second controller on the same pods, volume and store, with an API of its own:

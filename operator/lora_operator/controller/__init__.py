@@ -21,12 +21,12 @@ state:
 
 Each record field names its owner's module (records.py), and a test that parses this package
 holds every write of it there. Actors reach each other only through `signals.Signals` (plain
-calls on the one event loop); the status writer, rollouts, the collector and the autoscaler run
-loops of their own (`start`), the placer recomputes when told, the pod workers and the stager
-run a task per pod and per staging. Every actor registers itself as it is made
+calls on the one event loop); the status writer, rollouts, the collector, the autoscaler and the
+finalizer run loops of their own (`start`), the placer recomputes when told, the pod workers and
+the stager run a task per pod and per staging. Every actor registers itself as it is made
 (`signals.Shared.actors`), and what concerns them all goes to each: `forget(key)` for an adapter
 that is gone, `standby()` when another replica acts, `halt()` at stop. This module wires them,
-and is the surface kopf's handlers call: `adapter_changed`, `pod_changed`, `delete`, `start`,
+and is the surface kopf's handlers call: `adapter_changed`, `pod_changed`, `start`,
 `stop`, `set_active`, `use_credentials`, `on_stop`. A pod is worked on only once the identity
 prover trusts it.
 
@@ -125,7 +125,7 @@ class Controller:
         self.workers = hub.workers = Workers(shared, self.placer)
         self.stager = hub.stager = Stager(shared)
         self.collector = hub.collector = Collector(shared)
-        self.finalizer = hub.finalizer = Finalizer(shared)
+        self.finalizer = hub.finalizer = Finalizer(shared, self._forget)
         self.recorder = hub.recorder = Recorder(shared)
         self.prover = Identity(shared)
         self.cache.trusted, self.cache.decided = self.prover.trusted, self.prover.decided
@@ -198,6 +198,7 @@ class Controller:
         self.hub.spawn(self.rollouts.run(), name="rollouts")
         self.hub.spawn(self.collector.run(), name="collector")
         self.hub.spawn(self.autoscaler.run(), name="autoscaler")
+        self.hub.spawn(self.finalizer.run(), name="finalizer")
         if self.prover.policy.needs_chain:
             self.hub.spawn(self.prover.run(), name="identity")
         if self.config.standalone:
@@ -262,6 +263,7 @@ class Controller:
         self.active.set()
         self.workers.activate()
         self.recorder.activate()
+        self.finalizer.activate()
         for rec in self.adapters.values():
             self.stager.consider(rec)
             self.hub.mark(rec.key)
@@ -307,6 +309,7 @@ class Controller:
             self._forget(key)
             return
         rec, generation_changed = self.cache.adapter_seen(info, body)
+        self.finalizer.seen(rec, body.get("metadata") or {})
         self.stager.changed(rec, generation_changed)
         self.stager.restage_compositions_of(info)
         if info.autoscale is None:
@@ -330,13 +333,6 @@ class Controller:
             self.workers.forget_pod(info.key)
         else:
             self.workers.changed(info)
-
-    async def delete(self, body: Body) -> None:
-        """The finalizer: unpublish, unload from every pod (gone pods are fine), collect, and
-        let go."""
-        await self.active.wait()
-        self.adapter_changed(body)
-        await self.finalizer.finalize(adapter_info(body), self._forget)
 
     def _forget(self, key: Key) -> None:
         """The adapter is gone: every actor lets go of it, then the cache drops its record."""

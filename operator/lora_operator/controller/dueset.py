@@ -23,6 +23,10 @@ class DueSet:
         self._marked.add(key)
         self._wake.set()
 
+    def poke(self) -> None:
+        """Run a pass though nothing is marked: the actor has work of its own for it."""
+        self._wake.set()
+
     def after(self, key: Key, delay: float) -> None:
         """Look at `key` again `delay` seconds from now (replacing a time it had)."""
         self._at[key] = time.monotonic() + delay

@@ -84,10 +84,13 @@ class Rolling:
 
 @dataclass
 class Deletion:
-    """The finalizer's: whether the adapter's `current` is gone, and when no pod holds it."""
+    """The finalizer's: the object's finalizers as last seen, and how far its deletion got."""
 
-    unpublished: bool = False
-    unloaded: asyncio.Event = field(default_factory=asyncio.Event)
+    finalizers: tuple[str, ...] = ()  # metadata.finalizers at `resource_version`
+    resource_version: str = ""
+    unpublished: bool = False  # `current` is gone
+    unloaded: bool = False  # and no pod holds the adapter any more
+    give_up_at: float | None = None  # monotonic: released then, though pods still hold it
 
 
 def owner(module: str) -> dict[str, str]:

@@ -1,9 +1,9 @@
 """kopf's handlers: thin, each hands one kind of event to the controller.
 
-    inference pod event                  ->  the index of pods, then the controller
-    LoRAAdapter event                    ->  the controller (which stages a new spec, with its
-                                             own retries, and wakes the pods)
-    LoRAAdapter deleted (the finalizer)  ->  unpublish, unload everywhere, collect
+    inference pod event  ->  the index of pods, then the controller
+    LoRAAdapter event    ->  the controller (which stages a new spec, with its own retries, and
+                             wakes the pods; holds the adapter with its finalizer, and on
+                             deletion unpublishes, unloads everywhere, collects and releases it)
 
 Inference pods are held in a kopf index keyed by namespace (`inference_pods`), complete
 before the first event handler runs; only pods with the `lora.dev/inference` label are watched
@@ -12,13 +12,15 @@ once the controller's identity prover has read their owner chain and trusts them
 are in no kopf index: kopf makes every object of an indexed kind a readiness flag of its own,
 and every flag raised or lowered wakes every handler waiting on them, a startup that grew as
 the square of the adapters (minutes at 10,000). The controller's records are their index, and
-it acts once they hold every adapter the API lists (`Controller.set_active`). kopf's only write
-to an adapter is its finalizer (added once, removed after deletion): no diff-base annotation, no
-handler progress, no Events.
+it acts once they hold every adapter the API lists (`Controller.set_active`). kopf writes
+nothing to an adapter: no finalizer (the controller's finalizer actor adds and removes its own:
+a kopf delete handler would be held, with its stack and the object, by every deletion until the
+pods unload it), no diff-base annotation, no handler progress, no Events.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import kopf
@@ -37,7 +39,6 @@ from lora_operator.rules.model import (
     pod_info,
 )
 
-FINALIZER = "lora.dev/finalizer"
 ANNOTATION_PREFIX = "lora.dev"
 
 
@@ -83,32 +84,23 @@ def build_registry(controller: Controller) -> kopf.OperatorRegistry:
     async def pod_event(body: kopf.Body, type: str | None, **_: Any) -> None:
         controller.pod_changed(pod_info(body), deleted=type == "DELETED")
 
+    # Sync handlers would run in threads: every handler here is async, in the operator's loop.
     @kopf.on.event(id="adapter_event", **adapters)  # type: ignore[arg-type]
     async def adapter_event(body: kopf.Body, type: str | None, **_: Any) -> None:
         controller.adapter_changed(body, deleted=type == "DELETED")
 
-    # Sync handlers would run in threads: every handler here is async, in the operator's loop.
-    @kopf.on.delete(id="unload", **adapters)  # type: ignore[arg-type]
-    async def delete(body: kopf.Body, **_: Any) -> None:
-        await controller.delete(body)
-
     return registry
 
 
-class ProgressAnnotations(kopf.AnnotationsProgressStorage):
-    """kopf's handler progress in annotations, without the `lora.dev/kopf-managed` marker kopf
-    adds with every store (it lets other kopf operators recognise the prefix). The one handler,
-    the delete handler, finishes in the cycle that starts it, so its progress is stored and
-    purged within one patch; the marker alone was left in it, a merge patch per deleted adapter
-    besides the finalizer's release."""
-
-    def _store_marker(self, prefix: str, patch: kopf.Patch, body: kopf.Body) -> None:
-        return None
-
-
 class NoDiffBase(kopf.AnnotationsDiffBaseStorage):
-    """No diff-base: the operator has no create or update handlers (the controller compares
-    generations itself), so storing the last spec would cost a write per change for nothing."""
+    """No diff-base: the operator has no create, update or delete handlers (the controller
+    compares generations itself), so storing the last spec would cost a write per change for
+    nothing, and building it a deep copy of every event's body."""
+
+    def build(
+        self, *, body: kopf.Body, extra_fields: Iterable[Any] | None = None
+    ) -> kopf.BodyEssence:
+        return kopf.BodyEssence()
 
     def fetch(self, *, body: kopf.Body) -> kopf.BodyEssence | None:
         return None
@@ -118,9 +110,7 @@ class NoDiffBase(kopf.AnnotationsDiffBaseStorage):
 
 
 def configure(settings: kopf.OperatorSettings, config: OperatorConfig) -> None:
-    """Keep kopf's own records in annotations (the CRD's status schema has no room for them)."""
-    settings.persistence.finalizer = FINALIZER
-    settings.persistence.progress_storage = ProgressAnnotations(prefix=ANNOTATION_PREFIX)
+    """kopf keeps no records of its own on the objects; it watches, and reconnects quickly."""
     settings.persistence.diffbase_storage = NoDiffBase(
         prefix=ANNOTATION_PREFIX, key="last-handled-configuration"
     )

@@ -73,6 +73,13 @@ class KubeApi(KubeClient):
         path = object_path(f"/apis/{GROUP}/{VERSION}", PLURAL, namespace, name, "status")
         await self.request("PATCH", path, {"status": status}, "application/merge-patch+json")
 
+    async def patch_adapter(
+        self, namespace: str, name: str, ops: list[dict[str, Any]]
+    ) -> dict[str, Any]:
+        """JSON-patch the object (its metadata: the operator's finalizer); the object after it."""
+        path = object_path(f"/apis/{GROUP}/{VERSION}", PLURAL, namespace, name)
+        return dict(await self.request("PATCH", path, ops, "application/json-patch+json"))
+
     async def list_adapters(
         self, namespace: str | None, page_size: int = LIST_PAGE
     ) -> list[tuple[str, str]]:

@@ -248,13 +248,14 @@ async def test_deletion_unpublishes_before_any_pod_unloads(tmp_path: Path) -> No
         writes = len(rig.api.status["a"])
         current = rig.volume / NS / "a" / "current"
         assert current.is_symlink()
-        body["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:00Z"
-        await c.delete(body)
+        assert rig.api.finalizers["a"] == ["lora.dev/finalizer"]
+        rig.delete(body)
+        await until("let go", lambda: ("ns", "a") not in c.adapters)
         steps = [e for e in rig.log if e[0] in ("unpublish", "unload")]
         assert steps[0] == ("unpublish", "a")
         assert sorted(steps[1:]) == [("unload", "p1", "a"), ("unload", "p2", "a")]
         assert not current.exists() and not os.path.lexists(current)
-        assert ("ns", "a") not in c.adapters
+        assert rig.api.finalizers["a"] == []  # released once both pods unloaded it
         assert len(rig.api.status["a"]) == writes  # nothing written about a deleted adapter
 
 

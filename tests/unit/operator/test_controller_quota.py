@@ -61,7 +61,6 @@ async def test_over_its_quota_a_namespaces_new_adapter_degrades_and_no_one_elses
         assert rig.ready("a") and rig.pods.held["q1"].keys() == {"c"}
         # The namespace frees room (an adapter deleted, its files collected): the Degraded
         # adapter's next attempt stages it.
-        first["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:00Z"
-        await c.delete(first)
+        rig.delete(first)
         await until("b Ready", lambda: rig.ready("b"))
         assert rig.pods.held["p1"].keys() == {"b"}
