@@ -10,6 +10,7 @@ the credentials (`podtokens`) asked again at every call and told of the 401.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from typing import Any
 
@@ -24,6 +25,7 @@ from lora_operator.rules.model import PodInfo
 
 # What a pod's answer may hold: /v1/models of a pod with ten thousand adapters is a few MB.
 ANSWER_LIMITS = boundedjson.Limits(max_bytes=32 * 1024**2, max_depth=6, max_values=2_000_000)
+REMEMBERED_PODS = 4096  # pods whose last /v1/models answer is kept (`PodClient.models`)
 # 404 on load: the pod does not see the revision yet (a lagging shared file system) - retry.
 _PERMANENT = {400, 403, 413, 415, 422}
 
@@ -48,6 +50,10 @@ class PodClient:
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
         self._models_timeout = aiohttp.ClientTimeout(total=models_timeout_s)
         self._session: aiohttp.ClientSession | None = None
+        # Each pod's last /v1/models answer (a digest of its bytes) and its report, by pod UID:
+        # an answer the same as the last one is that report again, not decoded and parsed
+        # again (a pod holding hundreds of adapters is read every resync, most often unchanged).
+        self._reports: dict[str, tuple[bytes, planning.PodReport]] = {}
 
     async def __aenter__(self) -> PodClient:
         self._session = aiohttp.ClientSession()
@@ -68,11 +74,24 @@ class PodClient:
         return self._session
 
     async def models(self, pod: PodInfo) -> planning.PodReport:
-        payload = await self._call(pod, "GET", "/v1/models", None, self._models_timeout)
+        """The pod's report: the same object as last time when its answer is the same."""
+        where = "GET /v1/models"
+        raw, content_type = await self._exchange(
+            pod, "GET", "/v1/models", None, self._models_timeout
+        )
+        digest = hashlib.blake2b(raw, digest_size=16).digest()
+        last = self._reports.get(pod.uid)
+        if last is not None and last[0] == digest:
+            return last[1]
         try:
-            return planning.parse_models(payload)
+            report = planning.parse_models(_decode(pod, raw, content_type, where))
         except ValueError as e:
             raise PodError(f"{pod.name}: {e}", permanent=False) from e
+        self._reports.pop(pod.uid, None)
+        self._reports[pod.uid] = (digest, report)
+        if len(self._reports) > REMEMBERED_PODS:  # pods come and go: the oldest answer goes
+            del self._reports[next(iter(self._reports))]
+        return report
 
     async def load(
         self, pod: PodInfo, want: planning.Want, *, inplace: bool
@@ -116,6 +135,21 @@ class PodClient:
         *,
         accept: str | None = None,
     ) -> Any:
+        """The answer: JSON parsed when it says it is JSON, else its text."""
+        raw, content_type = await self._exchange(pod, method, path, body, timeout, accept=accept)
+        return _decode(pod, raw, content_type, f"{method} {path}")
+
+    async def _exchange(
+        self,
+        pod: PodInfo,
+        method: str,
+        path: str,
+        body: dict[str, Any] | None,
+        timeout: aiohttp.ClientTimeout,
+        *,
+        accept: str | None = None,
+    ) -> tuple[bytes, str]:
+        """The answer's bytes and content type; PodError for a status of 400 or more."""
         if pod.ip is None:
             raise PodError(f"pod {pod.name} has no IP yet", permanent=False)
         try:
@@ -131,36 +165,45 @@ class PodClient:
             async with self.session.request(
                 method, pod.url(path), json=body, headers=headers, timeout=timeout
             ) as resp:
-                text = await _read_bounded(resp, ANSWER_LIMITS.max_bytes)
+                raw = await _read_bounded(resp, ANSWER_LIMITS.max_bytes)
                 if resp.status == 401:
                     self.credentials.rejected(pod.namespace)
                 if resp.status >= 400:
                     raise PodError(
-                        f"{method} {path} answered {resp.status}: {_error_message(text)}",
+                        f"{method} {path} answered {resp.status}: {_error_message(_text(raw))}",
                         permanent=resp.status in _PERMANENT,
                         status=resp.status,
                     )
-                if resp.content_type == "application/json":
-                    try:
-                        return boundedjson.parse(text, ANSWER_LIMITS, where=f"{method} {path}")
-                    except volume_errors.InvalidJson as e:
-                        raise PodError(f"{pod.name}: {e}", permanent=False) from e
-                return text
+                return raw, resp.content_type
         except (TimeoutError, aiohttp.ClientError, OSError) as e:
             raise PodError(
                 f"{method} {path} failed: {type(e).__name__}: {e}".rstrip(": "), permanent=False
             ) from e
 
 
-async def _read_bounded(resp: aiohttp.ClientResponse, limit: int) -> str:
-    """The answer's text, read no further than one byte past `limit` (the parse then refuses
+async def _read_bounded(resp: aiohttp.ClientResponse, limit: int) -> bytes:
+    """The answer's bytes, read no further than one byte past `limit` (the parse then refuses
     it by its length)."""
     body = bytearray()
     async for chunk in resp.content.iter_chunked(64 * 1024):
         body += chunk
         if len(body) > limit:
             break
-    return body.decode("utf-8", "replace")
+    return bytes(body)
+
+
+def _text(raw: bytes) -> str:
+    return raw.decode("utf-8", "replace")
+
+
+def _decode(pod: PodInfo, raw: bytes, content_type: str, where: str) -> Any:
+    """JSON parsed (within `ANSWER_LIMITS`) when the answer says it is JSON, else its text."""
+    if content_type != "application/json":
+        return _text(raw)
+    try:
+        return boundedjson.parse(_text(raw), ANSWER_LIMITS, where=where)
+    except volume_errors.InvalidJson as e:
+        raise PodError(f"{pod.name}: {e}", permanent=False) from e
 
 
 def _error_message(text: str) -> str:

@@ -35,7 +35,8 @@ async def pod() -> AsyncIterator[tuple[model.PodInfo, dict[str, Any]]]:
         return web.json_response({"error": {"message": "not loaded"}}, status=404)
 
     async def models(_: web.Request) -> web.Response:
-        return web.json_response({"data": [{"id": "b", "parent": None}]})
+        seen["models"] = seen.get("models", 0) + 1
+        return web.json_response(seen.get("answer", {"data": [{"id": "b", "parent": None}]}))
 
     app = web.Application()
     app.router.add_post("/v1/load_lora_adapter", load)
@@ -287,3 +288,28 @@ async def test_a_pods_answer_is_parsed_within_bounds(answer: bytes) -> None:
         assert not e.value.permanent
     finally:
         await runner.cleanup()
+
+
+async def test_an_answer_the_same_as_the_last_is_that_report_again(
+    pod: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pod read every resync mostly answers what it did last time: its report is not parsed
+    again; a changed answer is."""
+    info, seen = pod
+    card = {"id": "a", "parent": "b", "root": f"/adapters/ns/a/revisions/{SHA}"}
+    parsed: list[object] = []
+    parse = planning.parse_models
+
+    def counting(payload: object) -> planning.PodReport:
+        parsed.append(payload)
+        return parse(payload)
+
+    monkeypatch.setattr(planning, "parse_models", counting)
+    async with PodClient(AdminToken(None), timeout_s=5) as client:
+        first = await client.models(info)
+        again = await client.models(info)
+        assert again is first and len(parsed) == 1 and seen["models"] == 2
+        seen["answer"] = {"data": [{"id": "b", "parent": None}, card]}
+        changed = await client.models(info)
+        assert changed is not first and len(parsed) == 2
+        assert changed.holds("a") and not first.holds("a")
