@@ -57,6 +57,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         stream=sys.stdout,
         format="%(asctime)s %(levelname)s %(name)s %(message)s",
     )
+    # kopf says "Handler ... succeeded" for every event of every object (three per adapter from
+    # apply to Ready); the operator logs what it does itself (`action=...`). kopf's warnings
+    # and errors are kept.
+    logging.getLogger("kopf.objects").setLevel(logging.WARNING)
     run(config)
     return 0
 

@@ -316,8 +316,12 @@ class Controller:
             self.autoscaler.reset(key)
         if info.command is not None:
             self.hub.mark(key)  # rollouts take the command from the annotation
+        first_seen = not rec.fingerprint
         if self.cache.respecified(rec):
-            self.placer.stale(info.namespace)
+            if first_seen:
+                self.placer.arrived(key)
+            else:
+                self.placer.stale(info.namespace)
             if not info.deleting:  # a deletion wakes the pods once it has unpublished
                 self.workers.wake_adapter(key)
             self.hub.mark(key)

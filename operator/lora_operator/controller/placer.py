@@ -4,9 +4,11 @@ placements, which namespaces' placements are stale, and the coalescing of recomp
 
 Reads (`current`, `placed`, `targeted`) change nothing. The placer recomputes a placement on
 its own, when told an input of it changed (`stale`: the `replace` signal, from the pod workers
-on a pod's report, the autoscaler, the controller on a pod's or an adapter's change): at most
-every `placement.recompute_interval` (a recompute reads every adapter and pod of the
-namespace, so a larger namespace is placed less often, and a burst of adapters together),
+on a pod's report, the autoscaler, the controller on a pod's or an adapter's change) or that an
+adapter came (`arrived`: placed alone on the room the others left, placement.place_more, when
+nothing else changed): at most every `placement.recompute_interval` (a recompute reads every
+adapter and pod of the namespace, so a larger namespace is placed less often, and a burst of
+adapters together),
 while this replica acts, and not before every Ready pod has reported since it began to (a
 placement made from some pods' reports would move adapters for nothing; each report says
 `replace` again). A recompute that moves adapters marks them and wakes the namespace's pods
@@ -24,6 +26,7 @@ from lora_operator.controller.seams import Key
 from lora_operator.controller.signals import Actor, Shared
 from lora_operator.rules import autoscale, placement
 from lora_operator.rules.model import AdapterInfo, PodInfo
+from lora_operator.rules.planning import PodReport
 from lora_operator.rules.podstate import PodEntry
 
 
@@ -35,11 +38,22 @@ class Placer(Actor):
         # When each namespace's placement may be computed again (monotonic).
         self._next_at: dict[str, float] = {}
         self._due: set[str] = set()  # a recompute is scheduled
+        # The adapters that came since the namespace was last placed, while nothing else
+        # changed (not `_stale`): the next recompute places those alone (placement.place_more).
+        self._arrived: dict[str, set[str]] = {}
 
     def stale(self, namespace: str) -> None:
         """An input of the namespace's placement changed: recompute it once the coalescing
         allows (at once after a quiet while), after what is being handled now."""
         self._stale.add(namespace)
+        self._schedule(namespace)
+
+    def arrived(self, key: Key) -> None:
+        """A new adapter: placed with the next recompute, alone if nothing else changed."""
+        self._arrived.setdefault(key[0], set()).add(key[1])
+        self._schedule(key[0])
+
+    def _schedule(self, namespace: str) -> None:
         if namespace in self._due:
             return
         self._due.add(namespace)
@@ -92,7 +106,7 @@ class Placer(Actor):
 
     def _place_due(self, namespace: str) -> None:
         self._due.discard(namespace)
-        if namespace in self._stale:
+        if namespace in self._stale or namespace in self._arrived:
             self._place(namespace)
 
     def _place(self, namespace: str) -> None:
@@ -100,29 +114,37 @@ class Placer(Actor):
         the next `stale`)."""
         if not self.seams.active.is_set() or not self.cache.heard(namespace):
             return
-        infos = [self.cache.current(i)[0] for i in self.cache.indexed(namespace)]
-        if not any(info.placed for info in infos):
-            return  # placed only where an adapter asks for it (it reads the whole namespace)
         current = self._placements.get(namespace)
-        self._stale.discard(namespace)
-        self._next_at[namespace] = time.monotonic() + placement.recompute_interval(len(infos))
         reports = {
             p.info.name: (p.info, p.report)
             for p in self.cache.pods_in(namespace)
             if p.report is not None and p.info.reachable
         }
-        capacities, demands = placement.plan_demands(
-            infos, reports, lambda info: self.replicas(info, self.cache.adapters.get(info.key))
-        )
-        new = dataclasses.replace(
-            placement.plan_placement(capacities, demands), over=frozenset(reports)
-        )
+        arrived = self._arrived.pop(namespace, set())
+        new = None
+        if namespace not in self._stale and current is not None:
+            new = self._place_arrived(namespace, current, reports, arrived)
+        if new is None:
+            infos = [self.cache.current(i)[0] for i in self.cache.indexed(namespace)]
+            if not any(info.placed for info in infos):
+                return  # placed only where an adapter asks for it (it reads the whole namespace)
+            interval = placement.recompute_interval(len(infos))
+            self._next_at[namespace] = time.monotonic() + interval
+            capacities, demands = placement.plan_demands(infos, reports, self._replicas)
+            new = dataclasses.replace(
+                placement.plan_placement(capacities, demands), over=frozenset(reports)
+            )
+            moved = [
+                name
+                for name, placed in new.adapters.items()
+                if current is None or current.adapters.get(name) != placed
+            ]
+        else:
+            interval = placement.recompute_interval(len(arrived))
+            self._next_at[namespace] = time.monotonic() + interval
+            moved = [name for name in arrived if name in new.adapters]
+        self._stale.discard(namespace)
         self._placements[namespace] = new
-        moved = [
-            name
-            for name, placed in new.adapters.items()
-            if current is None or current.adapters.get(name) != placed
-        ]
         if current is None or current.over != new.over:
             # The first placement, or a pod it now counts (or no longer does): every adapter of
             # the namespace is planned again.
@@ -132,3 +154,24 @@ class Placer(Actor):
                 self.signals.mark((namespace, name))
                 # Its pods plan it: the ones it moved to load it, the ones it left unload it.
                 self.signals.wake_adapter((namespace, name))
+
+    def _place_arrived(
+        self,
+        namespace: str,
+        current: placement.Placement,
+        reports: dict[str, tuple[PodInfo, PodReport]],
+        arrived: set[str],
+    ) -> placement.Placement | None:
+        """The namespace's placement with the adapters `arrived` placed on what room the others
+        left (placement.place_more), when nothing else changed since `current`; None when it
+        must be computed afresh."""
+        if current.over != frozenset(reports):
+            return None
+        infos = [
+            rec.info for a in sorted(arrived) if (rec := self.cache.adapters.get((namespace, a)))
+        ]
+        capacities, demands = placement.plan_demands(infos, reports, self._replicas)
+        return placement.place_more(current, capacities, demands)
+
+    def _replicas(self, info: AdapterInfo) -> int:
+        return self.replicas(info, self.cache.adapters.get(info.key))

@@ -21,7 +21,8 @@ oldest first (by creation time, then by hash): on full pods a new adapter waits 
 than displacing one that serves already, and which adapter gets the last room is stable. A pod
 that runs out of room is skipped by every later walk (a union-find over each ring's points), so a
 full placement of K = 10,000 adapters on N = 200 pods takes well under a second (see
-bench/bench_placement.py).
+bench/bench_placement.py). Adapters that arrive later are placed on the room the others left
+(`place_more`), at the cost of the newcomers alone, where that gives what placing them all would.
 
 Purely computational: no I/O, no clock, no randomness beyond the hash. The controller reads the
 pods' capacities and the adapters, calls `plan_placement`, and acts on the difference.
@@ -33,7 +34,7 @@ import bisect
 import functools
 import hashlib
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 
 from lora_operator.rules.model import AdapterInfo, PodInfo
@@ -85,6 +86,12 @@ class Placement:
     # The pods whose reports it was made from (None: not said): a pod outside it keeps its
     # placed adapters until a placement counts it (`planning.plan_wants`).
     over: frozenset[str] | None = None
+    # What `place_more` continues from: the capacities it was made with, the room it left on
+    # each pod (slots, pinned slots), and the order of the last limited adapter it placed.
+    pods: tuple[PodCapacity, ...] = ()
+    free: Mapping[str, int] = field(default_factory=dict)
+    pinned_free: Mapping[str, int] = field(default_factory=dict)
+    last: tuple[bool, str, int, str] | None = None
 
     def pods_of(self, adapter: str) -> tuple[str, ...]:
         placed = self.adapters.get(adapter)
@@ -186,6 +193,14 @@ class _Room:
     def full(self, pod: str) -> bool:
         return self.free[pod] <= 0
 
+    def never_short(self) -> bool:
+        """Whether every pod still has room of both kinds: no walk so far found a pod without
+        room (room only shrinks), so the order the adapters were placed in made no
+        difference."""
+        return all(n > 0 for n in self.free.values()) and all(
+            n > 0 for n in self.pinned_free.values()
+        )
+
     def take(self, pod: str, pinned: bool) -> None:
         self.free[pod] -= 1
         if pinned:
@@ -208,6 +223,12 @@ class _Targets:
         return targets
 
 
+def _order(d: Demand) -> tuple[bool, str, int, str]:
+    """The order limited adapters are placed in: pinned ones first, then the oldest, then by
+    hash (and name, for a tie of hashes)."""
+    return (not d.pinned, d.created, adapter_point(d.name), d.name)
+
+
 def plan_placement(pods: Sequence[PodCapacity], demands: Sequence[Demand]) -> Placement:
     """Place every adapter (pure; the same inputs in any order give the same placement)."""
     targets_of = _Targets({p.name: p for p in pods})
@@ -215,7 +236,6 @@ def plan_placement(pods: Sequence[PodCapacity], demands: Sequence[Demand]) -> Pl
         free={p.name: max(0, p.slots) for p in pods},
         pinned_free={p.name: max(0, p.pinned_slots) for p in pods},
     )
-    counts = {p.name: vnodes(p.slots) for p in pods}
     result: dict[str, Placed] = {}
 
     # Every-pod adapters first: they go everywhere regardless, and use room up.
@@ -231,11 +251,62 @@ def plan_placement(pods: Sequence[PodCapacity], demands: Sequence[Demand]) -> Pl
             pods=targets, wanted=len(targets), shortfall=None if targets else Shortfall.NO_PODS
         )
 
-    rings: dict[tuple[str, ...], _Ring] = {}
-    limited.sort(
-        key=lambda dw: (not dw[0].pinned, dw[0].created, adapter_point(dw[0].name), dw[0].name)
+    limited.sort(key=lambda dw: _order(dw[0]))
+    ordered = [d for d, _ in limited]
+    result.update(_place_limited(pods, ordered, targets_of, room))
+    return Placement(
+        adapters=result,
+        pods=_by_name(pods),
+        free=room.free,
+        pinned_free=room.pinned_free,
+        last=_order(ordered[-1]) if ordered else None,
     )
-    for d, wanted in limited:
+
+
+def place_more(
+    previous: Placement, pods: Sequence[PodCapacity], demands: Sequence[Demand]
+) -> Placement | None:
+    """`previous` with `demands`, adapters it does not place, placed as well: what
+    `plan_placement` gives for all of them, at the cost of the new ones alone; None when that
+    cannot be told without placing every adapter again (the pods or their capacities changed,
+    a new adapter goes on every pod, or one sorts before an adapter already placed and some pod
+    ran out of room, where the order decides who gets it).
+
+    Placed after every earlier adapter, the new ones take what room the earlier ones left, as
+    in a placement of all; and while no pod runs out of room, the order decides nothing."""
+    if previous.pods != _by_name(pods) or any(d.replicas is None for d in demands):
+        return None
+    ordered = sorted(demands, key=_order)
+    room = _Room(free=dict(previous.free), pinned_free=dict(previous.pinned_free))
+    added = _place_limited(pods, ordered, _Targets({p.name: p for p in pods}), room)
+    last = previous.last
+    if ordered and last is not None and _order(ordered[0]) <= last and not room.never_short():
+        return None
+    if ordered:
+        last = max(last, _order(ordered[-1])) if last is not None else _order(ordered[-1])
+    return Placement(
+        adapters={**previous.adapters, **added},
+        over=previous.over,
+        pods=previous.pods,
+        free=room.free,
+        pinned_free=room.pinned_free,
+        last=last,
+    )
+
+
+def _by_name(pods: Iterable[PodCapacity]) -> tuple[PodCapacity, ...]:
+    return tuple(sorted(pods, key=lambda p: p.name))
+
+
+def _place_limited(
+    pods: Sequence[PodCapacity], ordered: Sequence[Demand], targets_of: _Targets, room: _Room
+) -> dict[str, Placed]:
+    """Place adapters with `replicas`, in the order given, on the room left."""
+    counts = {p.name: vnodes(p.slots) for p in pods}
+    rings: dict[tuple[str, ...], _Ring] = {}
+    result: dict[str, Placed] = {}
+    for d in ordered:
+        wanted = d.replicas or 0  # every one ordered is limited
         targets = targets_of(d)
         ring = rings.get(targets)
         if ring is None:
@@ -247,7 +318,7 @@ def plan_placement(pods: Sequence[PodCapacity], demands: Sequence[Demand]) -> Pl
         result[d.name] = Placed(
             pods=tuple(chosen), wanted=wanted, shortfall=_shortfall(wanted, chosen, targets)
         )
-    return Placement(adapters=result)
+    return result
 
 
 def _shortfall(wanted: int, chosen: Sequence[str], targets: Sequence[str]) -> Shortfall | None:

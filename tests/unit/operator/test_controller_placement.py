@@ -282,3 +282,41 @@ async def test_autoscale_widens_when_hot_and_narrows_when_cool(tmp_path: Path) -
         scaled = [n for o, _, r, n in rig.api.events if o == "a" and r == "Scaled"]
         assert "replicas 1 -> " in scaled[0] and any(n.endswith("-> 4") for n in scaled)
         assert scaled[-1].endswith("-> 1")
+
+
+async def test_adapters_that_arrive_later_are_placed_alone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After the namespace's first placement, adapters arriving one by one are placed on the
+    room the others left (placement.place_more: the newcomers' cost alone), where a placement
+    of every adapter would put them."""
+    from lora_operator.rules import placement
+
+    placed_all: list[int] = []
+    plan_placement = placement.plan_placement
+
+    def counting(pods: Any, demands: Any) -> placement.Placement:
+        placed_all.append(len(demands))
+        return plan_placement(pods, demands)
+
+    monkeypatch.setattr(placement, "plan_placement", counting)
+    async with placed_rig(tmp_path) as rig:
+        c = rig.controller
+        c.start()
+        for p in ("p1", "p2", "p3", "p4"):
+            c.pod_changed(pod(p))
+        c.adapter_changed(created(adapter(rig.volume, "a-00", replicas=2), 0))
+        await until("the first Ready", lambda: rig.ready("a-00"))
+        names = [f"a-{i:02d}" for i in range(1, 12)]  # 24 of the pods' 32 slots
+        for minute, name in enumerate(names, start=1):
+            c.adapter_changed(created(adapter(rig.volume, name, replicas=2), minute))
+            await asyncio.sleep(0.02)
+        await until("every one Ready", lambda: all(rig.ready(n) for n in names), timeout=60)
+        assert placed_all == [1], placed_all  # the first placement only
+        chosen = c.placer.current("ns")
+        assert chosen is not None
+        infos = [r.info for r in c.adapters.values()]
+        reports = {p.info.name: (p.info, p.report) for p in c.pods.values() if p.report}
+        whole = plan_placement(*placement.plan_demands(infos, reports, lambda i: 2))
+        assert chosen.adapters == whole.adapters
+        assert all(holders(rig, n) == set(whole.adapters[n].pods) for n in ["a-00", *names])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections import Counter
 
@@ -9,7 +10,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from lora_operator.rules import placement
-from lora_operator.rules.placement import Demand, PodCapacity, Shortfall, plan_placement
+from lora_operator.rules.placement import (
+    Demand,
+    PodCapacity,
+    Shortfall,
+    place_more,
+    plan_placement,
+)
 
 ROOMY = 100  # more than any test here places on one pod
 
@@ -105,6 +112,47 @@ def test_placed_pods_are_distinct_known_candidates_and_shortfalls_say_why(
             assert placed.shortfall is Shortfall.FEWER_PODS
         else:
             assert placed.shortfall is Shortfall.CAPACITY
+
+
+@settings(max_examples=400, deadline=None)
+@given(scenarios(), st.randoms(use_true_random=False), st.integers(0, 25))
+def test_adapters_placed_later_land_where_placing_them_all_puts_them(
+    scenario: tuple[list[PodCapacity], list[Demand]], rnd: random.Random, split: int
+) -> None:
+    """`place_more` gives what `plan_placement` gives for every adapter, or says it cannot tell
+    (None); newcomers created after every adapter placed, or on pods with room to spare, it
+    always places."""
+    ps, ds = scenario
+    # Created within a few seconds of each other: ties broken by the hash, as in a burst.
+    ds = [dataclasses.replace(d, created=f"2026-12-07T10:00:0{rnd.randint(0, 3)}Z") for d in ds]
+    earlier, later = ds[:split], ds[split:]
+    more = place_more(plan_placement(ps, earlier), ps, later)
+    whole = plan_placement(ps, ds)
+    if more is not None:
+        assert more.adapters == whole.adapters
+        assert (more.free, more.pinned_free, more.last) == (
+            whole.free,
+            whole.pinned_free,
+            whole.last,
+        )
+    newest = max((d.created for d in earlier), default="")
+    # Newer and not pinned (pinned ones place before every unpinned one): after every one.
+    after = [dataclasses.replace(d, created="2026-12-07T11:00:00Z", pinned=False) for d in later]
+    if newest and all(d.replicas is not None for d in later):
+        more = place_more(plan_placement(ps, earlier), ps, after)
+        assert more is not None
+        assert more.adapters == plan_placement(ps, earlier + after).adapters
+    roomy = [dataclasses.replace(p, slots=ROOMY, pinned_slots=ROOMY) for p in ps]
+    if all(d.replicas is not None for d in later):
+        assert place_more(plan_placement(roomy, earlier), roomy, later) is not None
+
+
+def test_changed_pods_or_an_every_pod_adapter_place_everything_again() -> None:
+    ps = pods(3)
+    before = plan_placement(ps, demands(5, 2, ps))
+    assert place_more(before, pods(4), [demand("ns/new", 2, ps)]) is None
+    assert place_more(before, ps, [demand("ns/new", None, ps)]) is None
+    assert place_more(before, ps, [demand("ns/new", 2, ps)]) is not None
 
 
 @settings(max_examples=200, deadline=None)
