@@ -7,6 +7,7 @@ import argparse
 import datetime
 import os
 import platform
+import signal
 import tempfile
 import time
 from pathlib import Path
@@ -29,8 +30,15 @@ def parse_list(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
 
 
+def _terminated(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
 def main(description: str | None) -> None:
     """`description`: the --help text (the script's docstring)."""
+    # Stopped with SIGTERM (`kill`, a CI timeout), the cluster and the operator process it
+    # started are torn down as after Ctrl-C, not left running.
+    signal.signal(signal.SIGTERM, _terminated)
     parser = argparse.ArgumentParser(
         description=description, formatter_class=argparse.RawDescriptionHelpFormatter
     )
