@@ -479,7 +479,7 @@ def main(args: argparse.Namespace) -> None:
         print()
         print("\n".join(scaleplan.phase_table(run)))
     print(
-        "\nwrites/ad: the operator's writes to LoRAAdapters (kopf's finalizer, status patches) per"
+        "\nwrites/ad: the operator's writes to LoRAAdapters (the finalizer, status patches) per"
         " adapter; events/ad: its Event writes per adapter; other req: its other requests but"
         " watches; RSS: at the phase's end, peak: the most sampled in it; CPU: the operator's;"
         " loads, unloads: its calls per pod (mean, most). apply: kubectl apply -> every adapter"

@@ -109,7 +109,7 @@ class Phase:
 
     name: str
     wall_s: float = 0.0
-    writes: int = 0  # to LoRAAdapters: kopf's finalizer and status patches
+    writes: int = 0  # to LoRAAdapters: the finalizer and status patches
     events: int = 0  # Event creates and series patches
     other: int = 0  # every other request but watches
     rss_mib: float = 0.0  # at the end of the phase

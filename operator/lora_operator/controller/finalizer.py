@@ -180,10 +180,11 @@ class Finalizer(Actor):
             self._done(rec)
 
     def _done(self, rec: AdapterRecord) -> None:
-        if self.cache.adapters.get(rec.key) is not rec:
-            return
         log.info("action=delete adapter=%s/%s", *rec.key)
-        self._forget(rec.key)
+        # Its DELETED event may have come first; a record of that name made since is another
+        # adapter's.
+        if self.cache.adapters.get(rec.key) is rec:
+            self._forget(rec.key)
         self.signals.collect()
 
     async def _write(self, rec: AdapterRecord, hold: bool) -> bool:
