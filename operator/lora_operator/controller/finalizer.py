@@ -122,9 +122,19 @@ class Finalizer(Actor):
         held = finalizing.FINALIZER in d.finalizers
         return finalizing.next_step(rec.info.deleting, held, d.unpublished, d.unloaded, gave_up)
 
+    def _maybe_held(self, key: Key) -> bool:
+        """Whether a pod of the adapter's namespace holds it, or may: a Ready pod not heard
+        from yet may hold any adapter (`RecordCache.heard`)."""
+        namespace, name = key
+        return not self.cache.heard(namespace) or any(
+            p.report is not None and p.report.holds(name) for p in self.cache.pods_in(namespace)
+        )
+
     def _newly_unloaded(self, namespace: str) -> set[Key]:
         """The namespace's deletions that no pod holds any more."""
         waiting = self._unloading.get(namespace, set())
+        if not self.cache.heard(namespace):
+            return set()  # a pod not heard from yet may hold any of them
         held = self.cache.held(namespace)
         found = set()
         for key in waiting:
@@ -152,7 +162,7 @@ class Finalizer(Actor):
         d.give_up_at = time.monotonic() + self.config.unload_grace_s
         log.info("action=unpublish adapter=%s/%s", *key)
         self.signals.wake_adapter(key)
-        if any(p.report is not None and p.report.holds(key[1]) for p in self.cache.pods_in(key[0])):
+        if self._maybe_held(key):
             self._unloading.setdefault(key[0], set()).add(key)
             self._due.at(key, d.give_up_at)
         else:

@@ -236,6 +236,7 @@ class Workers(Actor):
                 prec.heard = True
                 self.signals.replace(prec.info.namespace)  # it may wait for this pod no more
                 self.signals.mark_namespace(prec.info.namespace)
+                self.signals.holdings_changed(prec.info.namespace)
             log.info(
                 "action=read-models pod=%s/%s result=error message=%r", *prec.info.key, e.message
             )

@@ -113,6 +113,25 @@ async def test_a_deletion_waits_until_this_replica_acts(tmp_path: Path) -> None:
         assert rig.api.finalizers["a"] == []
 
 
+async def test_a_deletion_waits_for_a_ready_pod_that_has_not_answered_yet(tmp_path: Path) -> None:
+    """A Ready pod whose first /v1/models answer has not come may hold the adapter: its
+    deletion is not released until that pod answers, and then unloads it."""
+    async with Rig(tmp_path, unload_grace_s=60.0) as rig:
+        c = rig.controller
+        rig.pods.held["p1"] = {"a": planning.Card("a", SHA, 1.0, False, adapter="a")}
+        rig.pods.blocked["p1"] = asyncio.Event()
+        c.start()
+        c.pod_changed(pod("p1"))
+        rig.api.finalizers["a"] = [FINALIZER]
+        rig.delete(adapter(rig.volume, "a"))
+        await until("unpublished", lambda: ("unpublish", "a") in rig.log)
+        await asyncio.sleep(0.5)
+        assert rig.api.finalizers["a"] == [FINALIZER] and ("ns", "a") in c.adapters
+        rig.pods.blocked.pop("p1").set()
+        await until("let go", lambda: ("ns", "a") not in c.adapters)
+        assert ("unload", "p1", "a") in rig.log and rig.api.finalizers["a"] == []
+
+
 async def test_a_thousand_deletions_wait_as_records_not_tasks(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
