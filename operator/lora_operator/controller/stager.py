@@ -237,7 +237,10 @@ class Stager(Actor):
             seconds,
         )
         self.signals.wake_adapter(info.key)
-        self.signals.collect()
+        if staged.superseded:
+            # The revision it replaced may be in use by nothing now. Not after every staging:
+            # a collection scans the whole volume, and blocks stagings while it runs.
+            self.signals.collect()
         self.restage_compositions_of(info)
 
     def _downloading(self, rec: AdapterRecord, task: asyncio.Task[object] | None) -> None:

@@ -44,6 +44,9 @@ class StagedRevision:
     # reference's manifest by digest); None when nothing was fetched (a pin already held, a
     # composition) or the source names no resolution. The store sets it; publishing never does.
     resolved: str | None = None
+    # `current` pointed at another revision before: that one may be in use by nothing now (a
+    # first staging, or one of the revision already current, leaves nothing to collect).
+    superseded: bool = False
 
 
 def publish_download(
@@ -103,7 +106,7 @@ def _publish_download(
     revision = layout.revision_dir(ns_root, name, digest)
     volumefiles.build_revision(root, revision, lambda d: os.link(obj, d / layout.WEIGHTS_FILE))
     ledger.commit(namespace, reservation, volumefiles.revision_files(revision))
-    volumefiles.point(root, ns_root, name, digest, target)
+    superseded = volumefiles.point(root, ns_root, name, digest, target)
     return StagedRevision(
         namespace=namespace,
         name=name,
@@ -112,6 +115,7 @@ def _publish_download(
         path=revision,
         reused=reused,
         adapter=adapter or describe_revision(revision, name),
+        superseded=superseded,
     )
 
 
@@ -165,7 +169,7 @@ def publish_composition(
             )
         volumefiles.build_revision(root, revision, fill)
         ledger.commit(namespace, None, volumefiles.revision_files(revision))
-        volumefiles.point(root, ns_root, name, digest, target)
+        superseded = volumefiles.point(root, ns_root, name, digest, target)
         size = len(manifest) + sum(path.stat().st_size for path in weights.values())
     except OSError as e:
         raise sinks.disk_error(e) from e
@@ -177,6 +181,7 @@ def publish_composition(
         path=revision,
         reused=reused,
         adapter=describe_revision(revision, name),
+        superseded=superseded,
     )
 
 

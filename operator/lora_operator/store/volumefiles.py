@@ -49,19 +49,23 @@ def build_revision(volume_root: Path, revision: Path, fill: Callable[[Path], Non
 
 def point(
     volume_root: Path, ns_root: Path, name: str, digest: str, target: targeting.Target | None
-) -> None:
-    """Publish `target`, then point `current` at the revision `digest`."""
+) -> bool:
+    """Publish `target`, then point `current` at the revision `digest`; whether `current`
+    pointed at another revision before (`point_current`)."""
     if target is not None:
         # Before `current`: a pod that sees the adapter also sees which pods it is for.
         write_target(volume_root, ns_root, name, target)
-    point_current(volume_root, ns_root, name, digest)
+    return point_current(volume_root, ns_root, name, digest)
 
 
-def point_current(volume_root: Path, ns_root: Path, name: str, digest: str) -> None:
+def point_current(volume_root: Path, ns_root: Path, name: str, digest: str) -> bool:
+    """Point `current` at the revision `digest`; whether it pointed at another one before
+    (that one may be in use by nothing now)."""
     link = layout.current_link(ns_root, name)
     target = f"{layout.REVISIONS}/{digest}"
-    if link.is_symlink() and os.readlink(link) == target:
-        return
+    before = os.readlink(link) if link.is_symlink() else None
+    if before == target:
+        return False
     # Built in .tmp/ and renamed across directories (same volume), so a kill between the two
     # steps leaves nothing in the adapter's directory.
     tmp_link = layout.tmp_dir(volume_root) / f"current-{os.urandom(8).hex()}"
@@ -71,6 +75,7 @@ def point_current(volume_root: Path, ns_root: Path, name: str, digest: str) -> N
     finally:
         tmp_link.unlink(missing_ok=True)
     fsync_dir(link.parent)
+    return before is not None
 
 
 def write_target(volume_root: Path, ns_root: Path, name: str, target: targeting.Target) -> bool:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import datetime
+import hashlib
 import os
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,7 @@ from lora_operator.edges.podclient import PodError
 from lora_operator.rules import consent, errors
 from lora_operator.rules.model import adapter_info
 from lora_operator.rules.status import summarise
-from lora_operator.store import publishing
+from lora_operator.store import publishing, volumefiles
 from lora_volume import layout, targeting
 
 from tests.support.controller import (
@@ -38,6 +39,7 @@ from tests.support.controller import (
     pod,
     start_with_adapters,
 )
+from tests.support.loras import lora_bytes
 from tests.support.polling import until
 
 
@@ -61,6 +63,35 @@ async def test_apply_loads_every_pod_with_one_status_write_and_one_event(tmp_pat
         notes = {note for obj, _, _, note in rig.api.events}
         assert all(n.startswith("Loaded on 3/3 pods (revision ") for n in notes)
         assert sorted(rig.log) == sorted(("load", p, n) for p in ("p1", "p2", "p3") for n in names)
+
+
+async def test_a_collection_follows_a_staging_only_when_it_replaced_a_revision(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A collection scans the whole volume and holds every staging back while it runs: a burst
+    # of new adapters asks for none (their stagings replace nothing), a changed one does.
+    async with Rig(tmp_path) as rig:
+        c = rig.controller
+        c.start()
+        c.pod_changed(pod("p1"))
+        await until("p1 reported", lambda: c.cache.all_reported())
+        asked: list[str] = []
+        monkeypatch.setattr(c.collector, "collect", lambda: asked.append("collect"))
+        names = [f"a{i}" for i in range(20)]
+        for i, name in enumerate(names):
+            c.adapter_changed(adapter(rig.volume, name, seed=i))
+        await until("every adapter Ready", lambda: all(rig.ready(n) for n in names))
+        assert asked == []
+        body = adapter(rig.volume, "a0")
+        src = Path(body["spec"]["source"]["uri"])
+        src.write_bytes(lora_bytes(99))
+        body["metadata"]["generation"] = 2  # a changed spec stages it again
+        c.adapter_changed(body)
+        await until("a0 staged again", lambda: "collect" in asked)
+        assert (
+            volumefiles.current_revision(rig.volume, NS, "a0")
+            == hashlib.sha256(lora_bytes(99)).hexdigest()
+        )
 
 
 async def test_a_burst_of_adapters_costs_each_pod_few_reads(tmp_path: Path) -> None:

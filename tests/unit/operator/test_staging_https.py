@@ -198,6 +198,10 @@ async def test_update_moves_current_and_keeps_the_old_revision(
     assert layout.resolve_on_root(ns_root, "x") == second.path
     assert (first.path / layout.WEIGHTS_FILE).read_bytes() == old  # untouched under its pods
     assert volumefiles.current_revision(tmp_path, NS, "x") == sha(new)
+    # Only the second left a revision that may be unused (the stager collects after it alone).
+    assert (first.superseded, second.superseded) == (False, True)
+    same = await store.stage(NS, "x", sources.HttpsSource(origin.url("/new")))
+    assert (same.sha256, same.superseded) == (second.sha256, False)
 
 
 async def test_authorization_from_the_secret(origin: Origin, tmp_path: Path) -> None:
