@@ -141,17 +141,26 @@ def adapter_point(name: str) -> int:
     return _hash(name)
 
 
+@functools.lru_cache(maxsize=256)
+def _sorted_points(
+    pods: tuple[tuple[str, int], ...],
+) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """The points of pods (name, point count), sorted, and the pod owning each: kept for the
+    pod sets in use, as every batch of arriving adapters walks the same few rings again."""
+    pairs = sorted((p, pod) for pod, count in pods for p in _points(pod, count))
+    return tuple(p for p, _ in pairs), tuple(pod for _, pod in pairs)
+
+
 class _Ring:
     """The points of a set of pods, sorted, with a union-find that skips the points of pods
     found full (each point is skipped by a link to its successor, so later walks jump it)."""
 
     def __init__(self, pods: Iterable[str], counts: Mapping[str, int]) -> None:
-        pairs = sorted((p, pod) for pod in pods for p in _points(pod, counts[pod]))
-        self.keys = [p for p, _ in pairs]
-        self.owners = [pod for _, pod in pairs]
-        self.pods = len(set(self.owners))
-        self._next = list(range(len(pairs)))  # itself while alive, else a later point
-        self._alive = len(pairs)
+        points = tuple((pod, counts[pod]) for pod in pods)
+        self.keys, self.owners = _sorted_points(points)
+        self.pods = len({pod for pod, count in points if count > 0})
+        self._next = list(range(len(self.keys)))  # itself while alive, else a later point
+        self._alive = len(self.keys)
 
     def _find(self, i: int) -> int:
         root = i
