@@ -90,3 +90,10 @@ def test_the_last_line_has_the_issue_s_shape(plan: ModuleType) -> None:
     # The rows printed as each phase ends are the table's rows.
     assert table[2:] == [plan.phase_row(run, p) for p in phases]
     assert table[2].startswith("apply") and "3.61" in table[2], table[2]
+
+
+def test_the_machine_s_cpu_is_printed_by_kind_of_process(plan: ModuleType) -> None:
+    phases = [plan.Phase(name) for name in plan.PHASES]
+    run = plan.Run(layout=plan.Layout(1000, 10, 5), phases=phases)
+    run.apply_cpu_by = {"operator": 134.5, "kube-apiserver": 80.25}
+    assert plan.cpu_lines([run]) == ["K=1000 N=10: operator 134.5, kube-apiserver 80.2"]

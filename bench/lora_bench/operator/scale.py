@@ -30,7 +30,7 @@ from lora_devcluster import images
 from lora_devcluster.harness import ApiError, Harness
 
 from lora_bench import cluster as bench_cluster
-from lora_bench.operator import apiserver, pods, scaleplan
+from lora_bench.operator import apiserver, configuration, pods, scaleplan
 from lora_bench.operator.scaleplan import Layout, Phase, Run
 from tests.support import ROOT, cluster
 from tests.support.cluster import MODEL_NAME, POD_VOLUME
@@ -300,6 +300,7 @@ def measure(
 
     # apply -> every adapter on its 2 pods, and every LoRAAdapter Ready 2/2.
     clock = Clock(h, watched)
+    machine_before = configuration.cpu_by_kind()
     kubectl(h, "apply", "-f", str(manifest))
     run.apply_s = time.perf_counter() - clock.t0
     say(started, f"kubectl apply {run.apply_s:.1f} s")
@@ -309,6 +310,9 @@ def measure(
     )
     wait("every LoRAAdapter Ready", lambda: all_ready(h, k), watched, args.timeout, every)
     ready_s = time.perf_counter() - clock.t0
+    machine = configuration.cpu_by_kind()
+    machine.subtract(machine_before)
+    run.apply_cpu_by = {kind: seconds for kind, seconds in machine.most_common() if seconds > 0}
     ended(run, clock.finish(Phase("apply"), h, watched, ready_s))
     say(started, f"all Ready {ready_s:.1f} s after apply began")
 
@@ -493,4 +497,6 @@ def main(args: argparse.Namespace) -> None:
         " load calls made directly, one at a time per pod, the pods in parallel; CPU ms/load: the"
         " operator's CPU from apply to Ready per load call."
     )
+    print("\nCPU seconds from apply to Ready, by process (the whole machine):")
+    print("\n".join(scaleplan.cpu_lines(runs)))
     print(scaleplan.last_line(max(runs, key=lambda r: (r.layout.k, r.layout.n))))

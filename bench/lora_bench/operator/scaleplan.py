@@ -133,6 +133,7 @@ class Run:
     bare_s: float = 0.0  # the placed load calls made directly, all pods
     bare_unload_s: float = 0.0
     requests: Mapping[str, int] | None = None
+    apply_cpu_by: Mapping[str, float] | None = None  # every process's CPU, apply to Ready, by kind
 
     def phase(self, name: str) -> Phase:
         return next(p for p in self.phases if p.name == name)
@@ -194,6 +195,15 @@ def growth_table(runs: Sequence[Run]) -> list[str]:
             f"{sum(restart.loads.values()):14d}{outage.writes / k:17.2f}"
         )
     return lines
+
+
+def cpu_lines(runs: Sequence[Run]) -> list[str]:
+    """The machine's CPU seconds from apply to Ready by kind of process, per run."""
+    return [
+        f"K={r.layout.k} N={r.layout.n}: "
+        + ", ".join(f"{kind} {seconds:.1f}" for kind, seconds in (r.apply_cpu_by or {}).items())
+        for r in runs
+    ]
 
 
 def last_line(run: Run) -> str:
