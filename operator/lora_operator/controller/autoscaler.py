@@ -41,7 +41,10 @@ class Autoscaler(Actor):
                     self._measure(rec, rec.info.autoscale, now)
                     namespaces.add(rec.info.namespace)
             for namespace in namespaces:
-                self.signals.wake_namespace(namespace)
+                # Fresh hit counts for the next measurement: each pod read again, and planned
+                # only where its answer changed (a full pass of every pod would plan every
+                # adapter of the namespace at every interval).
+                self.signals.refresh_pods(namespace)
 
     def _measure(self, rec: AdapterRecord, spec: AutoscaleSpec, now: float) -> None:
         scaling = rec.scaling

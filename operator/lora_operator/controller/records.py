@@ -174,6 +174,10 @@ class PodRecord:
     # plans from it without reading the pod again (`Workers._held`). None after a call whose
     # outcome the report lacks (one that failed, a load answered without a card).
     read_at: float | None = field(default=None, metadata=_WORKERS)
+    # The next pass reads the pod whatever it was woken for (`Workers.refresh`: the autoscaler
+    # wants fresh hit counts), and plans only the adapters it was woken for or whose cards
+    # changed.
+    read_due: bool = field(default=False, metadata=_WORKERS)
 
 
 # An adapter's entries on the pods under one served name: its own, or its canary alias's.

@@ -48,6 +48,10 @@ class Signals(Protocol):
         """What the namespace's pods should hold of this one adapter may have changed (the pod
         workers: their next pass plans it, not the whole namespace)."""
 
+    def refresh_pods(self, namespace: str) -> None:
+        """The namespace's pods' hit counts are wanted fresh (the pod workers read each pod
+        again, and plan only what its answer changed)."""
+
     def replace(self, namespace: str) -> None:
         """An input of the namespace's placement changed (the placer)."""
 
@@ -144,6 +148,9 @@ class Hub:
 
     def wake_adapter(self, key: Key) -> None:
         self.workers.wake_adapter(key)
+
+    def refresh_pods(self, namespace: str) -> None:
+        self.workers.refresh(namespace)
 
     def replace(self, namespace: str) -> None:
         self.placer.stale(namespace)

@@ -131,6 +131,14 @@ class Workers(Actor):
                 prec.due.add(key[1])
             prec.wake.set()
 
+    def refresh(self, namespace: str) -> None:
+        """Read the namespace's pods again (the autoscaler's hit counts): the next pass of each
+        reads it, and plans what it was woken for and the adapters whose cards changed, not
+        every adapter of the namespace (an unchanged answer changes nothing)."""
+        for prec in self.cache.pods_in(namespace):
+            prec.read_due = True
+            prec.wake.set()
+
     def _start(self, prec: PodRecord) -> None:
         if self.seams.active.is_set() and prec.task is None:
             prec.task = asyncio.create_task(self._loop(prec), name=f"pod {prec.info.name}")
@@ -216,7 +224,7 @@ class Workers(Actor):
         adapters change by the operator's calls (a process restart is a pod change), and
         otherwise only when its server drops one its pipeline refused at first use, which the
         next read within `resync_s` shows; so that report is what the pod holds."""
-        if due is None or prec.report is None or prec.read_at is None:
+        if due is None or prec.report is None or prec.read_at is None or prec.read_due:
             return None
         if time.monotonic() - prec.read_at >= self.config.resync_s:
             return None
@@ -241,7 +249,7 @@ class Workers(Actor):
                 "action=read-models pod=%s/%s result=error message=%r", *prec.info.key, e.message
             )
             return None
-        prec.failures, prec.read_at = 0, read_at
+        prec.failures, prec.read_at, prec.read_due = 0, read_at, False
         return Reading(report, *self._record(prec, report, due))
 
     def _wants(

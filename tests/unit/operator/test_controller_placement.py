@@ -284,6 +284,31 @@ async def test_autoscale_widens_when_hot_and_narrows_when_cool(tmp_path: Path) -
         assert scaled[-1].endswith("-> 1")
 
 
+async def test_the_autoscaler_reads_the_pods_without_planning_every_adapter(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """At every interval the autoscaler wants fresh hit counts: each pod of the namespace is
+    read again, and a pass plans only what its answer changed, not every adapter there."""
+    async with placed_rig(tmp_path, autoscale_interval_s=0.2, resync_s=600.0) as rig:
+        c = rig.controller
+        rig.pods.max_cpu = 400  # room for every adapter
+        c.start()
+        for p in ("p1", "p2", "p3"):
+            c.pod_changed(pod(p))
+        names = [f"a{i}" for i in range(200)]
+        for i, name in enumerate(names):
+            c.adapter_changed(adapter(rig.volume, name, seed=i % 5, replicas=2))
+        hot = {"minReplicas": 1, "maxReplicas": 3}
+        c.adapter_changed(adapter(rig.volume, "hot", autoscale=hot))
+        await until("every adapter Ready", lambda: all(rig.ready(n) for n in [*names, "hot"]))
+        await asyncio.sleep(0.5)  # the passes the arrivals woke are over
+        reads = dict(rig.pods.reads)
+        planned = count_planned(monkeypatch)
+        await asyncio.sleep(1.5)  # about seven intervals
+        assert all(rig.pods.reads[p] >= reads[p] + 3 for p in reads), (reads, rig.pods.reads)
+        assert max(planned, default=0) <= 1, planned
+
+
 async def test_adapters_that_arrive_later_are_placed_alone(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
